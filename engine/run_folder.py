@@ -1,0 +1,126 @@
+"""A run is a folder. This module names its parts and reads/writes its event log.
+
+Torch-free: the app process uses it to list runs, rebuild plots and find the control socket.
+
+    <output_dir>/<run_name>/
+        config.yaml        the resolved run config
+        events.jsonl       append-only event log (one JSON object per line), the durable record
+        control.json       control socket address and token (mode 0600), written by rank 0
+        logs/              launcher.log and one log per rank (files, never an undrained pipe)
+        checkpoints/       training checkpoints; `latest` names the newest complete one
+        model/             the final model (Hugging Face format) or adapter (PEFT format)
+        tensorboard/       TensorBoard event files
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    def create(self) -> "RunFolder":
+        for d in (self.root, self.logs, self.checkpoints):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+class EventLog:
+    """Appends events to events.jsonl (rank 0 only); each line is flushed as it is written."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+        self._lock = threading.Lock()
+        self._listeners: list = []
+
+    def emit(self, event: dict[str, Any]) -> dict[str, Any]:
+        event.setdefault("time", time.time())
+        line = json.dumps(event, default=_jsonable)
+        with self._lock:
+            self._file.write(line + "\n")
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(event)
+        return event
+
+    def subscribe(self, listener) -> None:
+        """Call `listener(event)` for every event emitted from now on (the control server)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def read_events(path: Path, start_line: int = 0) -> Iterator[dict[str, Any]]:
+    """Events from line `start_line` on; a partly written last line is left for the next read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i < start_line:
+                    continue
+                if not line.endswith("\n"):
+                    return
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return
+
+
+def write_private_json(path: Path, data: dict) -> None:
+    """Write a JSON file only its owner can read (the control token), atomically."""
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)

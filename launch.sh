@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One entry point for everything:
+#   ./launch.sh                      set up on first use, then serve the web app on 127.0.0.1:7860
+#   ./launch.sh train [CONFIG.yaml] [key=value ...]   train from the terminal (no config: the default)
+#   ./launch.sh test [pytest args]   install what the tests need, then run them
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${LIVETUNE_VENV:-.venv}"
+PY="$VENV/bin/python"
+export GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+setup() {  # (re)install when the venv is missing or pyproject.toml changed since the last install
+  local extra="$1" stamp="$VENV/.installed-$1"
+  if [ -x "$PY" ] && [ "$stamp" -nt pyproject.toml ]; then return; fi
+  echo "setting up $VENV (first run takes a few minutes) ..."
+  [ -x "$PY" ] || python3 -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q "torch==2.13.0"          # the CPU build on this disk, never a CUDA download
+  "$PY" -m pip install -q -e ".[$extra]"
+  touch "$stamp"
+}
+
+cmd="${1:-app}"
+case "$cmd" in
+  test)
+    shift
+    setup test
+    # The browser tests drive Debian's Chromium; never a browser a tool downloads by itself.
+    if ! command -v chromium >/dev/null 2>&1; then
+      echo "installing chromium (Debian package) for the browser tests ..."
+      (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null
+    fi
+    exec "$PY" -m pytest "$@"
+    ;;
+  train)
+    shift
+    setup test
+    exec "$PY" -m engine.cli train "$@"
+    ;;
+  app)
+    [ $# -gt 0 ] && shift
+    setup test
+    exec "$PY" -m app "$@"
+    ;;
+  *)
+    setup test
+    exec "$PY" -m app "$@"
+    ;;
+esac
