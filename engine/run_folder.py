@@ -124,3 +124,40 @@ def write_private_json(path: Path, data: dict) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
+
+
+class EventTail:
+    """Follows a growing events.jsonl: each `poll()` returns the complete new lines since the last."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.line = Path(path), 0, 0
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind(b"\n") + 1  # leave a partly written last line for the next poll
+        events = []
+        for raw in chunk[:end].splitlines():
+            self.line += 1
+            try:
+                events.append(json.loads(raw))
+            except json.JSONDecodeError:
+                continue
+        self.offset += end
+        return events
+
+
+def tail_lines(path: Path, n: int = 20) -> list[str]:
+    """The last `n` lines of a (log) file, without reading all of a large one."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            return f.read().decode("utf-8", "replace").splitlines()[-n:]
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,95 @@
+"""Generation with the live engine's weights — the one code path chat and evaluators share.
+
+Every rank calls it with the same prompts (the control plane broadcasts them); under ZeRO-3 the
+ranks gather each layer's shards together (`synced_gpus`), so all of them must keep stepping
+until every rank is done. Dropout is off, train mode and every RNG are restored afterwards, so a
+generation leaves the training trajectory exactly as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from engine.rng import preserved_rng
+
+
+class CallbackStreamer(BaseStreamer):
+    """Decodes new tokens as they come and hands the new text to `on_text` (rank 0 streams it)."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None], prompt_len: int):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.prompt_len, self.seen, self.ids, self.first = prompt_len, 0, [], True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.first:  # generate() first hands over the prompt itself
+            self.first = False
+            return
+        self.ids.extend(value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if len(text) > self.seen and not text.endswith("\ufffd"):  # wait for whole characters
+            self.on_text(text[self.seen:])
+            self.seen = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if len(text) > self.seen:
+            self.on_text(text[self.seen:])
+            self.seen = len(text)
+
+
+def encode_prompts(tokenizer, prompts: list[str], device) -> dict[str, torch.Tensor]:
+    """Left-padded prompts (generation continues at the right edge of every row)."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+    return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+
+
+def generate(trainer, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
+             stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
+             use_base: bool = False) -> list[str]:
+    """Generate a completion of each prompt with the engine's current weights (collective).
+
+    `use_base` answers with the PEFT adapter disabled: the base model, at no extra memory.
+    """
+    engine, tok = trainer.engine, trainer.tokenizer
+    model = engine.module
+    inputs = encode_prompts(tok, prompts, engine.device)
+    sample = temperature > 0
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id, repetition_penalty=repetition_penalty,
+                  synced_gpus=trainer.config.parallel.zero_stage == 3 and trainer.env.world_size > 1)
+    if sample:
+        kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
+    if stop:
+        kwargs.update(stop_strings=stop, tokenizer=tok)
+    if on_text is not None:
+        kwargs["streamer"] = CallbackStreamer(tok, on_text, inputs["input_ids"].shape[1])
+    adapter_off = model.disable_adapter() if use_base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
+    was_training = model.training
+    with preserved_rng(), torch.no_grad(), adapter_off:
+        torch.manual_seed(seed)
+        model.eval()
+        try:
+            out = model.generate(**inputs, **kwargs)
+        finally:
+            model.train(was_training)
+    new = out[:, inputs["input_ids"].shape[1]:]
+    texts = tok.batch_decode(new, skip_special_tokens=True)
+    return [_cut_at_stop(t, stop) for t in texts]
+
+
+def _cut_at_stop(text: str, stop: list[str] | None) -> str:
+    for s in stop or []:
+        i = text.find(s)
+        if i >= 0:
+            text = text[:i]
+    return text

@@ -1,0 +1,82 @@
+"""Build the tokenizer and the model of a run from a local Hugging Face folder.
+
+The embedded default is such a folder too (config + tokenizer, no weights), so the path that
+loads a user's real model is the one every test runs. A folder without weights is built from its
+config with the run's seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ModelFolderError(ValueError):
+    pass
+
+
+def has_weights(folder: Path) -> bool:
+    return any((Path(folder) / name).exists() for name in WEIGHT_FILES)
+
+
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer, with a pad token (eos when the folder defines none)."""
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise ModelFolderError(f"model.tokenizer: cannot load a tokenizer from {folder}: {e}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def hidden_size(folder: str | Path) -> int | None:
+    config = AutoConfig.from_pretrained(str(folder))
+    text = getattr(config, "text_config", None) or config
+    return getattr(text, "hidden_size", None) or getattr(text, "d_model", None)
+
+
+def build_model(folder: str | Path, *, seed: int, precision: str, attn_implementation: str = "sdpa",
+                gradient_checkpointing: bool = False, init_context=contextlib.nullcontext,
+                trust_remote_code: bool = False) -> torch.nn.Module:
+    """Load (or, without weights, initialise) a causal LM.
+
+    `init_context` is the ZeRO-3 construction context from the DeepSpeed layer, so the model is
+    partitioned while it is built and no rank ever holds all of it.
+    """
+    folder = Path(folder)
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelFolderError(f"model.path: {folder} is not a Hugging Face model folder: {e}") from None
+    torch.manual_seed(seed)
+    with init_context():
+        if has_weights(folder):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=DTYPES[precision], attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameters; under ZeRO-3 the full (not partitioned) sizes."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable

@@ -1,0 +1,58 @@
+"""Step strategies: how one optimizer step is carried out, chosen once from the config.
+
+A strategy is called with the trainer and the micro-batches of one optimizer step and returns
+(mean loss over the micro-batches as a float tensor, real tokens trained on this rank).
+The fused LOMO / AdaLomo step and the pipeline step plug in here as further strategies.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from engine.config import RunConfig
+
+
+class StepStrategy(Protocol):
+    def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]: ...
+
+
+def count_tokens(batch: dict) -> int:
+    """Real tokens of a batch: padding does not count (packed rows carry no padding mask)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    if "position_ids" in batch and "labels" in batch:  # packed: padding is labelled -100 at the tail
+        return int((batch["labels"] != -100).sum()) + int(batch["labels"].shape[0])
+    return int(batch["input_ids"].numel())
+
+
+class EngineStep:
+    """The DeepSpeed engine's own forward / backward / step; it accumulates across micro-batches
+    and steps the optimizer and the scheduler at the accumulation boundary."""
+
+    def __call__(self, trainer, micro_batches):
+        losses, tokens = [], 0
+        for batch in micro_batches:
+            loss = trainer.compute_loss(batch)
+            trainer.engine.backward(loss)
+            trainer.engine.step()
+            losses.append(loss.detach().float())
+            tokens += count_tokens(batch)
+        return torch.stack(losses).mean(), tokens
+
+
+# Strategies registered by the method and parallel layers: (predicate on config, factory).
+_STRATEGIES: list[tuple[Callable[[RunConfig], bool], Callable[[RunConfig], StepStrategy]]] = []
+
+
+def register_strategy(applies: Callable[[RunConfig], bool], factory: Callable[[RunConfig], StepStrategy]) -> None:
+    """Make a step strategy available; the first whose predicate holds for a config wins."""
+    _STRATEGIES.append((applies, factory))
+
+
+def choose_strategy(cfg: RunConfig) -> StepStrategy:
+    for applies, factory in _STRATEGIES:
+        if applies(cfg):
+            return factory(cfg)
+    return EngineStep()
