@@ -1,0 +1,90 @@
+"""The run config: YAML + overrides, strict checking with every problem named, the form schema."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from engine.config import ConfigError, RunConfig, load_config, schema
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"train": {"micro_batch_size": 4, "seed": 7},
+                                    "optim": {"lr": "3e-4"}}))
+    cfg = load_config(path, ["max_steps=40", "nproc=2", "zero_stage=3", "optim.betas=[0.9, 0.95]",
+                             "eval.evaluators=perplexity,exact_match"])
+    assert cfg.train.micro_batch_size == 4 and cfg.train.seed == 7
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert (cfg.train.max_steps, cfg.parallel.nproc, cfg.parallel.zero_stage) == (40, 2, 3)
+    assert cfg.optim.betas == [0.9, 0.95]
+    assert cfg.eval.evaluators == ["perplexity", "exact_match"]
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(overrides=["lr=0.01", "method=lora", "method.lora_r=4"])
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg
+
+
+def test_every_problem_is_named_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["train.foo=1", "optim.lr=fast", "parallel.zero_stage=7",
+                               "nproc=3", "tp=2", "method=lomo", "train.grad_accum=2",
+                               "precision=fp8", "bogus"])
+    keys = [key for key, _ in err.value.problems]
+    for key in ("train.foo", "optim.lr", "parallel.zero_stage", "parallel.nproc",
+                "train.grad_accum", "train.precision", "bogus"):
+        assert key in keys, (key, keys)
+    text = str(err.value)
+    assert "unknown key" in text and "expected a number" in text and "at most 3" in text
+    assert "'bf16'" in text  # the allowed values are listed
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["pp=2", "nproc=2", "method=lomo"], "method.name", "pipeline"),
+    (["tp=2", "nproc=2", "zero_stage=3"], "parallel.tp_size", "ZeRO"),
+    (["pp=2", "nproc=2", "zero_stage=2"], "parallel.pp_size", "ZeRO 0 and 1"),
+    (["parallel.offload_param=true", "zero_stage=2"], "parallel.offload_param", "zero_stage 3"),
+    (["nproc=4", "tp=2", "parallel.dp_size=3"], "parallel.dp_size", "world size"),
+    (["data.train=/no/such.jsonl"], "data.train", "no such file"),
+    (["model.path=/no/such/folder"], "model.path", "no such folder"),
+    (["max_steps=0", "epochs=0"], "train.max_steps", "above 0"),
+    (["eval.evaluators=[bleu9]"], "eval.evaluators", "unknown evaluator"),
+    (["control.host=0.0.0.0"], "control.host", "hostfile"),
+])
+def test_impossible_combinations(overrides, key, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=overrides)
+    messages = dict(err.value.problems)
+    assert key in messages and words in messages[key], messages
+
+
+def test_eval_schedule_needs_eval_data(tmp_path):
+    train = tmp_path / "t.jsonl"
+    train.write_text('{"text": "hello"}\n')
+    with pytest.raises(ConfigError, match="eval.every_n_steps"):
+        load_config(overrides=[f"data.train={train}", "eval.every_n_steps=5"])
+    load_config(overrides=[f"data.train={train}", f"data.eval={train}", "eval.every_n_steps=5"])
+
+
+def test_schema_covers_every_field_with_help():
+    entries = {e["key"]: e for e in schema()}
+    assert entries["train.precision"]["choices"] == ["auto", "bf16", "fp16", "fp32"]
+    assert entries["parallel.zero_stage"]["maximum"] == 3
+    assert all(e["help"] for e in entries.values())
+    flat = set()
+    for section, value in RunConfig().to_dict().items():
+        if isinstance(value, dict) and section != "resume":
+            flat |= {f"{section}.{k}" for k in value}
+        else:
+            flat.add(section)
+    assert flat == set(entries)
+
+
+def test_config_layer_does_not_import_torch():
+    code = "import engine.config, engine.run_folder, engine.protocol, engine.launch, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
