@@ -1,0 +1,313 @@
+"""The one Python client of a running run: every front end (Gradio, notebook, scripts) uses it.
+
+    client = RunClient.connect("runs/my-run")
+    for piece in client.generate("reverse: hello\\n", max_new_tokens=16):
+        print(piece, end="")                   # streamed as the live weights produce it
+    client.pause(); client.set(lr=1e-4); client.resume()
+    for event in client.events(from_line=0):  # history from events.jsonl, then the live stream
+        ...
+
+It speaks engine.protocol (newline-delimited JSON, the run's token from control.json) over one
+connection for commands and one per `events()` stream. A lost connection is reopened on the next
+call; an events stream resumes at the line after the last one it yielded, so a reconnect loses
+no event and repeats none. When the run has ended, `events()` yields the rest of events.jsonl
+and stops. Torch-free, like the rest of app/.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from engine.protocol import encode
+from engine.run_folder import RunFolder, read_events
+
+TERMINAL_STATES = ("finished", "failed")
+
+
+class CommandError(RuntimeError):
+    """The run refused a command or it failed; nothing was changed by it."""
+
+
+class RunGone(ConnectionError):
+    """The run's control server is not there (the run ended, or never started)."""
+
+
+class Chunk(str):
+    """A piece of streamed text; `model` is "current" (the weights being trained) or "base"
+    (the same request answered with the PEFT adapter disabled)."""
+
+    model: str
+
+    def __new__(cls, text: str, model: str = "current") -> "Chunk":
+        chunk = super().__new__(cls, text)
+        chunk.model = model
+        return chunk
+
+
+class Generation:
+    """A streamed answer: iterate for its chunks; afterwards `result` holds the run's reply
+    (`text`, `step` the training step it was answered at, `base` with compare_base)."""
+
+    def __init__(self, answers: "queue.Queue[dict]", timeout: float | None):
+        self._answers, self._timeout = answers, timeout
+        self.result: dict | None = None
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while self.result is None:
+            message = _next_answer(self._answers, self._timeout)
+            kind = message["type"]
+            if kind == "token":
+                yield Chunk(message["text"], message.get("model", "current"))
+            elif kind == "done":
+                self.result = message["result"]
+            elif kind == "error":
+                raise CommandError(message["message"])
+
+    def wait(self) -> dict:
+        for _ in self:
+            pass
+        return self.result
+
+    @property
+    def text(self) -> str:
+        return self.wait()["text"]
+
+    @property
+    def base_text(self) -> str | None:
+        return self.wait().get("base")
+
+    @property
+    def step(self) -> int:
+        return self.wait()["step"]
+
+
+def _next_answer(answers: "queue.Queue[dict]", timeout: float | None) -> dict:
+    try:
+        return answers.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError(f"no answer from the run within {timeout} s") from None
+
+
+class RunClient:
+    """Drive one run. Thread-safe: several threads may send commands at the same time."""
+
+    def __init__(self, run_dir: str | Path, connect_timeout: float = 60.0):
+        self.folder = RunFolder(Path(run_dir))
+        self.connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[socket.socket, queue.Queue]] = {}
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    @classmethod
+    def connect(cls, run_dir: str | Path, timeout: float = 60.0) -> "RunClient":
+        """Connect to the run in `run_dir`, waiting up to `timeout` s for its server to start."""
+        client = cls(run_dir, connect_timeout=timeout)
+        with client._lock:
+            client._ensure_connected()
+        return client
+
+    # -- commands ----------------------------------------------------------------------------------
+    def command(self, cmd: str, timeout: float | None = None, **args: Any) -> dict:
+        """Send a command and wait for its result (it takes effect at the next step boundary)."""
+        answers = self._request(cmd, args)
+        while True:
+            message = _next_answer(answers, timeout)
+            if message["type"] == "done":
+                return message["result"]
+            if message["type"] == "error":
+                raise CommandError(message["message"])
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 timeout: float | None = None, **params: Any) -> Generation:
+        """Stream an answer of the live weights to `prompt` or to chat `messages` (the model's
+        chat template); params: max_new_tokens, temperature, top_p, top_k, repetition_penalty,
+        stop, seed, compare_base."""
+        args = dict(params)
+        if prompt is not None:
+            args["prompt"] = prompt
+        if messages is not None:
+            args["messages"] = messages
+        return Generation(self._request("generate", args), timeout)
+
+    def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> str:
+        """The whole answer at once."""
+        return self.generate(prompt, messages=messages, **params).text
+
+    def pause(self) -> dict:
+        return self.command("pause")
+
+    def resume(self) -> dict:
+        return self.command("resume")
+
+    def stop(self, save: bool = True) -> dict:
+        """Stop at the next boundary; `save`: a checkpoint now and the final model at the end."""
+        return self.command("stop", save=save)
+
+    def save(self) -> dict:
+        return self.command("save")
+
+    def evaluate(self) -> dict:
+        return self.command("evaluate")
+
+    def set(self, **changes: Any) -> dict:
+        """Live settings: lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps,
+        generation (a dict of generation defaults)."""
+        return self.command("set", **changes)
+
+    def status(self, ranks: bool = False) -> dict:
+        """Step, epoch, state, last metrics, queue length and memory (rank 0's at once; with
+        `ranks`, every rank's, gathered at the next boundary)."""
+        return self.command("status", **({"ranks": True} if ranks else {}))
+
+    # -- events -------------------------------------------------------------------------------------
+    def events(self, from_line: int = 0, follow: bool = True,
+               reconnect_timeout: float = 30.0) -> Iterator[dict]:
+        """Every event from line `from_line` of events.jsonl on, each with its `line` number;
+        with `follow`, then the live stream until the run ends."""
+        next_line = from_line
+        while follow:
+            try:
+                sock = self._open(reconnect_timeout)
+            except RunGone:
+                break
+            try:
+                sock.sendall(encode(self._message("subscribe", {"from_line": next_line})))
+                for message in _lines(sock):
+                    if message.get("type") == "event" and message["line"] >= next_line:
+                        next_line = message["line"] + 1
+                        yield {**message["event"], "line": message["line"]}
+                    elif message.get("type") == "error":
+                        raise CommandError(message["message"])
+            except OSError:
+                pass  # reconnect and go on from next_line
+            finally:
+                sock.close()
+        for n, event in enumerate(read_events(self.folder.events, next_line), start=next_line):
+            yield {**event, "line": n}
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def _message(self, cmd: str, args: dict) -> dict:
+        return {"token": self._address()["token"], "id": f"{self._prefix}-{next(self._ids)}",
+                "cmd": cmd, "args": args}
+
+    def _request(self, cmd: str, args: dict) -> "queue.Queue[dict]":
+        answers: queue.Queue[dict] = queue.Queue()
+        with self._lock:
+            self._ensure_connected()
+            message = self._message(cmd, args)
+            try:
+                self._waiting[message["id"]] = (self._sock, answers)
+                self._sock.sendall(encode(message))
+            except OSError:  # the run went away since the last call: one fresh try
+                self._drop_connection()
+                self._ensure_connected()
+                message["token"] = self._address()["token"]
+                self._waiting[message["id"]] = (self._sock, answers)
+                self._sock.sendall(encode(message))
+        return answers
+
+    def _ensure_connected(self) -> None:
+        if self._sock is None:
+            self._sock = self._open(self.connect_timeout)
+            threading.Thread(target=self._read_loop, args=(self._sock,), name="run-client-reader",
+                             daemon=True).start()
+
+    def _drop_connection(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        """Route each answer to the queue of the request it belongs to."""
+        try:
+            for message in _lines(sock):
+                with self._lock:
+                    sent_on, answers = self._waiting.get(message.get("id"), (None, None))
+                    if message.get("type") in ("done", "error"):
+                        self._waiting.pop(message.get("id"), None)
+                if answers is not None:
+                    answers.put(message)
+        except (OSError, ValueError):
+            pass
+        with self._lock:  # every request sent on this connection learns its answer will not come
+            if self._sock is sock:
+                self._sock = None
+            lost = [k for k, (s, _) in self._waiting.items() if s is sock]
+            lost = [self._waiting.pop(k)[1] for k in lost]
+        for answers in lost:
+            answers.put({"type": "error", "message": "the connection to the run was lost before the answer came"})
+
+    def _address(self) -> dict:
+        try:
+            return json.loads(self.folder.control.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            raise RunGone(f"no control server for {self.folder.root} ({self._run_state()})") from None
+
+    def _open(self, timeout: float) -> socket.socket:
+        """A new connection to the run's server, retrying until `timeout` while it may come."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                address = self._address()
+                if not _alive(address.get("pid")):
+                    raise RunGone(f"the run's process {address.get('pid')} has exited ({self._run_state()})")
+                return socket.create_connection((address["host"], address["port"]), timeout=10.0)
+            except (RunGone, OSError) as e:
+                if time.monotonic() >= deadline or self._run_state() in TERMINAL_STATES:
+                    raise RunGone(str(e)) from None
+                time.sleep(0.2)
+
+    def _run_state(self) -> str:
+        state = "not started"
+        for event in read_events(self.folder.events):
+            if event.get("type") == "state":
+                state = event.get("state", state)
+        return state
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_connection()
+
+    def __enter__(self) -> "RunClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _lines(sock: socket.socket) -> Iterator[dict]:
+    """The JSON messages arriving on `sock`, until the server ends the connection."""
+    sock.settimeout(None)
+    reader = sock.makefile("rb")
+    try:
+        for raw in reader:
+            if raw.strip():
+                yield json.loads(raw)
+    finally:
+        reader.close()
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

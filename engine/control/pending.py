@@ -1,0 +1,117 @@
+"""Requests waiting for the next step boundary, and the replies that go back to their senders.
+
+Torch-free and thread-safe: the server's connection threads put requests in, the training
+thread takes them all out at a boundary. A request is never dropped: it is either executed or,
+when the run can no longer execute it, answered with an error that says why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+Sink = Callable[[dict], None]
+
+
+class Reply:
+    """The way back to one request's sender. Sending never raises: a client that went away must
+    not make one rank fail a collective command that the others complete."""
+
+    def __init__(self, req_id: str, sink: Sink | None):
+        self.id, self._sink, self.finished = req_id, sink, False
+
+    def send(self, message: dict) -> None:
+        if self._sink is None:
+            return
+        try:
+            self._sink({**message, "id": self.id})
+        except Exception:  # noqa: BLE001 - the sender is gone; the command still completes
+            self._sink = None
+
+    def ack(self, queued: int) -> None:
+        self.send({"type": "ack", "queued": queued})
+
+    def token(self, text: str, model: str = "current") -> None:
+        self.send({"type": "token", "text": text, "model": model})
+
+    def done(self, result: dict) -> None:
+        self.finished = True
+        self.send({"type": "done", "result": result})
+
+    def error(self, message: str) -> None:
+        self.finished = True
+        self.send({"type": "error", "message": message})
+
+
+NO_REPLY = Reply("", None)  # the other ranks execute commands but answer nobody
+
+
+@dataclass
+class Pending:
+    seq: int
+    id: str
+    cmd: str
+    args: dict
+    reply: Reply = field(repr=False)
+
+    def wire(self) -> dict[str, Any]:
+        """What is broadcast to the other ranks (JSON: plain values only)."""
+        return {"seq": self.seq, "id": self.id, "cmd": self.cmd, "args": self.args}
+
+
+class QueueClosed(RuntimeError):
+    pass
+
+
+class CommandQueue:
+    """FIFO of pending commands; `wait` lets a paused rank 0 sleep until one arrives."""
+
+    def __init__(self) -> None:
+        self._items: deque[Pending] = deque()
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._closed: str | None = None
+
+    def put(self, req_id: str, cmd: str, args: dict, reply: Reply) -> Pending:
+        """Queue a command and acknowledge it (under the lock, so acks count in order)."""
+        with self._cond:
+            if self._closed is not None:
+                raise QueueClosed(self._closed)
+            item = Pending(next(self._seq), req_id, cmd, args, reply)
+            self._items.append(item)
+            reply.ack(len(self._items))
+            self._cond.notify_all()
+        return item
+
+    def drain(self) -> list[Pending]:
+        with self._cond:
+            items = list(self._items)
+            self._items.clear()
+        return items
+
+    def wait(self, timeout: float) -> None:
+        """Return when a command is queued, or after `timeout` seconds."""
+        with self._cond:
+            if not self._items:
+                self._cond.wait(timeout)
+
+    def close(self, reason: str) -> None:
+        """Refuse new commands from now on with `reason`; queued ones stay for a last drain."""
+        with self._cond:
+            self._closed = reason
+            self._cond.notify_all()
+
+    def reopen(self) -> None:
+        with self._cond:
+            self._closed = None
+
+    @property
+    def closed(self) -> str | None:
+        return self._closed
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)

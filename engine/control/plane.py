@@ -1,0 +1,162 @@
+"""The control plane of one run: server (rank 0), boundary exchange and handlers (every rank).
+
+`Control.at_boundary()` is called by every rank between optimizer steps. It takes the batch of
+queued commands from rank 0, executes them in order, and while the run is paused keeps
+exchanging (an empty batch at least every HEARTBEAT_S seconds), so the waiting ranks sit in a
+broadcast that completes long before any gloo / nccl timeout, and resume the moment rank 0 does.
+
+At the end of training the queue is drained once more, so chats sent during the last step are
+answered; a pause that arrives then holds the finished weights in memory for chat until resumed
+or stopped. After that the run accepts no more commands: each gets an error saying training has
+ended (status and subscribe still answer until the process exits), so nothing queued is met by
+silence.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from engine.control import handlers
+from engine.control.boundary import Boundary
+from engine.control.handlers import CommandRefused, HANDLERS
+from engine.control.pending import CommandQueue, Pending
+from engine.control.server import ControlServer
+
+HEARTBEAT_S = 5.0  # while paused: the longest the other ranks wait in one broadcast
+
+
+class Control:
+    def __init__(self, trainer, chat_page: bool = False):
+        self.trainer = trainer
+        env = trainer.env
+        self.rank, self.world_size = env.rank, env.world_size
+        self.commands = CommandQueue() if self.rank == 0 else None
+        self.boundary = Boundary(self.rank, self.world_size, env.device, self.commands)
+        # the live settings `set` changed: recorded in every checkpoint, re-applied on resume
+        self.settings: dict[str, Any] = {"lr_scale": 1.0, "generation": {}}
+        trainer.live_settings = self.settings
+        self.ended = False
+        self.state, self.last_train, self.last_eval = "starting", None, None
+        self.server: ControlServer | None = None
+        self.page = None
+        if self.rank == 0:
+            cfg = trainer.config.control
+            self.server = ControlServer(trainer.folder, self.commands, self.status_snapshot,
+                                        host=cfg.host, port=cfg.port, on_queued=self._on_queued)
+            if trainer.events is not None:
+                trainer.events.subscribe(self._on_event)
+            self.server.start()
+            if chat_page:
+                from engine.control.chat_page import ChatPage
+                self.page = ChatPage(self.server, host=cfg.host).start()
+                trainer.emit({"type": "chat_page", "url": self.page.url})
+                print(f"chat with the model being trained: {self.page.url}", flush=True)
+
+    # -- the boundary ------------------------------------------------------------------------------
+    def at_boundary(self) -> None:
+        """Execute what was queued; hold here while paused (collective: every rank calls it)."""
+        self._execute(self.boundary.exchange())
+        while self.trainer.paused and not self.trainer.should_stop:
+            self._execute(self.boundary.exchange(wait_s=HEARTBEAT_S))
+
+    def end_of_training(self) -> None:
+        """The last boundary: answer everything queued, then refuse what comes later."""
+        self.at_boundary()
+        self.ended = True
+        if self.commands is not None:
+            self.commands.close(f"training has ended (step {self.trainer.state.global_step}); the run "
+                                "takes no more commands")
+        self.at_boundary()  # what arrived between the two: executed, not dropped
+
+    def _execute(self, items: list[Pending]) -> None:
+        for item in items:
+            started = time.perf_counter()
+            try:
+                result = HANDLERS[item.cmd](self, item.args, item.reply)
+            except CommandRefused as e:
+                self._answer_error(item, str(e))
+            except Exception as e:  # noqa: BLE001 - a failed command is answered; training goes on
+                self._answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
+            else:
+                item.reply.done(result)
+                self._record(item, "done", result=result, seconds=round(time.perf_counter() - started, 4))
+
+    def _answer_error(self, item: Pending, message: str) -> None:
+        item.reply.error(message)
+        self._record(item, "failed", error=message)
+
+    # -- events and status -------------------------------------------------------------------------
+    def emit_state(self, state: str) -> None:
+        self.trainer.emit({"type": "state", "state": state, "step": self.trainer.state.global_step})
+
+    def _record(self, item: Pending, status: str, **fields: Any) -> None:
+        if item.cmd == "status" or self.trainer.events is None:  # reads change nothing
+            return
+        self.trainer.emit({"type": "command", "id": item.id, "cmd": item.cmd, "status": status,
+                           "step": self.trainer.state.global_step, **fields})
+
+    def _on_queued(self, item: Pending) -> None:
+        if item.cmd != "status":
+            self.trainer.emit({"type": "command", "id": item.id, "cmd": item.cmd, "status": "queued",
+                               "args": item.args, "step": self.trainer.state.global_step})
+
+    def _on_event(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind == "state":
+            self.state = event.get("state", self.state)
+        elif kind == "train":
+            self.last_train = event
+        elif kind == "eval":
+            self.last_eval = event
+        if self.server is not None:
+            self.server.notify(event)
+
+    def status_snapshot(self) -> dict:
+        """The run as rank 0 sees it now (read from the server thread: plain values only)."""
+        t = self.trainer
+        return {"step": t.state.global_step, "epoch": t.state.epoch, "total_steps": t.state.total_steps,
+                "state": self.state, "paused": t.paused, "queue": len(self.commands or ()),
+                "accepting": self.commands.closed is None if self.commands is not None else False,
+                "last_train": self.last_train, "last_eval": self.last_eval,
+                "settings": handlers.current_settings(self), "world_size": self.world_size,
+                "memory_mb": {"0": handlers.memory_mb()}, "memory_of": "rank 0 only (ranks=true: every rank)"}
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_checkpoint(self) -> str:
+        """A training checkpoint of the present step (collective), in the run's checkpoints/."""
+        path = self.trainer.folder.checkpoints / f"step-{self.trainer.state.global_step}"
+        self.trainer.save_checkpoint(str(path))
+        return str(path)
+
+    def state_dict(self) -> dict:
+        return {"settings": _copy(self.settings)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.settings.clear()
+        self.settings.update({"lr_scale": 1.0, "generation": {}, **_copy(state.get("settings", {}))})
+        handlers.apply_settings(self)
+
+    # -- the end -------------------------------------------------------------------------------------
+    def close(self, reason: str | None = None) -> None:
+        """Answer whatever is still queued with an error, end every connection (every rank calls
+        it; only rank 0 has anything to close)."""
+        if self.commands is None:
+            return
+        reason = reason or f"the run has ended ({self.state}); the command was not executed"
+        self.commands.close(reason)
+        for item in self.commands.drain():
+            self._answer_error(item, reason)
+        if self.page is not None:
+            self.page.close()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
