@@ -1,0 +1,143 @@
+"""`build_dataset`: rows -> checked, tokenized, length-limited samples plus a report of it all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from torch.utils.data import Dataset
+
+from engine.data.formats import CHECKS, ENCODERS, FORMAT_KEYS, FORMATS, IGNORE, RowIssue, detect_format
+from engine.data.loading import NumberedRows, UnreadableRow, read_rows
+from engine.data.report import MAX_EXAMPLES, DataError, DataReport
+
+OVERLONG = ("truncate", "drop", "error")
+CHUNK = 1024  # rows tokenized per batched tokenizer call
+
+
+class TokenizedDataset(Dataset):
+    """Samples {"input_ids": list[int], "labels": list[int]}; `lengths` for length-aware batching;
+    `rows` the 1-based source row of each sample."""
+
+    def __init__(self, samples: list[dict], rows: list[int] | None = None):
+        self.samples = samples
+        self.lengths = [len(s["input_ids"]) for s in samples]
+        self.rows = rows if rows is not None else list(range(1, len(samples) + 1))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.samples[index]
+
+
+def build_dataset(source: str | Path | Iterable[dict], tokenizer, format: str = "auto",
+                  max_length: int = 512, overlong: str = "truncate") -> tuple[TokenizedDataset, DataReport]:
+    """Read `source` (a path or a list of dict rows), check and tokenize every row.
+
+    Bad rows are dropped and reported with their row number; samples longer than `max_length`
+    are truncated, dropped or refused (`overlong`), and counted either way. Raises
+    :class:`DataError` when the source cannot be read, mixes formats under "auto", has an
+    overlong row under overlong="error", or leaves no usable row.
+    """
+    _check_arguments(format, max_length, overlong)
+    name, rows = read_rows(source)
+    if not rows:
+        raise DataError(f"data: {name} has no rows")
+    report = DataReport(name, max_length=max_length, rows_read=len(rows))
+    report.format = format if format != "auto" else detect_rows_format(name, rows)
+    samples, kept_rows, overlong_rows = [], [], []
+    for start in range(0, len(rows), CHUNK):
+        for number, result in _encode_chunk(rows[start:start + CHUNK], report.format, tokenizer):
+            if isinstance(result, RowIssue):
+                report.drop(number, result.reason, result.detail)
+                continue
+            sample = _limit(number, *result, max_length, overlong, report, overlong_rows)
+            if sample is not None:
+                samples.append(sample)
+                kept_rows.append(number)
+    if overlong_rows:
+        shown = ", ".join(map(str, overlong_rows[:MAX_EXAMPLES]))
+        raise DataError(f"data: {len(overlong_rows)} rows of {name} are longer than max_length="
+                        f"{max_length} tokens (rows {shown}{', ...' if len(overlong_rows) > MAX_EXAMPLES else ''})"
+                        "; raise data.max_length or set data.overlong to 'truncate' or 'drop'")
+    report.rows_kept = len(samples)
+    if not samples:
+        raise DataError(f"data: no usable row in {name} (format {report.format}).\n{report.summary()}")
+    return TokenizedDataset(samples, kept_rows), report
+
+
+def _check_arguments(format: str, max_length: int, overlong: str) -> None:
+    if format not in ("auto", *FORMATS):
+        raise DataError(f"data.format must be one of {('auto', *FORMATS)}, not {format!r}")
+    if overlong not in OVERLONG:
+        raise DataError(f"data.overlong must be one of {OVERLONG}, not {overlong!r}")
+    if not isinstance(max_length, int) or max_length < 2:
+        raise DataError(f"data.max_length must be an integer >= 2, not {max_length!r}")
+
+
+def detect_rows_format(name: str, rows: NumberedRows) -> str:
+    """The format of the first row that has one; every other row that has a format must agree."""
+    detected = [(number, detect_format(row)) for number, row in rows]
+    found = [(number, fmt) for number, fmt in detected if fmt is not None]
+    if not found:
+        first = next((row for _, row in rows if isinstance(row, dict)), None)
+        keys = sorted(first) if first is not None else "no object rows"
+        raise DataError(f"data: cannot detect the format of {name}: no row has the keys of any "
+                        f"format ({_describe_keys()}); the first row has {keys}")
+    first_row, fmt = found[0]
+    others = [(number, other) for number, other in found if other != fmt]
+    if others:
+        shown = ", ".join(f"row {n} is {f}" for n, f in others[:MAX_EXAMPLES])
+        raise DataError(f"data: {name} mixes row formats: row {first_row} is {fmt} but {shown}"
+                        f"{' ...' if len(others) > MAX_EXAMPLES else ''}; use one format per file "
+                        "or set data.format explicitly")
+    return fmt
+
+
+def _describe_keys() -> str:
+    return "; ".join(f"{fmt}: {', '.join(keys)}" for fmt, keys in FORMAT_KEYS.items())
+
+
+def _encode_chunk(chunk: NumberedRows, fmt: str, tokenizer) -> list[tuple[int, Any]]:
+    """(row number, (ids, labels) or RowIssue) for each row of `chunk`, in order."""
+    results: list[tuple[int, Any]] = []
+    payloads, slots = [], []
+    for number, row in chunk:
+        if isinstance(row, UnreadableRow):
+            results.append((number, RowIssue("invalid JSON", row.detail)))
+            continue
+        try:
+            payloads.append(CHECKS[fmt](row))
+            slots.append(len(results))
+            results.append((number, None))
+        except RowIssue as issue:
+            results.append((number, issue))
+    for slot, encoded in zip(slots, ENCODERS[fmt](tokenizer, payloads) if payloads else []):
+        results[slot] = (results[slot][0], encoded)
+    return results
+
+
+def _limit(number: int, ids: list[int], labels: list[int], max_length: int, overlong: str,
+           report: DataReport, overlong_rows: list[int]) -> dict | None:
+    """Apply the length policy and the has-something-to-learn check; count what happens."""
+    truncated = len(ids) > max_length
+    if truncated and overlong == "drop":
+        report.drop(number, "overlong", f"{len(ids)} tokens, more than max_length={max_length}")
+        return None
+    if truncated and overlong == "error":
+        overlong_rows.append(number)
+        return None
+    if truncated:
+        ids, labels = ids[:max_length], labels[:max_length]
+    # the label at position 0 is never predicted (nothing comes before it)
+    if all(label == IGNORE for label in labels[1:]):
+        why = (f"no labelled token is left after truncation to max_length={max_length}" if truncated
+               else "no token to learn from (a sample needs a labelled token after its first)")
+        report.drop(number, "nothing to learn", why)
+        return None
+    if truncated:
+        report.truncate(number)
+    report.total_tokens += len(ids)
+    report.trained_tokens += sum(label != IGNORE for label in labels[1:])
+    return {"input_ids": ids, "labels": labels}

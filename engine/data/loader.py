@@ -1,0 +1,43 @@
+"""`build_dataloader`: a dataset, a batching strategy and a rank -> a torch DataLoader."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch.utils.data import DataLoader
+
+from engine.data.collate import PaddingCollator
+from engine.data.packing import PackedDataset
+from engine.data.sampler import DistributedBatchSampler
+
+
+def lengths_of(dataset, needed: bool) -> list[int] | int:
+    """The samples' lengths (from `dataset.lengths`, else measured when `needed`), else their count."""
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is not None:
+        return list(lengths)
+    if needed:
+        return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+    return len(dataset)
+
+
+def build_dataloader(dataset, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                     seed: int = 0, strategy: str = "random", tokenizer=None, max_length: int = 512,
+                     num_workers: int = 0, shuffle: bool = True, drop_last: bool = True,
+                     collate_fn: Callable | None = None) -> DataLoader:
+    """A DataLoader over this rank's share of `dataset`.
+
+    strategy "packing" packs samples into rows of up to `max_length` tokens first (a micro-batch
+    is then `micro_batch_size` packed rows). Its `batch_sampler` is a
+    :class:`DistributedBatchSampler`: call `loader.batch_sampler.set_epoch(e)` per epoch and
+    `set_start_batch(k)` to resume. Training: shuffle=True, drop_last=True. Evaluation:
+    shuffle=False, drop_last=False (every sample exactly once across the ranks). `collate_fn`
+    replaces the right-padding collator built from `tokenizer`.
+    """
+    if strategy == "packing":
+        dataset = PackedDataset(dataset, max_length)
+    sampler = DistributedBatchSampler(
+        lengths_of(dataset, needed=strategy == "group_by_length"), micro_batch_size, dp_rank=dp_rank,
+        dp_size=dp_size, seed=seed, strategy=strategy, drop_last=drop_last, shuffle=shuffle)
+    collate = collate_fn if collate_fn is not None else PaddingCollator(tokenizer)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers)

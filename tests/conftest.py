@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny tokenizer trained here with `tokenizers`, and file writers."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import pytest
+
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+# ChatML-like, without {% generation %} marks: each turn is "<|role|>\n{content}<|end|>\n".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def make_tiny_tokenizer(chat_template: str = CHAT_TEMPLATE):
+    """A character-level fast tokenizer (one token per character; bos in front of every text)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL, min_frequency=1)
+    tok.train_from_iterator([string.printable], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B:1", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", additional_special_tokens=SPECIAL[4:], chat_template=chat_template,
+        clean_up_tokenization_spaces=False, padding_side="right")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """Session-wide tiny tokenizer; copy it (copy.deepcopy) before changing it."""
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture
+def tmp_jsonl(tmp_path: Path):
+    """Factory: tmp_jsonl(rows, name="data.jsonl") writes one JSON value per line, returns the path."""
+    def write(rows: list, name: str = "data.jsonl") -> Path:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        return path
+    return write
