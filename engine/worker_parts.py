@@ -12,6 +12,9 @@ def callbacks_of(cfg: RunConfig) -> list:
         callbacks += checkpoint_callbacks(cfg)
     except ImportError:
         pass
+    if cfg.control.enabled:  # last: a boundary's commands see the step's scheduled work done
+        from engine.control import ControlCallback
+        callbacks.append(ControlCallback())
     return callbacks
 
 

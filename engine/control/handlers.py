@@ -104,8 +104,8 @@ def stop(control: "Control", args: dict, reply: Reply) -> dict:
     """Stop after this boundary. `save` (default true): a training checkpoint now and the final
     model when the run ends; false: neither (whatever checkpoint.save_at_end says)."""
     trainer, save = control.trainer, args.get("save", True)
+    path = control.save_checkpoint() if save else None  # a failed save fails the stop: nothing lost
     control.emit_state("stopping")
-    path = control.save_checkpoint() if save else None
     trainer.config.checkpoint.save_at_end = save
     trainer.should_stop, trainer.paused = True, False
     return {"state": "stopping", "step": trainer.state.global_step, "checkpoint": path,

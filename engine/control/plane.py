@@ -14,6 +14,7 @@ silence.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -23,7 +24,9 @@ from engine.control.handlers import CommandRefused, HANDLERS
 from engine.control.pending import CommandQueue, Pending
 from engine.control.server import ControlServer
 
-HEARTBEAT_S = 5.0  # while paused: the longest the other ranks wait in one broadcast
+# while paused: the longest the other ranks wait in one broadcast (far below any gloo / nccl
+# timeout); tests shorten it to exercise many heartbeats
+HEARTBEAT_S = float(os.environ.get("LIVETUNE_HEARTBEAT_S", "5"))
 
 
 class Control:

@@ -1,0 +1,89 @@
+"""Helpers of the control-plane tests: real runs started through the real entry point
+(`python -m engine.worker` under the DeepSpeed launcher, engine.launch.spawn), and reading their
+run folders. Not a test module."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import default_task
+from engine.config import load_config
+from engine.launch import LaunchedRun, group_alive, kill_group, make_run_folder, spawn
+from engine.run_folder import read_events, tail_lines
+
+HEARTBEAT_S = 0.5  # the runs' paused heartbeat, short so a test pause spans many of them
+
+
+def task_files(root: Path) -> dict[str, str]:
+    """A small slice of the default task (its model, fewer rows): quick to tokenize per rank."""
+    root.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, n in (("train", 2000), ("eval", 48)):
+        path = root / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in default_task.make_examples(n, 3, split)))
+        paths[split] = str(path)
+    return {"train": paths["train"], "eval": paths["eval"], "cache": str(root / "cache")}
+
+
+def launch(tmp_path: Path, name: str, task: dict, *overrides: str) -> LaunchedRun:
+    """Start a 2-rank run of the tiny default model; `overrides` as on the command line."""
+    cfg = load_config(overrides=[
+        f"output_dir={tmp_path / 'runs'}", f"run_name={name}", "nproc=2", "max_steps=30",
+        "batch_size=8", "data.max_length=32", f"data.train={task['train']}", f"data.eval={task['eval']}",
+        "precision=fp32", "logging.tensorboard=false", "checkpoint.save_at_end=false",
+        "eval.at_end=false", "eval.batch_size=16", "optim.warmup_steps=3", *overrides])
+    folder = make_run_folder(cfg)
+    return spawn(cfg, folder, extra_env={"LIVETUNE_CACHE": task["cache"],
+                                         "LIVETUNE_HEARTBEAT_S": str(HEARTBEAT_S)})
+
+
+def logs_of(run: LaunchedRun) -> str:
+    parts = []
+    for log in sorted(run.folder.logs.glob("*.log")):
+        parts.append(f"--- {log.name} ---\n" + "\n".join(tail_lines(log, 40)))
+    return "\n".join(parts)
+
+
+def wait_exit(run: LaunchedRun, timeout: float = 240.0) -> int:
+    """The launcher's exit code; on a timeout every process of the run is ended and the test fails."""
+    deadline = time.monotonic() + timeout
+    while run.process.poll() is None:
+        if time.monotonic() > deadline:
+            kill_group(run.pid)
+            pytest.fail(f"run {run.folder.root.name} did not end in {timeout} s\n{logs_of(run)}")
+        time.sleep(0.2)
+    deadline = time.monotonic() + 15
+    while group_alive(run.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not group_alive(run.pid), "processes of the run were left behind"
+    return run.process.returncode
+
+
+def events(run: LaunchedRun) -> list[dict]:
+    return list(read_events(run.folder.events))
+
+
+def losses(run: LaunchedRun) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events(run) if e["type"] == "train"}
+
+
+def wait_for_step(run: LaunchedRun, step: int, timeout: float = 180.0) -> int:
+    """Wait until the run has logged `step`; returns the newest logged step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [e["step"] for e in events(run) if e["type"] == "train"]
+        if done and done[-1] >= step:
+            return done[-1]
+        if run.process.poll() is not None:
+            pytest.fail(f"run ended before step {step}\n{logs_of(run)}")
+        time.sleep(0.05)
+    kill_group(run.pid)
+    pytest.fail(f"run did not reach step {step} in {timeout} s\n{logs_of(run)}")
+
+
+def states(run: LaunchedRun) -> list[str]:
+    return [e["state"] for e in events(run) if e["type"] == "state"]
