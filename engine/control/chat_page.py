@@ -100,15 +100,24 @@ class _PageHandler(BaseHTTPRequestHandler):
 
     # -- pieces ----------------------------------------------------------------------------------
     def _body(self) -> dict | None:
+        # read the whole request first: closing on unread bytes resets the connection, and the
+        # client would never see the refusal
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(min(length, MAX_MESSAGE_BYTES + 1))
+        remaining = length - len(raw)
+        while remaining > 0:  # an oversized body is read and dropped, never kept
+            chunk = self.rfile.read(min(65536, remaining))
+            if not chunk:
+                break
+            remaining -= len(chunk)
         if not self._token_ok(self.headers.get("X-Token", "")):
             self._reply(403, "application/json", b'{"error": "wrong or missing token"}')
             return None
-        length = int(self.headers.get("Content-Length") or 0)
         if length > MAX_MESSAGE_BYTES:
             self._reply(413, "application/json", b'{"error": "request too large"}')
             return None
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
+            body = json.loads(raw or b"{}")
         except json.JSONDecodeError as e:
             self._reply(400, "application/json", json.dumps({"error": f"malformed JSON: {e}"}).encode())
             return None

@@ -81,13 +81,13 @@ class Control:
                 self._answer_error(item, str(e))
             except Exception as e:  # noqa: BLE001 - a failed command is answered; training goes on
                 self._answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
-            else:
-                item.reply.done(result)
+            else:  # recorded first: whoever hears `done` finds the effect in the event log
                 self._record(item, "done", result=result, seconds=round(time.perf_counter() - started, 4))
+                item.reply.done(result)
 
     def _answer_error(self, item: Pending, message: str) -> None:
-        item.reply.error(message)
         self._record(item, "failed", error=message)
+        item.reply.error(message)
 
     # -- events and status -------------------------------------------------------------------------
     def emit_state(self, state: str) -> None:
