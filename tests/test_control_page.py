@@ -1,5 +1,6 @@
 """`Trainer(server=True)` in a user's own script: the chat page on rank 0 answers from the live
-weights through the same command path, and controls the run (pause, resume, stop without save)."""
+weights through the same command path, and controls the run (pause, resume, stop without save).
+The script trains a LoRA adapter, so the socket client can also ask the base model side by side."""
 
 import json
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from app.client import CommandError, RunClient
 from control_runs import task_files
 from engine.run_folder import read_events
 
@@ -19,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import sys
+import time
 from engine import Trainer
 from engine.config import load_config
 cfg = load_config(overrides=sys.argv[2:])
@@ -26,6 +29,7 @@ trainer = Trainer(config=cfg, run_dir=sys.argv[1], server=True)
 trainer.train()
 print("trained to step", trainer.state.global_step, flush=True)
 print("final save:", trainer.config.checkpoint.save_at_end, flush=True)
+time.sleep(4)  # the script goes on after training: its run still answers, and refuses clearly
 """
 
 
@@ -59,7 +63,7 @@ def test_chat_page_of_a_script_trainer(tmp_path):
     task = task_files(tmp_path / "task")
     run_dir = tmp_path / "run"
     env = dict(os.environ, LIVETUNE_CACHE=task["cache"], HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    args = ["max_steps=5000", "batch_size=8", "data.max_length=32", f"data.train={task['train']}",
+    args = ["max_steps=5000", "method=lora", "optim.lr=0.01", "batch_size=8", "data.max_length=32", f"data.train={task['train']}",
             "precision=fp32", "logging.tensorboard=false", "checkpoint.save_at_end=true",
             "eval.at_end=false", f"output_dir={tmp_path}"]
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), *args], cwd=REPO, env=env,
@@ -81,6 +85,15 @@ def test_chat_page_of_a_script_trainer(tmp_path):
         done = [e for e in _events(run_dir) if e["type"] == "command" and e["status"] == "done"]
         assert done[-1]["cmd"] == "generate" and done[-1]["result"]["text"] == text.decode()
 
+        # the same run through the socket client: the adapter's answer and the base model's
+        client = RunClient.connect(run_dir, timeout=10)
+        gen = client.generate("reverse: cat\n", max_new_tokens=6, temperature=1.0, seed=2, compare_base=True)
+        pieces = list(gen)
+        assert isinstance(gen.base_text, str) and "note" not in gen.result
+        assert "".join(p for p in pieces if p.model == "base") == gen.base_text
+        assert "".join(p for p in pieces if p.model == "current") == gen.text
+        client.close()
+
         code, paused = _post(base + "/api/command", {"cmd": "pause"}, token)
         assert code == 200 and json.loads(paused)["state"] == "paused"
         req = urllib.request.Request(base + "/api/status", headers={"X-Token": token})
@@ -90,6 +103,16 @@ def test_chat_page_of_a_script_trainer(tmp_path):
         assert json.loads(_post(base + "/api/command", {"cmd": "resume"}, token)[1])["state"] == "running"
         code, stopped = _post(base + "/api/command", {"cmd": "stop", "args": {"save": False}}, token)
         assert code == 200 and json.loads(stopped)["checkpoint"] is None
+        deadline = time.monotonic() + 60
+        with RunClient.connect(run_dir, timeout=10) as client:
+            while True:  # chats are answered until training has ended, then refused with why
+                try:
+                    client.chat("sort: zyx\n", max_new_tokens=2)
+                except CommandError as e:
+                    assert "training has ended" in str(e)
+                    break
+                assert time.monotonic() < deadline
+            assert client.status()["step"] < 5000
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
         assert "trained to step" in out and int(out.split("trained to step")[1].split()[0]) < 5000

@@ -1,0 +1,116 @@
+"""What the control plane costs a run, under ZeRO-2 and ZeRO-3 (2 ranks). Run by hand:
+
+    .venv/bin/python bench/bench_control.py [--steps 300] [--chats 12] [--zero 2 3]
+
+1. Throughput: training tokens/s with the control server on and a client connected and
+   subscribed to the events but idle, against the same run with control disabled (target >= 0.99).
+   Measured from the event log's wall clock between two steps, so every per-step cost (the
+   boundary broadcast included) is in it.
+2. Chat latency: time from a chat request sent at a random moment mid-training to its first
+   streamed token, against one step time plus the first-token time of the same request on an
+   idle (paused) engine (target <= 1.2).
+
+Both runs of a pair are the tiny default model on a slice of the default task, one after the
+other (never at the same time: they would share the cores), started through the real entry
+point (engine.launch.spawn -> DeepSpeed launcher -> engine.worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from app.client import RunClient  # noqa: E402
+from control_runs import events, launch, task_files, wait_exit, wait_for_step  # noqa: E402
+
+PROMPT = "reverse: planet\n"
+WINDOW_SKIP = 20  # steps left out at the start of the throughput window (warm-up)
+
+
+def throughput(run, first: int, last: int) -> float:
+    """Tokens per second of wall clock from step `first` to step `last` (event log times)."""
+    train = {e["step"]: e for e in events(run) if e["type"] == "train"}
+    tokens = sum(train[s]["tokens"] for s in range(first + 1, last + 1))
+    return tokens / (train[last]["time"] - train[first]["time"])
+
+
+def step_time(run, first: int, last: int) -> float:
+    train = {e["step"]: e for e in events(run) if e["type"] == "train"}
+    return (train[last]["time"] - train[first]["time"]) / (last - first)
+
+
+def first_token_s(client: RunClient) -> float:
+    """Seconds from sending a chat to its first streamed piece (or its answer, if empty)."""
+    started = time.perf_counter()
+    gen = client.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=0)
+    first = None
+    for _ in gen:
+        first = first or time.perf_counter()
+    return (first or time.perf_counter()) - started
+
+
+def quiet_run(tmp: Path, task: dict, zero: int, steps: int) -> float:
+    run = launch(tmp, f"off{zero}", task, f"zero_stage={zero}", f"max_steps={steps}",
+                 "control.enabled=false")
+    assert wait_exit(run, timeout=1800) == 0
+    return throughput(run, WINDOW_SKIP, steps)
+
+
+def live_run(tmp: Path, task: dict, zero: int, steps: int, chats: int) -> dict:
+    """Idle-client throughput over `steps`, then chats mid-training, then chats while paused."""
+    run = launch(tmp, f"on{zero}", task, f"zero_stage={zero}", f"max_steps={steps + 100000}")
+    client = RunClient.connect(run.folder.root, timeout=300)
+    # a front end that is subscribed but sends nothing: it reads the events as they come
+    follower = threading.Thread(target=lambda: [None for _ in RunClient(run.folder.root).events()], daemon=True)
+    follower.start()
+    wait_for_step(run, steps, timeout=1800)
+    tps = throughput(run, WINDOW_SKIP, steps)
+    step_s = step_time(run, WINDOW_SKIP, steps)
+    mid = []
+    for _ in range(chats):
+        time.sleep(random.uniform(0, step_s))  # a random phase of the step
+        mid.append(first_token_s(client))
+    client.pause()
+    idle = [first_token_s(client) for _ in range(chats)]
+    client.stop(save=False)
+    assert wait_exit(run, timeout=600) == 0
+    follower.join(timeout=30)
+    return {"tps": tps, "step_s": step_s, "mid": statistics.median(mid), "idle": statistics.median(idle)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--chats", type=int, default=12)
+    parser.add_argument("--zero", type=int, nargs="+", default=[2, 3])
+    args = parser.parse_args()
+    random.seed(0)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-control-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        task = task_files(tmp / "task")
+        for zero in args.zero:
+            off = quiet_run(tmp, task, zero, args.steps)
+            on = live_run(tmp, task, zero, args.steps, args.chats)
+            rows.append((zero, off, on))
+    print("\ncontrol plane cost, 2 ranks, tiny default model, median of "
+          f"{args.chats} chats (8 new tokens)\n")
+    print(f"{'ZeRO':>4} | {'tok/s off':>10} | {'tok/s on+client':>15} | {'ratio':>6} (>=0.99) | "
+          f"{'step s':>7} | {'1st tok idle s':>14} | {'1st tok mid s':>13} | {'ratio':>6} (<=1.2)")
+    for zero, off, on in rows:
+        latency_ratio = on["mid"] / (on["step_s"] + on["idle"])
+        print(f"{zero:>4} | {off:>10.0f} | {on['tps']:>15.0f} | {on['tps'] / off:>6.3f}          | "
+              f"{on['step_s']:>7.4f} | {on['idle']:>14.4f} | {on['mid']:>13.4f} | {latency_ratio:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
