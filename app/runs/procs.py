@@ -1,0 +1,201 @@
+"""What /proc says about a run's process group: its members, which of them are ranks, and how a
+dead rank ended. Linux only (the whole project is); torch-free.
+
+A run's launcher is started in its own session, so its pid is the group id of the launcher and
+of every rank it starts. A rank is a group member running `python -m engine.worker` whose parent
+is not itself a worker (a data-loader worker forked by a rank has the same command line).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKER_MODULE = "engine.worker"
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process as /proc shows it."""
+    pid: int
+    ppid: int
+    pgid: int
+    state: str           # the /proc state letter; "Z": exited, not yet reaped by its parent
+    exit_status: int     # raw wait status, meaningful for a zombie only
+    argv: tuple[str, ...]
+
+    @property
+    def zombie(self) -> bool:
+        return self.state in ("Z", "X")
+
+    @property
+    def is_worker(self) -> bool:
+        """Runs `python -m engine.worker` (the launchers name the module further on, after
+        their own `-m deepspeed.launcher...` / `-m torch.distributed.run`)."""
+        if "-m" not in self.argv:
+            return False
+        at = self.argv.index("-m")
+        return self.argv[at + 1:at + 2] == (WORKER_MODULE,)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ")"
+    return text.rsplit(")", 1)[1].split()
+
+
+def read_proc(pid: int) -> Proc | None:
+    """The process `pid`, or None once it is gone (reaped)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        raw = b""
+    argv = tuple(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part)
+    # fields[0] is stat field 3 (state); the exit status is field 52, the last one
+    return Proc(pid, int(fields[1]), int(fields[2]), fields[0], int(fields[-1]), argv)
+
+
+def snapshot(pgids: set[int]) -> dict[int, list[Proc]]:
+    """The members of each process group in `pgids`, from one pass over /proc."""
+    groups: dict[int, list[Proc]] = {pgid: [] for pgid in pgids}
+    if not pgids:
+        return groups
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is None or int(fields[2]) not in groups:
+            continue
+        proc = read_proc(int(entry.name))
+        if proc is not None and proc.pgid in groups:
+            groups[proc.pgid].append(proc)
+    return groups
+
+
+def live(members: list[Proc]) -> list[Proc]:
+    return [p for p in members if not p.zombie]
+
+
+def belongs_to(members: list[Proc], run_dir: Path) -> bool:
+    """Whether this group is the run's (and not an unrelated group that reuses an old pid)."""
+    root = str(run_dir)
+    return any(root in p.argv or f"--run-dir={root}" in p.argv for p in members)
+
+
+def ranks(members: list[Proc]) -> dict[int, Proc]:
+    """rank -> process, for the group's rank processes (data-loader children left out)."""
+    workers = {p.pid: p for p in members if p.is_worker}
+    found: dict[int, Proc] = {}
+    for proc in workers.values():
+        if proc.ppid in workers:
+            continue
+        rank = rank_of(proc)
+        if rank is not None:
+            found[rank] = proc
+    return found
+
+
+def rank_of(proc: Proc) -> int | None:
+    """The global rank of a worker: RANK in its environment, else DeepSpeed's --local_rank."""
+    try:
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        for item in environ:
+            if item.startswith(b"RANK="):
+                return int(item[5:])
+    except (OSError, ValueError):
+        pass
+    for arg in proc.argv:
+        if arg.startswith("--local_rank="):
+            return int(arg.split("=", 1)[1])
+    return None
+
+
+def describe_status(status: int | None) -> str:
+    """A wait status in words: 'exit code 1', 'signal SIGKILL', or 'unknown exit status'."""
+    if status is None:
+        return "unknown exit status"
+    if os.WIFSIGNALED(status):
+        return f"signal {_signal_name(os.WTERMSIG(status))}"
+    if os.WIFEXITED(status):
+        return f"exit code {os.WEXITSTATUS(status)}"
+    return f"wait status {status}"
+
+
+def describe_returncode(code: int) -> str:
+    """A Popen return code in words (negative: ended by that signal)."""
+    return f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def failed_status(status: int | None) -> bool:
+    """A rank that ended this way did not finish normally (None: nobody saw how it ended)."""
+    return status is None or status != 0
+
+
+def ended_by_sigterm(status: int | None) -> bool:
+    """SIGTERM is how a launcher ends the other ranks after one died: a victim, not a cause."""
+    return status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send `sig` to the group; False when the group is gone."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class ExitWatch:
+    """Wakes as soon as a watched process exits (pidfds, Linux >= 5.3), so a dead rank is seen
+    the moment it dies, before the launcher reaps it and ends the others."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def add(self, pid: int) -> None:
+        if pid in self._fds:
+            return
+        try:
+            self._fds[pid] = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            pass  # already gone, or no pidfds here: the /proc scan still sees it
+
+    def discard(self, pid: int) -> None:
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def wait(self, timeout: float) -> list[int]:
+        """Pids that have exited, waiting up to `timeout` s for the first one."""
+        if not self._fds:
+            return []
+        poller = select.poll()
+        by_fd = {fd: pid for pid, fd in self._fds.items()}
+        for fd in by_fd:
+            poller.register(fd, select.POLLIN)
+        return [by_fd[fd] for fd, _ in poller.poll(max(0.0, timeout) * 1000)]
+
+    def close(self) -> None:
+        for pid in list(self._fds):
+            self.discard(pid)

@@ -1,0 +1,158 @@
+"""The small value types of the run manager, and the bits of the run folder it reads besides
+events: the launcher's pid, its exit code, log tails."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.run_folder import RunFolder, tail_lines
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One run, as a listing shows it."""
+    name: str
+    path: str
+    state: str                    # starting, running, paused, stopping, finished, failed
+    alive: bool                   # whether any process of the run's group is still there
+    step: int
+    total_steps: int | None
+    metrics: dict[str, float]     # the latest training record's numbers and eval/... results
+    start_time: float | None      # time.time() of the run's first event
+    end_time: float | None        # time of its final state event
+    error: str | None             # why it failed
+    failed_rank: int | None
+    pid: int | None               # the launcher's pid = the run's process group id
+    stopped_by_user: bool = False
+
+    @property
+    def progress(self) -> float | None:
+        """Fraction of the training steps done (None before the run knows its total)."""
+        return self.step / self.total_steps if self.total_steps else None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong with a run: which rank (None: not known or not one rank), and the last
+    lines of the log that shows it."""
+    run: str
+    kind: str                     # rank_died, launcher_died, exited, error, hung
+    message: str
+    rank: int | None
+    log: str                      # the log file `lines` come from ("" for several)
+    lines: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        where = f" (last lines of {Path(self.log).name})" if self.log else ""
+        return f"run {self.run}: {self.message}{where}\n" + "\n".join(self.lines)
+
+
+@dataclass
+class RankExit:
+    """A rank seen gone: its pid, its wait status if anyone read it, and when (monotonic)."""
+    rank: int
+    pid: int
+    status: int | None
+    seen: float
+
+
+def read_pid(folder: RunFolder) -> int | None:
+    """The launcher's pid from launcher.pid (written by engine.launch.spawn)."""
+    try:
+        return int((folder.root / "launcher.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def launcher_reported_success(folder: RunFolder) -> set[int]:
+    """Pids the DeepSpeed launcher logged as having exited cleanly."""
+    text = "\n".join(tail_lines(folder.logs / "launcher.log", 200))
+    return {int(pid) for pid in re.findall(r"Process (\d+) exits successfully", text)}
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b(:.*)?$")
+
+
+def last_exception(lines: list[str] | tuple[str, ...]) -> str | None:
+    """The last `SomeError: message` line of a traceback in a log tail."""
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line.strip()):
+            return line.strip()
+    return None
+
+
+def log_tail(folder: RunFolder, rank: int | None, n: int) -> tuple[str, tuple[str, ...]]:
+    """(log path, last lines) of one rank's log; for no rank, every rank's log (headed), or
+    the launcher's when no rank wrote one."""
+    if rank is not None:
+        path = folder.rank_log(rank)
+        return str(path), tuple(tail_lines(path, n))
+    logs = sorted(folder.logs.glob("rank*.log"))
+    if not logs:
+        path = folder.logs / "launcher.log"
+        return str(path), tuple(tail_lines(path, n))
+    if len(logs) == 1:
+        return str(logs[0]), tuple(tail_lines(logs[0], n))
+    lines: list[str] = []
+    for path in logs:
+        lines += [f"--- {path.name} ---", *tail_lines(path, n)]
+    return "", tuple(lines)
+
+
+# Launchers this process started. Every manager in the process shares them, so whichever one
+# sees the run end reaps the launcher (no zombie left) and learns its exit code.
+_children: dict[int, subprocess.Popen] = {}
+_children_lock = threading.Lock()
+
+
+def adopt_child(proc: subprocess.Popen) -> None:
+    with _children_lock:
+        _children[proc.pid] = proc
+
+
+def reap(pid: int | None) -> int | None:
+    """The exit code of launcher `pid` if this process started it and it has ended, else None."""
+    with _children_lock:
+        proc = _children.get(pid) if pid is not None else None
+    return proc.poll() if proc is not None else None
+
+
+def child_running(pid: int | None) -> bool:
+    """Whether `pid` is a launcher this process started that has not ended. (Right after the
+    fork its command line is still ours, so /proc cannot tell yet whose it is.)"""
+    with _children_lock:
+        proc = _children.get(pid) if pid is not None else None
+    return proc is not None and proc.poll() is None
+
+
+# A stop in progress, whichever manager (or process) is doing it: the others must not take the
+# group's end for a failure while it is being ended.
+STOP_MARKER = "stop_requested"
+
+
+def mark_stopping(folder: RunFolder, on: bool) -> None:
+    marker = folder.root / STOP_MARKER
+    if on:
+        marker.write_text(str(os.getpid()))
+    else:
+        marker.unlink(missing_ok=True)
+
+
+def stop_in_progress(folder: RunFolder) -> bool:
+    """Whether a living process is stopping this run now (a marker left by a dead one is ignored)."""
+    try:
+        pid = int((folder.root / STOP_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
