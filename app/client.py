@@ -172,9 +172,10 @@ class RunClient:
 
     # -- events -------------------------------------------------------------------------------------
     def events(self, from_line: int = 0, follow: bool = True,
-               reconnect_timeout: float = 30.0) -> Iterator[dict]:
+               reconnect_timeout: float | None = None) -> Iterator[dict]:
         """Every event from line `from_line` of events.jsonl on, each with its `line` number;
-        with `follow`, then the live stream until the run ends."""
+        with `follow`, then the live stream until the run ends. A dropped connection is reopened
+        (for up to `reconnect_timeout` s; None: while the run's processes live)."""
         next_line = from_line
         while follow:
             try:
@@ -257,19 +258,37 @@ class RunClient:
         except (FileNotFoundError, json.JSONDecodeError):
             raise RunGone(f"no control server for {self.folder.root} ({self._run_state()})") from None
 
-    def _open(self, timeout: float) -> socket.socket:
-        """A new connection to the run's server, retrying until `timeout` while it may come."""
-        deadline = time.monotonic() + timeout
+    def _open(self, timeout: float | None) -> socket.socket:
+        """A new connection to the run's server, retrying while the run may still come: until
+        `timeout`, or with None for as long as its launcher or its server process lives."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
                 address = self._address()
-                if not _alive(address.get("pid")):
-                    raise RunGone(f"the run's process {address.get('pid')} has exited ({self._run_state()})")
-                return socket.create_connection((address["host"], address["port"]), timeout=10.0)
-            except (RunGone, OSError) as e:
-                if time.monotonic() >= deadline or self._run_state() in TERMINAL_STATES:
-                    raise RunGone(str(e)) from None
-                time.sleep(0.2)
+                if _alive(address.get("pid")):
+                    return socket.create_connection((address["host"], address["port"]), timeout=10.0)
+                problem = f"the run's server process {address.get('pid')} has exited"
+            except RunGone as e:
+                problem = str(e)
+            except OSError as e:
+                problem = f"cannot reach the run's control server: {e}"
+            if (deadline is not None and time.monotonic() >= deadline) or \
+                    not self._may_come_back(unknown=deadline is not None):
+                raise RunGone(f"{problem} (run state: {self._run_state()})")
+            time.sleep(0.2)
+
+    def _may_come_back(self, unknown: bool) -> bool:
+        """Whether the run's server can still answer: the run has not ended and one of its
+        processes lives. `unknown` is the answer for a folder with no trace of a process yet."""
+        if self._run_state() in TERMINAL_STATES:
+            return False
+        traces = [_pid_in(self.folder.root / "launcher.pid")]
+        try:
+            traces.append(json.loads(self.folder.control.read_text()).get("pid"))
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        traces = [pid for pid in traces if isinstance(pid, int)]
+        return any(_alive(pid) for pid in traces) if traces else unknown
 
     def _run_state(self) -> str:
         state = "not started"
@@ -301,6 +320,13 @@ def _lines(sock: socket.socket) -> Iterator[dict]:
         reader.close()
 
 
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def _alive(pid: Any) -> bool:
     if not isinstance(pid, int):
         return True
@@ -310,4 +336,7 @@ def _alive(pid: Any) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # an exited child nobody has waited for yet is a zombie: gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
