@@ -141,7 +141,14 @@ def _check_stop(cmd: str, args: dict) -> None:
 
 
 def encode(obj: dict) -> bytes:
-    return (json.dumps(obj) + "\n").encode()
+    return (json.dumps(obj, default=_plain) + "\n").encode()
+
+
+def _plain(value: Any) -> Any:
+    """Numbers from numpy / torch as plain numbers, anything else JSON cannot hold as text."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
 
 
 def decode(line: bytes) -> Any:

@@ -6,6 +6,23 @@
 Two ways in: `attach(trainer)` on a built Trainer (what `Trainer(server=True)` does, with the
 chat page), or `ControlCallback()` in the callbacks a run is built with (what the worker does
 when `control.enabled`). Protocol: engine.protocol; client: app.client.RunClient.
+
+Behaviour a user can count on:
+- Every accepted command is answered: `done` with its result, or `error` with the reason
+  (refused in the run's state, failed, or the run ended before it could run). It is recorded in
+  events.jsonl (queued, then done / failed) before its sender hears the answer.
+- Commands run between optimizer steps (after the step, with gradient accumulation after the
+  last micro-batch), before the first step, and once more after the last one.
+- `pause` keeps everything in memory; chat, evaluate, save, set and status work while paused.
+  A pause that arrives at the very end holds the finished weights for chat until resume / stop.
+- Once training has ended the run takes no new commands (a clear error says so); `status` and
+  `subscribe` answer until the process exits.
+- `stop` saves by default: a training checkpoint at once, and the final model when the run ends;
+  `stop(save=false)` saves neither. A failed save fails the stop, so nothing is lost.
+- `status` is answered at once with rank 0's memory; `status(ranks=true)` waits for the
+  boundary and gathers every rank's.
+- `set` changes are kept in `trainer.live_settings`, recorded as `set` events, stored in every
+  training checkpoint (this callback's state) and applied again on resume.
 """
 
 from __future__ import annotations
