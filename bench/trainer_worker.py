@@ -134,7 +134,7 @@ class _ListDataset(torch.utils.data.Dataset):
 
 def ours(a, cfg, clock):
     from engine.callbacks import Callback
-    from engine.steps import count_tokens
+    from engine.data import count_tokens
     from engine.trainer import Trainer
 
     class Tick(Callback):

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-# The embedded default: a tiny Llama learning the synthetic task; exact-match is measured during
-# the run so the user sees it climb.
+from engine.default_task import RECOMMENDED as _R
+
+# The embedded default: a tiny Llama learning the synthetic task with the hyperparameters
+# measured for it (engine/default_task.py); exact-match is measured during the run so the user
+# sees it climb.
 DEFAULT: dict = {
-    "eval": {"every_n_steps": 50, "evaluators": ["perplexity", "exact_match"], "max_samples": 128,
-             "batch_size": 64},
+    "optim": {"lr": _R["lr"], "warmup_steps": _R["warmup_steps"]},
+    "train": {"micro_batch_size": _R["micro_batch_size"], "max_steps": _R["max_steps"]},
+    "data": {"max_length": _R["max_length"]},
+    "eval": {"every_n_steps": _R["eval_every_n_steps"], "evaluators": ["perplexity", "exact_match"],
+             "max_samples": 128, "batch_size": 64},
 }
 
 PRESETS: dict[str, dict] = {

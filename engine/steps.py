@@ -12,19 +12,11 @@ from typing import Callable, Protocol
 import torch
 
 from engine.config import RunConfig
+from engine.data import count_tokens
 
 
 class StepStrategy(Protocol):
     def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]: ...
-
-
-def count_tokens(batch: dict) -> int:
-    """Real tokens of a batch: padding does not count (packed rows carry no padding mask)."""
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    if "position_ids" in batch and "labels" in batch:  # packed: padding is labelled -100 at the tail
-        return int((batch["labels"] != -100).sum()) + int(batch["labels"].shape[0])
-    return int(batch["input_ids"].numel())
 
 
 class EngineStep:
