@@ -1,0 +1,43 @@
+"""Train the default task with our Trainer on the launcher's ranks; report losses and how many
+parameter elements this rank holds."""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dist_utils import report  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--zero", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    a = p.parse_args()
+    from engine.callbacks import Callback
+    from engine.config import load_config
+    from engine.trainer import Trainer
+
+    cfg = load_config(overrides=[f"zero_stage={a.zero}", "nproc=2", "max_steps=40", "lr=3e-3",
+                                 "batch_size=16", "data.max_length=32", "optim.warmup_steps=5",
+                                 "eval.at_end=false", "checkpoint.save_at_end=false",
+                                 "control.enabled=false", f"output_dir={a.out}", "run_name=z"])
+    losses = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, loss):
+            losses.append(loss)
+
+    trainer = Trainer(config=cfg, callbacks=[Record()])
+    held = sum(getattr(q, "ds_tensor", q).numel() for q in trainer.engine.module.parameters())
+    total = sum(getattr(q, "ds_numel", q.numel()) for q in trainer.engine.module.parameters())
+    trainer.train()
+    report(rank=trainer.env.rank, losses=losses, held=held, total=total)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
