@@ -9,14 +9,12 @@ and by how: the launcher ends the survivors with SIGTERM, the rank that went fir
 from __future__ import annotations
 
 import fcntl
-import signal
 import threading
 import time
 
-from engine.launch import group_alive, kill_group
 from engine.run_folder import EventLog, EventTail, RunFolder
 
-from app.runs import procs
+from app.runs import procs, stopping
 from app.runs.records import (Failure, RankExit, RunInfo, child_running, last_exception,
                               launcher_reported_success, log_tail, mark_stopping, read_pid, reap,
                               stop_in_progress)
@@ -60,6 +58,7 @@ class RunHandle:
         self._refreshed = False
         self._launcher_gone_since: float | None = None
         self._final_seen_at: float | None = None
+        self._cleanup: threading.Thread | None = None
 
     def mark_launched(self) -> None:
         """This process started the run: if it dies before it is ever seen, that is news."""
@@ -240,8 +239,9 @@ class RunHandle:
 
     def evaluate(self) -> Failure | None:
         """Decide whether the run just failed; returns a failure once, when it is first seen.
-        A run found with a dead rank is ended (no orphan left) and its failure recorded in
-        events.jsonl when the run could not record it itself."""
+        What is left of a failed run is then ended behind the report, in a thread (no orphan
+        left; `wait_cleaned_up`), and its failure recorded in events.jsonl when the run could
+        not record it itself."""
         with self._lock:
             if self._is_stopping() or self._failure is not None and self._failure.kind != "hung":
                 return None
@@ -250,19 +250,30 @@ class RunHandle:
             if failure is None and not lingering:
                 return None
         if failure is None:  # over by its own account, yet some process of it is still there
-            self._end_group(grace_s=3.0)
+            stopping.end_group(self.pid, grace_s=3.0)
             return None
         with self._lock:
             self._failure = failure
-        if failure.kind == "hung":
-            return failure
+        if failure.kind != "hung":  # reported now; the group is ended behind the report
+            self._cleanup = threading.Thread(target=self._clean_up_after, args=(failure,),
+                                             name=f"end-{self.name}", daemon=True)
+            self._cleanup.start()
+        return failure
+
+    def _clean_up_after(self, failure: Failure) -> None:
+        """End what is left of a failed run and record its failure if the run could not."""
         if failure.kind == "error":  # the run saw it and is shutting down: give it a moment
-            self._wait_gone(time.monotonic() + 5.0)
-        self._end_group(grace_s=3.0)
+            stopping.wait_gone(self.pid, time.monotonic() + 5.0)
+        stopping.end_group(self.pid, grace_s=3.0)
         with self._lock:
             self.refresh()
             self._record_failure(failure)
-        return failure
+
+    def wait_cleaned_up(self, timeout: float = 30.0) -> None:
+        """Wait until the ending of a failed run (started by `evaluate`) is done."""
+        cleanup = self._cleanup
+        if cleanup is not None:
+            cleanup.join(timeout)
 
     def _lingering(self) -> bool:
         """The run wrote its final state a while ago but part of its group is still there."""
@@ -327,8 +338,8 @@ class RunHandle:
     # -- stopping -------------------------------------------------------------------------------
     def stop(self, save: bool = False, timeout: float = 60.0) -> RunInfo:
         """Stop the run: ask it through its control socket (it stops at the next step boundary,
-        saving first with `save`), wait up to `timeout` s, then end whatever is left of its
-        process group. Returns the run's info once no process of it remains."""
+        saving first with `save`) and give it `timeout` s to end by itself, then end whatever
+        is left of its process group. Returns the run's info once no process of it remains."""
         with self._lock:
             self.refresh()
             if not self._alive:
@@ -336,16 +347,14 @@ class RunHandle:
             self._stopping = True
             mark_stopping(self.folder, True)
         try:
-            deadline = time.monotonic() + timeout
-            if self._ask_to_stop(save, timeout):
-                self._wait_gone(deadline)
-            forced = self._group_alive()
-            self._end_group(grace_s=5.0)
-            self._wait_gone(time.monotonic() + 5.0)
+            if stopping.ask_to_stop(self.folder, save, timeout):
+                stopping.wait_gone(self.pid, time.monotonic() + timeout)
+            forced = stopping.alive(self.pid)
+            stopping.end_group(self.pid, grace_s=5.0)
             with self._lock:
                 self.refresh()
                 if not self._summary.final:
-                    self._record(self._forced_stop_event(save, timeout, forced))
+                    self._record(stopping.forced_stop_event(save, timeout, forced, self._summary.step))
         finally:
             with self._lock:
                 mark_stopping(self.folder, False)
@@ -354,50 +363,3 @@ class RunHandle:
 
     def _is_stopping(self) -> bool:
         return self._stopping or stop_in_progress(self.folder)
-
-    def _forced_stop_event(self, save: bool, timeout: float, forced: bool) -> dict:
-        how = (f"did not stop within {timeout:g} s and was ended by signal" if forced
-               else "ended without recording a final state")
-        step = self._summary.step
-        if save:  # the save the user asked for did not happen: that is a failure they must see
-            return {"type": "state", "state": "failed", "step": step, "stopped_by_user": True,
-                    "error": f"stopped by the user with save, but the run {how}; nothing was saved"}
-        return {"type": "state", "state": "finished", "step": step, "stopped_by_user": True,
-                "reason": f"stopped by the user; the run {how}"}
-
-    def _ask_to_stop(self, save: bool, timeout: float) -> bool:
-        """Send `stop` through the control client; False when there is no one to ask."""
-        if not self.folder.control.exists():
-            return False
-        from app.client import RunClient  # imported late: only a stop needs the client
-        try:
-            with RunClient.connect(self.folder.root, timeout=min(5.0, timeout)) as client:
-                client.command("stop", timeout=timeout, save=save)
-            return True
-        except (OSError, RuntimeError, TimeoutError, ValueError):
-            return False  # not listening, refused or too slow: the group is ended instead
-
-    def _group_alive(self) -> bool:
-        pid = self.pid
-        reap(pid)
-        return pid is not None and group_alive(pid)
-
-    def _wait_gone(self, deadline: float) -> None:
-        while self._group_alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-    def _end_group(self, grace_s: float) -> None:
-        """End every process of the run: the launcher and each rank."""
-        pid = self.pid
-        if pid is None or not self._group_alive():
-            return
-        # a stopped (SIGSTOP) process cannot act on SIGTERM until it is continued
-        procs.signal_group(pid, signal.SIGCONT)
-        kill_group(pid, grace_s=grace_s)
-        reap(pid)
-        # the dead leave zombies until their new parent (init) reaps them: wait for that too,
-        # so that when this returns not even a /proc entry of the run is left
-        deadline = time.monotonic() + 5.0
-        while procs.snapshot({pid})[pid] and time.monotonic() < deadline:
-            reap(pid)
-            time.sleep(0.05)

@@ -52,9 +52,10 @@ class RunManager:
         self._monitor_stop = threading.Event()
 
     # -- runs -----------------------------------------------------------------------------------
-    def start(self, cfg: RunConfig) -> RunHandle:
+    def start(self, cfg: RunConfig, env: dict[str, str] | None = None) -> RunHandle:
         """Start a run of `cfg` (a copy, placed under this manager's output folder): its folder,
-        a `starting` state event, then its launcher in a new session."""
+        a `starting` state event, then its launcher in a new session. `env`: extra environment
+        variables for every process of the run."""
         cfg = copy.deepcopy(cfg)
         cfg.logging.output_dir = str(self.output_dir)
         with self._lock:
@@ -64,7 +65,7 @@ class RunManager:
                 log.emit({"type": "state", "state": "starting", "nproc": cfg.parallel.nproc,
                           "method": cfg.method.name, "model": cfg.model.path or "default"})
                 try:
-                    launched = spawn(cfg, folder)
+                    launched = spawn(cfg, folder, extra_env=env)
                 except OSError as e:
                     log.emit({"type": "state", "state": "failed", "source": "manager",
                               "error": f"the launcher could not be started: {e}"})
@@ -120,8 +121,8 @@ class RunManager:
     # -- liveness -------------------------------------------------------------------------------
     def check(self) -> list[Failure]:
         """Look at every live run once: a rank that died, a launcher gone, a hang. Returns the
-        failures seen for the first time (each is reported once); a run with a dead rank is
-        ended and its failure recorded. Cheap: one pass over /proc for all runs."""
+        failures seen for the first time (each is reported once); what is left of a failed run
+        is ended right after, and its failure recorded. Cheap: one pass over /proc for all runs."""
         with self._check_lock:
             handles = [h for h in self._all_handles() if not h.settled()]
             groups = procs.snapshot({h.pid for h in handles if h.pid})

@@ -104,15 +104,18 @@ def log_tail(folder: RunFolder, rank: int | None, n: int) -> tuple[str, tuple[st
     return "", tuple(lines)
 
 
-# Launchers this process started. Every manager in the process shares them, so whichever one
-# sees the run end reaps the launcher (no zombie left) and learns its exit code.
+# Launchers this process started, shared by every manager in the process: whichever one looks
+# at the run learns the launcher's exit code.
 _children: dict[int, subprocess.Popen] = {}
 _children_lock = threading.Lock()
 
 
 def adopt_child(proc: subprocess.Popen) -> None:
+    """Keep the launcher's Popen, and reap it the moment it exits (a thread waits on it), so a
+    finished run leaves no zombie even when nobody looks at it."""
     with _children_lock:
         _children[proc.pid] = proc
+    threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
 
 
 def reap(pid: int | None) -> int | None:

@@ -64,6 +64,7 @@ class RunSummary:
         if not isinstance(state, str):
             return
         # the last state event wins: a run resumed in its own folder starts over after "finished"
+        was_stopping = self.state == "stopping"  # the run ends after a `stop` command
         self.state = state
         self.step = _int(event.get("step"), self.step)
         self.end_time, self.error, self.error_rank = None, None, None
@@ -71,7 +72,7 @@ class RunSummary:
         if state in FINAL_STATES:
             self.end_time = event.get("time")
             self.final_source = event.get("source")
-            self.stopped_by_user = bool(event.get("stopped_by_user", False))
+            self.stopped_by_user = was_stopping or bool(event.get("stopped_by_user", False))
         if state == "failed":
             self.error = str(event.get("error") or "failed")
             self.error_rank = event.get("rank") if isinstance(event.get("rank"), int) else None

@@ -1,0 +1,65 @@
+"""Ending a run: asking it to stop through its control socket, then ending its whole process
+group (launcher and every rank) and waiting until not even a /proc entry of it is left."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from engine.launch import group_alive, kill_group
+from engine.run_folder import RunFolder
+
+from app.runs import procs
+from app.runs.records import reap
+
+
+def ask_to_stop(folder: RunFolder, save: bool, timeout: float) -> bool:
+    """Send `stop` through the run's control server and wait for it to be taken (at the next
+    step boundary); False when there is no server to ask or it did not answer in time."""
+    if not folder.control.exists():
+        return False
+    from app.client import RunClient  # imported late: only a stop needs the client
+    try:
+        with RunClient.connect(folder.root, timeout=min(5.0, timeout)) as client:
+            client.command("stop", timeout=timeout, save=save)
+        return True
+    except (OSError, RuntimeError, TimeoutError, ValueError):
+        return False  # not listening, refused or too slow: the group is ended instead
+
+
+def alive(pgid: int | None) -> bool:
+    """Whether any process of the group is still running (zombies do not count)."""
+    reap(pgid)
+    return pgid is not None and group_alive(pgid)
+
+
+def wait_gone(pgid: int | None, deadline: float) -> None:
+    while alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def end_group(pgid: int | None, grace_s: float) -> None:
+    """End every process of the group: SIGTERM, SIGKILL after `grace_s`; then wait until init
+    (or this process, for the launcher) has reaped them all."""
+    if pgid is None or not alive(pgid):
+        return
+    # a stopped (SIGSTOP) process cannot act on SIGTERM until it is continued
+    procs.signal_group(pgid, signal.SIGCONT)
+    kill_group(pgid, grace_s=grace_s)
+    deadline = time.monotonic() + 5.0
+    while procs.snapshot({pgid})[pgid] and time.monotonic() < deadline:
+        reap(pgid)
+        time.sleep(0.05)
+
+
+def forced_stop_event(save: bool, timeout: float, forced: bool, step: int) -> dict:
+    """The final state the manager records for a run that was stopped without writing one."""
+    if not forced:  # it went away by itself while being stopped: that is no clean stop
+        return {"type": "state", "state": "failed", "step": step, "stopped_by_user": True,
+                "error": "exited without a final state while it was being stopped"}
+    how = f"did not stop by itself within {timeout:g} s and was ended by signal"
+    if save:  # the save the user asked for did not happen: that is a failure they must see
+        return {"type": "state", "state": "failed", "step": step, "stopped_by_user": True,
+                "error": f"stopped by the user with save, but the run {how}; nothing was saved"}
+    return {"type": "state", "state": "finished", "step": step, "stopped_by_user": True,
+            "reason": f"stopped by the user; the run {how}"}
