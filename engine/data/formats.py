@@ -145,10 +145,10 @@ def encode_input_output(tokenizer, pairs: list[tuple[str, str]]) -> list[Encoded
     strip_eos = adds_eos(tokenizer)  # the prompt must not end the sequence
     prompts = tokenizer([p for p, _ in pairs])["input_ids"]
     answers = tokenizer([a for _, a in pairs], add_special_tokens=False)["input_ids"]
-    out = []
+    eos, out = _eos(tokenizer), []
     for prompt, answer in zip(prompts, answers):
         prompt = list(prompt[:-1] if strip_eos and prompt else prompt)
-        answer = list(answer) + _eos(tokenizer)
+        answer = list(answer) + eos
         out.append((prompt + answer, [IGNORE] * len(prompt) + answer))
     return out
 

@@ -33,8 +33,8 @@ class DistributedBatchSampler(Sampler[list[int]]):
     """Batches of indices for one data-parallel rank; see the module docstring.
 
     `lengths` are the samples' token counts (an int: only the number of samples, for strategies
-    that do not look at lengths). Call `set_epoch` before each epoch and `set_start_batch(k)` to
-    resume an epoch after its first k batches.
+    that do not look at lengths). Call `set_epoch` before each epoch, then `set_start_batch(k)`
+    to resume that epoch after its first k batches.
     """
 
     def __init__(self, lengths: Sequence[int] | int, batch_size: int, dp_rank: int = 0,
@@ -111,7 +111,8 @@ class DistributedBatchSampler(Sampler[list[int]]):
         return full + int((self.global_size + rest) // 2 >= self.dp_size)  # see _chunks
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.position = epoch, self.start_batch
+        """Make the next iteration run `epoch` from its first batch (then `set_start_batch`)."""
+        self.epoch, self.start_batch, self.position = epoch, 0, 0
 
     def set_start_batch(self, batch: int) -> None:
         """Start the epoch after its first `batch` batches (those already trained)."""
@@ -148,6 +149,5 @@ class DistributedBatchSampler(Sampler[list[int]]):
                   if state.get(k) != v]
         if differ:
             raise DataError("cannot resume the data order exactly, the sampler differs: " + "; ".join(differ))
-        self.start_batch = 0
         self.set_epoch(int(state["epoch"]))
         self.set_start_batch(int(state["batch"]))
