@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -77,6 +79,17 @@ def wait_for(predicate, timeout: float, what: str, handle=None):
     pytest.fail(f"timed out after {timeout} s waiting for {what}{detail}")
 
 
+def keep_asking(manager: RunManager, done: threading.Event, errors: list) -> None:
+    while not done.is_set():
+        try:
+            for info in manager.list_runs():
+                manager.get(info.name).failure()
+            manager.check()
+        except Exception as e:  # noqa: BLE001 - collected for the test to show
+            errors.append(repr(e))
+        time.sleep(0.01)
+
+
 def wait_running(handle, step: int = 1, timeout: float = 240.0) -> None:
     wait_for(lambda: handle.info().state == "running" and handle.info().step >= step, timeout,
              f"{handle.name} to run step {step}", handle)
@@ -112,11 +125,28 @@ def test_unknown_run_is_named_in_the_error(tmp_path):
 
 # -- real runs -------------------------------------------------------------------------------
 
+def test_the_manager_imports_neither_torch_nor_deepspeed():
+    code = ("import sys, app, app.runs; heavy = [m for m in ('torch', 'deepspeed', 'gradio') "
+            "if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
 def test_default_run_finishes_and_is_listed_with_its_metrics(tmp_path, env):
     manager = RunManager(tmp_path / "runs")
+    manager.start_monitor(interval=0.2)
     handle = manager.start(config(tmp_path, "short", "max_steps=4"), env=env)
     assert handle.info().state in ("starting", "running")
+    # front-end threads asking all the while, as Gradio's would
+    errors, done = [], threading.Event()
+    readers = [threading.Thread(target=keep_asking, args=(manager, done, errors)) for _ in range(3)]
+    for reader in readers:
+        reader.start()
     wait_for(lambda: handle.info().state in ("finished", "failed"), 240, "the run to end", handle)
+    done.set()
+    for reader in readers:
+        reader.join()
+    manager.stop_monitor()
+    assert errors == [] and manager.failures() == []
     info = handle.info()
     assert info.state == "finished", handle.failure()
     assert_no_process_left(handle.pid)
