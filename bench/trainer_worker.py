@@ -90,7 +90,7 @@ def bare(a, cfg, clock):
 
 def hf(a, cfg, clock):
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-    from engine.data import build_dataset, make_collator
+    from engine.data import PaddingCollator, build_dataset
     from engine.model import load_tokenizer
     ds = ds_config_for(cfg, 256)
     args = TrainingArguments(output_dir=str(Path(a.out).parent / "hf"), per_device_train_batch_size=MICRO,
@@ -101,7 +101,7 @@ def hf(a, cfg, clock):
     tok = load_tokenizer(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model)
     dataset, _ = build_dataset(str(a.data), tok, format="tokenized", max_length=256)
-    collate = make_collator(tok)
+    collate = PaddingCollator(tok)
     seen = []
 
     def counting_collate(items):

@@ -106,9 +106,7 @@ def datasets_of(cfg: RunConfig, tokenizer, train_dataset, eval_dataset):
 
 
 def micro_batches_per_epoch(trainer) -> int:
-    cfg = trainer.config
-    return len(trainer.train_dataset) // (cfg.train.micro_batch_size * trainer.env.dp_size) \
-        if cfg.data.batching != "packing" else len(trainer.train_loader(0))
+    return trainer.train_loader(0).batch_sampler.num_batches
 
 
 def train_loader_of(trainer, epoch: int, start_batch: int):

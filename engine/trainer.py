@@ -122,11 +122,13 @@ class Trainer:
     # -- one step's pieces --------------------------------------------------------------------
     def compute_loss(self, batch: dict) -> torch.Tensor:
         """Forward one micro-batch and return its loss (the model's own, or `loss_fn`'s)."""
+        # No KV cache in training: it is wasted work, and with one transformers treats a packed
+        # row as one sequence (samples would attend to each other).
         batch = {k: v.to(self.engine.device) for k, v in batch.items()}
         if self.loss_fn is None:
-            return self.engine(**batch).loss
+            return self.engine(**batch, use_cache=False).loss
         model_inputs = {k: v for k, v in batch.items() if k != "labels"}
-        outputs = self.engine(**model_inputs)
+        outputs = self.engine(**model_inputs, use_cache=False)
         return call_by_names(self.loss_fn, batch, outputs)
 
     def _reduce(self, loss: torch.Tensor, tokens: int) -> tuple[float, int]:
