@@ -27,12 +27,14 @@ def has_weights(folder: Path) -> bool:
     return any((Path(folder) / name).exists() for name in WEIGHT_FILES)
 
 
-def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
-    """The folder's tokenizer, with a pad token (eos when the folder defines none)."""
+def load_tokenizer(folder: str | Path, field: str = "model.tokenizer") -> PreTrainedTokenizerBase:
+    """The folder's tokenizer, with a pad token (eos when the folder defines none).
+
+    `field` is the config field that named the folder, for the error message."""
     try:
         tok = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
-        raise ModelFolderError(f"model.tokenizer: cannot load a tokenizer from {folder}: {e}") from None
+        raise ModelFolderError(f"{field}: cannot load a tokenizer from {folder}: {e}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

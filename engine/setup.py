@@ -83,7 +83,8 @@ def model_dir_of(cfg: RunConfig) -> Path:
 
 
 def tokenizer_of(cfg: RunConfig):
-    return model_layer.load_tokenizer(cfg.model.tokenizer or model_dir_of(cfg))
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    return model_layer.load_tokenizer(cfg.model.tokenizer or model_dir_of(cfg), field)
 
 
 def datasets_of(cfg: RunConfig, tokenizer, train_dataset, eval_dataset):
