@@ -1,0 +1,127 @@
+"""Which parallel layouts a run can use, checked before anything starts. Torch-free.
+
+`layout_problems(cfg)` is part of the run config's validation (engine.config.validate): it reads
+the model's config.json (no torch, no transformers) and the hostfile, and returns every problem
+as (field, message) with the reason, so a run that DeepSpeed or livetune cannot carry out is
+refused with one message instead of failing minutes later on some rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+# Decoder stacks whose layers share the call signature the pipeline split relies on
+# (hidden, attention_mask, position_ids, cache, position_embeddings) and a rotary embedding.
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+
+
+def layout_problems(cfg: Any) -> list[tuple[str, str]]:
+    """Problems of `cfg`'s tp / pp / multi-machine layout (a RunConfig; empty list when fine)."""
+    p, method = cfg.parallel, cfg.method.name
+    problems: list[tuple[str, str]] = []
+    if p.tp_size > 1 and p.pp_size > 1:
+        problems.append(("parallel.pp_size", "tensor and pipeline parallelism cannot be combined here: "
+                         "DeepSpeed's AutoTP swaps the engine's model-parallel unit for its own "
+                         "data x tensor mesh over all ranks, which knows nothing of pipeline stages; "
+                         "use tp_size or pp_size, not both"))
+    if method in ("lora", "prompt_tuning", "p_tuning") and (p.tp_size > 1 or p.pp_size > 1):
+        problems.append(("method.name", f"{method} (a PEFT adapter) is not supported with tensor or "
+                         "pipeline parallelism: the adapter's own layers would have to be split and "
+                         "staged with the layers they wrap; use method full, or tp_size 1 and pp_size 1"))
+    if method in ("lomo", "adalomo") and p.tp_size > 1:
+        problems.append(("method.name", f"{method} updates each whole gradient inside backward, which "
+                         "AutoTP's sharded layers do not give it; use tp_size 1"))
+    model = model_config(cfg)
+    if model is not None:
+        problems += _model_problems(model, p.tp_size, p.pp_size)
+    problems += hostfile_problems(cfg)
+    return problems
+
+
+def model_config(cfg: Any) -> dict | None:
+    """The model's config.json as a dict (its text part for multimodal configs); None when
+    there is no readable one (the model.path check reports a missing folder)."""
+    if not cfg.model.path:
+        from engine.default_task import MODEL_SIZE  # torch-free; the default is a tiny Llama
+        return {"model_type": "llama", "num_attention_heads": MODEL_SIZE["heads"],
+                "num_key_value_heads": MODEL_SIZE["heads"], "num_hidden_layers": MODEL_SIZE["layers"]}
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    text = data.get("text_config")
+    return text if isinstance(text, dict) else data
+
+
+def _model_problems(model: dict, tp: int, pp: int) -> list[tuple[str, str]]:
+    problems = []
+    heads = model.get("num_attention_heads")
+    kv_heads = model.get("num_key_value_heads") or heads
+    if tp > 1:
+        if not isinstance(heads, int):
+            problems.append(("parallel.tp_size", "the model's config.json gives no num_attention_heads, "
+                             "so the attention cannot be split by heads"))
+        elif heads % tp or kv_heads % tp:
+            problems.append(("parallel.tp_size", f"tp_size {tp} must divide the model's attention heads "
+                             f"({heads}) and key/value heads ({kv_heads}): each rank holds whole heads"))
+    if pp > 1:
+        kind = model.get("model_type")
+        if kind not in PIPELINE_MODEL_TYPES:
+            problems.append(("parallel.pp_size", f"pipeline parallelism splits {', '.join(PIPELINE_MODEL_TYPES)} "
+                             f"models (Llama-family decoders); this model is {kind!r}"))
+        layers = model.get("num_hidden_layers")
+        if isinstance(layers, int) and layers < pp:
+            problems.append(("parallel.pp_size", f"pp_size {pp} stages need at least {pp} decoder layers; "
+                             f"the model has {layers}"))
+    return problems
+
+
+def parse_hostfile(text: str) -> tuple[dict[str, int], list[str]]:
+    """DeepSpeed's hostfile format ("host slots=N" per line, # comments) -> ({host: slots}, errors)."""
+    hosts: dict[str, int] = {}
+    errors = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = _HOST_LINE.match(line)
+        if not match:
+            errors.append(f"line {number} {raw.strip()!r} is not `HOST slots=N`")
+        elif match.group(1) in hosts:
+            errors.append(f"line {number} names {match.group(1)} a second time")
+        else:
+            hosts[match.group(1)] = int(match.group(2))
+    if not hosts and not errors:
+        errors.append("it names no host")
+    return hosts, errors
+
+
+def hostfile_problems(cfg: Any) -> list[tuple[str, str]]:
+    """The hostfile's format, its slots against nproc, and a rendezvous address the other
+    machines can reach."""
+    p = cfg.parallel
+    if not p.hostfile or not Path(p.hostfile).is_file():
+        return []  # a missing file is reported by the config's own check
+    hosts, errors = parse_hostfile(Path(p.hostfile).read_text())
+    problems = [("parallel.hostfile", f"{p.hostfile}: {e}") for e in errors]
+    short = {h: n for h, n in hosts.items() if n < p.nproc}
+    if short:
+        problems.append(("parallel.nproc", f"{p.nproc} processes per machine, but the hostfile gives "
+                         + ", ".join(f"{h} only {n} slots" for h, n in short.items())))
+    if len(hosts) > 1 and p.master_addr in LOOPBACK:
+        problems.append(("parallel.master_addr", f"{p.master_addr} is this machine only; with "
+                         f"{len(hosts)} machines give an address of the first host that the others reach"))
+    return problems
+
+
+def is_local_only(hosts: dict[str, int]) -> bool:
+    """True when the hostfile names this machine alone (no ssh needed to start it)."""
+    import socket
+    names = {*LOOPBACK, socket.gethostname(), socket.getfqdn()}
+    return len(hosts) == 1 and next(iter(hosts)) in names

@@ -1,0 +1,114 @@
+"""One ordinary Hugging Face model from any tp / pp layout, and back.
+
+    full_state_dict(trainer)            whole-model weights, Hugging Face names, on rank 0
+    load_full_state_dict(trainer, sd)   split whole-model weights into this rank's layout
+    save_hf_model(trainer, path)        a from_pretrained-ready folder (weights, config, tokenizer)
+
+All three are collective (every rank calls them). Under tensor parallelism the shards are
+gathered layer by layer (DeepSpeed's consolidation); under pipeline parallelism the first
+data-parallel replica's stages send their layers to rank 0. Loading refreshes the optimizer's
+full-precision master weights, so the next step starts from the loaded weights.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel import tp
+
+
+def is_split(trainer) -> bool:
+    """True when this trainer's model is split by tensor or pipeline parallelism."""
+    return trainer.env.tp_size > 1 or trainer.env.pp_size > 1
+
+
+def hf_config_of(trainer):
+    module = trainer.engine.module
+    return getattr(module, "hf_config", None) or module.config
+
+
+def full_state_dict(trainer) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights under their Hugging Face names on global rank 0, None on the
+    other ranks (collective)."""
+    engine, env = trainer.engine, trainer.env
+    if env.pp_size > 1:
+        return _gather_stages(trainer)
+    if env.tp_size > 1:
+        return tp.full_state_dict(engine)
+    if env.rank != 0:
+        return None
+    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
+
+
+def _gather_stages(trainer) -> dict[str, torch.Tensor] | None:
+    env = trainer.env
+    mine = None
+    if env.dp_rank == 0:  # one replica's stages make up the whole model
+        mine = {k: v.detach().cpu() for k, v in trainer.engine.module.hf_state_dict().items()}
+    gathered = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if env.rank != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part or {})
+    return merged
+
+
+def load_full_state_dict(trainer, state_dict: dict[str, torch.Tensor]) -> None:
+    """Put whole-model weights (Hugging Face names; every rank passes the same) into the
+    engine's layout; raises ValueError naming the weights the model needs and did not get."""
+    engine, env = trainer.engine, trainer.env
+    if env.pp_size > 1:
+        missing = engine.module.load_hf_state_dict(state_dict)
+    elif env.tp_size > 1:
+        missing = tp.load_full_state_dict(engine.module, state_dict)
+    else:
+        missing = list(engine.module.load_state_dict(state_dict, strict=False).missing_keys)
+    if missing:
+        raise ValueError(f"the weights lack {len(missing)} of this model's tensors: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+    refresh_master_weights(engine)
+
+
+def refresh_master_weights(engine) -> None:
+    """Copy the module's (possibly 16-bit) weights into the optimizer's fp32 masters, where the
+    optimizer keeps its own (bf16 / fp16 / ZeRO wrappers)."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
+        optimizer.refresh_fp32_params()
+
+
+def save_hf_model(trainer, path: str | Path) -> None:
+    """Write the whole model as one ordinary Hugging Face folder (safetensors, config,
+    tokenizer); only rank 0 writes, into a temporary folder renamed into place."""
+    state_dict = full_state_dict(trainer)
+    if trainer.env.rank == 0:
+        _write_folder(Path(path), state_dict, hf_config_of(trainer), trainer.tokenizer)
+    if trainer.env.world_size > 1:
+        dist.barrier()
+
+
+def _write_folder(path: Path, state_dict: dict, config, tokenizer) -> None:
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(v.dtype for v in state_dict.values() if v.is_floating_point())
+    with torch.device("meta"):  # only the class and config are needed; weights come from state_dict
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        skeleton.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,121 @@
+"""Train the tiny default model under one layout (tp 2, pp 2, or one rank) and report what the
+tp / pp tests compare: per-step losses, evaluation, a greedy chat at a step boundary next to a
+one-rank Hugging Face model holding the same (gathered) weights, the merged Hugging Face
+export with the engine's logits, and a training checkpoint to resume from."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dist_utils import report  # noqa: E402
+
+PROMPTS = ["reverse: kcodw\n", "sort: abc\n", "upper: hello\n"]
+LAYOUTS = {"tp": ["nproc=2", "tp=2"], "pp": ["nproc=2", "pp=2"], "tp_zero1": ["nproc=2", "tp=2", "zero_stage=1"],
+           "single": ["nproc=1"]}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--data", required=True, help="JSON {train, eval} paths")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--chat-step", type=int, default=3)
+    p.add_argument("--ckpt-step", type=int, default=4)
+    p.add_argument("--resume", default="")
+    p.add_argument("--local_rank", type=int, default=0)
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse()
+    import torch
+
+    from engine.callbacks import Callback
+    from engine.config import load_config
+    from engine.generation import encode_prompts, generate
+    from engine.parallel import layouts
+    from engine.trainer import Trainer
+
+    data = json.loads(a.data)
+    out = Path(a.out)
+    cfg = load_config(overrides=[
+        *LAYOUTS[a.layout], "precision=fp32", f"max_steps={a.steps}", "batch_size=8", "train.grad_accum=2",
+        "data.max_length=32", "lr=3e-3", "optim.warmup_steps=2", f"data.train={data['train']}",
+        f"data.eval={data['eval']}", "eval.at_end=true", "eval.max_samples=16", "eval.batch_size=8",
+        "eval.evaluators=perplexity,exact_match", "eval.max_new_tokens=8", "checkpoint.save_at_end=false",
+        "control.enabled=false", "logging.tensorboard=false", f"output_dir={out / 'runs'}",
+        f"run_name={a.layout}{'-resumed' if a.resume else ''}"])
+    losses, chats, evals = {}, {}, {}
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, loss):
+            step = trainer.state.global_step
+            losses[step] = loss
+            if step == a.chat_step and not a.resume:
+                chats.update(chat_against_one_rank(trainer))
+            if step == a.ckpt_step and not a.resume:
+                trainer.save_checkpoint(str(out / "ckpt"))
+
+        def on_evaluate_end(self, trainer, results):
+            evals.update(results)
+
+    def chat_against_one_rank(trainer) -> dict:
+        texts = generate(trainer, PROMPTS, max_new_tokens=12)  # collective, every rank
+        streamed: list[str] = []
+        first = generate(trainer, PROMPTS[:1], max_new_tokens=12, on_text=streamed.append)[0]
+        state = layouts.full_state_dict(trainer)  # collective; rank 0 gets the whole model
+        ref = None
+        if trainer.env.rank == 0:
+            model = one_rank_model(trainer, state)
+            enc = encode_prompts(trainer.tokenizer, PROMPTS, "cpu")
+            with torch.no_grad():
+                ids = model.generate(**enc, max_new_tokens=12, do_sample=False,
+                                     pad_token_id=trainer.tokenizer.pad_token_id,
+                                     eos_token_id=trainer.tokenizer.eos_token_id)
+            ref = trainer.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        return {"texts": texts, "reference": ref, "streamed": "".join(streamed), "first": first}
+
+    trainer = Trainer(config=cfg, callbacks=[Probe()])
+    if a.resume:
+        trainer.load_checkpoint(a.resume)
+    trainer.train()
+    if not a.resume:
+        layouts.save_hf_model(trainer, out / "model")
+        save_engine_logits(trainer, out / "engine_logits.pt")
+    report(rank=trainer.env.rank, losses=losses, eval=evals, chat=chats, dp_rank=trainer.env.dp_rank,
+           dp_size=trainer.env.dp_size, stage=trainer.env.stage, tp_rank=trainer.env.tp_rank)
+    trainer.close()
+
+
+def one_rank_model(trainer, state: dict):
+    from transformers import AutoModelForCausalLM
+    from engine.parallel.layouts import hf_config_of
+    model = AutoModelForCausalLM.from_config(hf_config_of(trainer), dtype=state["model.embed_tokens.weight"].dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not [k for k in missing if k != "lm_head.weight"] and not unexpected, (missing, unexpected)
+    return model.eval()
+
+
+def save_engine_logits(trainer, path: Path) -> None:
+    """The engine's own logits for fixed prompts, written by the rank that has them."""
+    import torch
+    from engine.generation import encode_prompts
+    enc = encode_prompts(trainer.tokenizer, PROMPTS, trainer.engine.device)
+    with torch.no_grad():
+        trainer.engine.eval()
+        if trainer.env.pp_size > 1:
+            from engine.parallel.pipeline import pipe_inputs, stage_forward
+            logits = stage_forward(trainer.engine, pipe_inputs(enc, trainer.engine.device)[0])
+        else:
+            logits = trainer.engine(**enc, use_cache=False).logits
+    if logits is not None and (trainer.env.pp_size > 1 or trainer.env.rank == 0):
+        torch.save({"logits": logits.cpu(), **{k: v.cpu() for k, v in enc.items()}}, path)
+
+
+if __name__ == "__main__":
+    main()
