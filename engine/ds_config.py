@@ -194,6 +194,9 @@ def build_ds_config(cfg: RunConfig, *, world_size: int, dp_size: int, total_step
     _check_ownership(ds, warnings)
     if cfg.parallel.tp_size > 1 or ds.has("tensor_parallel.autotp_size"):
         ds.fill("tensor_parallel.autotp_size", cfg.parallel.tp_size, "parallel.tp_size")
+        if cfg.parallel.tp_size > 1:  # full logits on every rank: see engine.parallel.tp
+            ds.fill("tensor_parallel.vocab_parallel_lm_head", False,
+                    "livetune's tensor parallelism (whole-vocabulary logits on every rank, for generation)")
     ds.fill("steps_per_print", NO_LOG_STEPS)
     ds.fill("wall_clock_breakdown", False)
     named = {key for key, _ in ds.problems}

@@ -48,3 +48,12 @@ def choose_strategy(cfg: RunConfig) -> StepStrategy:
         if applies(cfg):
             return factory(cfg)
     return EngineStep()
+
+
+def _pipeline_step(cfg: RunConfig) -> StepStrategy:
+    from engine.parallel.pipeline import PipelineStep
+    return PipelineStep()
+
+
+# pipeline parallelism: DeepSpeed's pipeline schedule (engine.train_batch) replaces the loop above
+register_strategy(lambda cfg: cfg.parallel.pp_size > 1, _pipeline_step)
