@@ -1,0 +1,123 @@
+"""The chat box: a question to the run's live weights, the answer streamed in piece by piece.
+
+`chat` mode sends the conversation as chat messages (the model's chat template); `prompt` mode
+sends the text as it is (for a model whose tokenizer has no template). The answer comes from a
+background thread, so the kernel stays free while the model writes.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+from typing import Callable
+
+import ipywidgets as widgets
+
+from app.notebook.api import Run
+
+
+class ChatBox:
+    """`send()` (or the Send button) asks the run `get_run()` returns; `transcript` holds the
+    turns so far as (role, text), `answer` the latest answer as it streams."""
+
+    def __init__(self, get_run: Callable[[], Run | None], on_error: Callable[[str], None] = print):
+        self._get_run, self._on_error = get_run, on_error
+        self.input = widgets.Textarea(placeholder="ask the model being trained (e.g. reverse: hello)",
+                                      layout=widgets.Layout(width="520px", height="60px"))
+        self.mode = widgets.ToggleButtons(options=["chat", "prompt"], value="chat",
+                                          tooltips=["send as chat messages (chat template)",
+                                                    "send the raw text"],
+                                          style={"button_width": "70px"})
+        self.max_new_tokens = widgets.IntText(value=32, description="max tokens",
+                                              layout=widgets.Layout(width="170px"))
+        self.keep_history = widgets.Checkbox(value=False, description="multi-turn", indent=False)
+        self.compare_base = widgets.Checkbox(value=False, description="compare with base (PEFT)", indent=False)
+        self.send_button = widgets.Button(description="Send", button_style="primary", icon="paper-plane")
+        self.clear_button = widgets.Button(description="Clear")
+        self.view = widgets.HTML(layout=widgets.Layout(width="720px"))
+        self.transcript: list[tuple[str, str]] = []
+        self.answer = ""          # the answer being streamed (or the last one)
+        self.base_answer = ""
+        self.answered = 0         # answers completed
+        self.busy = False
+        self._thread: threading.Thread | None = None
+        self.send_button.on_click(lambda _: self.send())
+        self.clear_button.on_click(lambda _: self.clear())
+        self.widget = widgets.VBox([
+            widgets.HTML("<b>Chat with the live model</b>"),
+            widgets.HBox([self.input, widgets.VBox([self.send_button, self.clear_button])]),
+            widgets.HBox([self.mode, self.max_new_tokens, self.keep_history, self.compare_base]),
+            self.view])
+
+    def set_enabled(self, enabled: bool) -> None:
+        self.send_button.disabled = not enabled or self.busy
+
+    def clear(self) -> None:
+        self.transcript, self.answer, self.base_answer = [], "", ""
+        self._render()
+
+    def send(self, text: str | None = None) -> threading.Thread | None:
+        """Ask `text` (default: the input box); returns the thread streaming the answer."""
+        run = self._get_run()
+        text = self.input.value if text is None else text
+        if run is None or not text.strip() or self.busy:
+            return None
+        self.busy, self.send_button.disabled = True, True
+        if not self.keep_history.value:
+            self.transcript = []
+        self.transcript.append(("user", text))
+        self.input.value = ""
+        self.answer, self.base_answer = "", ""
+        self._render()
+        self._thread = threading.Thread(target=self._stream, args=(run,), name="chat-stream", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Wait for the answer being streamed; returns it."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.answer
+
+    def _request(self, run: Run):
+        params = {"max_new_tokens": self.max_new_tokens.value}
+        if self.compare_base.value:
+            params["compare_base"] = True
+        if self.mode.value == "prompt":
+            return run.generate(self.transcript[-1][1], **params)
+        messages = [{"role": role, "content": text} for role, text in self.transcript]
+        return run.generate(messages=messages, **params)
+
+    def _stream(self, run: Run) -> None:
+        try:
+            generation = self._request(run)
+            for chunk in generation:
+                if chunk.model == "base":
+                    self.base_answer += chunk
+                else:
+                    self.answer += chunk
+                self._render(streaming=True)
+            step = generation.result.get("step")
+            self.transcript.append(("assistant", self.answer))
+            self.answered += 1
+            self._render(note=f"answered by the weights of step {step}")
+        except Exception as e:  # noqa: BLE001 - shown in the box, the kernel goes on
+            self.transcript.pop()
+            self._on_error(f"chat: {type(e).__name__}: {e}")
+            self._render(note=f"no answer: {e}")
+        finally:
+            self.busy = False
+            self.send_button.disabled = False
+
+    def _render(self, streaming: bool = False, note: str = "") -> None:
+        turns = list(self.transcript)
+        if streaming:
+            turns.append(("assistant", self.answer + "\u258c"))
+        rows = [f"<div><b>{role}</b>: <span style='white-space:pre-wrap;font-family:monospace'>"
+                f"{html.escape(text)}</span></div>" for role, text in turns]
+        if self.base_answer:
+            rows.append(f"<div><b>base model</b>: <span style='white-space:pre-wrap;font-family:monospace'>"
+                        f"{html.escape(self.base_answer)}</span></div>")
+        if note:
+            rows.append(f"<div style='color:#666;font-size:85%'>{html.escape(note)}</div>")
+        self.view.value = "".join(rows)

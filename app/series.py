@@ -1,0 +1,127 @@
+"""A run's event log turned into plot series, for every front end (notebook widgets, web app).
+
+    history = RunHistory()
+    history.update(read_events(folder.events))    # the whole past at once (a reattach) ...
+    history.update(tail.poll())                   # ... then each new batch of lines
+    history.train["loss"]      -> [(step, value), ...]
+    history.eval["exact_match"] -> [(step, value), ...]    (the `eval/` prefix dropped)
+    history.summary.state, history.eta()
+
+The latest state, step and metrics come from `app.runs.summary.RunSummary` (the run manager's
+own fold), so every view agrees on them; this module adds the history behind them. Torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from app.runs.summary import RunSummary
+
+Point = tuple[int, float]
+
+# a train record's bookkeeping fields, not series
+_NOT_SERIES = ("type", "step", "epoch", "total_steps", "time", "line")
+# how many of the latest train records the speed (and so the ETA) is measured over
+_ETA_WINDOW = 20
+
+
+@dataclass
+class RunHistory:
+    """Every metric of a run over its steps, folded from its events in order."""
+    summary: RunSummary = field(default_factory=RunSummary)
+    train: dict[str, list[Point]] = field(default_factory=dict)
+    eval: dict[str, list[Point]] = field(default_factory=dict)
+    settings: list[dict] = field(default_factory=list)   # each `set` event: step and changes
+    commands: list[dict] = field(default_factory=list)   # each command's final record
+    _times: list[tuple[int, float]] = field(default_factory=list)  # (step, time) of train records
+    version: int = 0                                     # grows with every event folded in
+
+    def update(self, events: Iterable[dict[str, Any]]) -> int:
+        """Fold new events in (in log order); returns how many there were."""
+        events = list(events)
+        self.summary.update(events)
+        for event in events:
+            kind = event.get("type")
+            if kind == "train":
+                self._on_train(event)
+            elif kind == "eval":
+                self._on_eval(event)
+            elif kind == "set":
+                self.settings.append({"step": event.get("step"), **event.get("changes", {})})
+            elif kind == "command" and event.get("status") in ("done", "failed"):
+                self.commands.append(event)
+        self.version += len(events)
+        return len(events)
+
+    def _on_train(self, event: dict) -> None:
+        step = event.get("step")
+        if not isinstance(step, int):
+            return
+        _cut_from(self.train, step)
+        for key, value in event.items():
+            if key not in _NOT_SERIES and _number(value):
+                self.train.setdefault(key, []).append((step, float(value)))
+        self._times = [t for t in self._times if t[0] < step]
+        if _number(event.get("time")):
+            self._times.append((step, float(event["time"])))
+            del self._times[:-_ETA_WINDOW]
+
+    def _on_eval(self, event: dict) -> None:
+        step = event.get("step")
+        if not isinstance(step, int):
+            return
+        _cut_from(self.eval, step)
+        for key, value in event.items():
+            if key.startswith("eval/") and _number(value):
+                self.eval.setdefault(key[len("eval/"):], []).append((step, float(value)))
+
+    # -- reading -----------------------------------------------------------------------------
+    def values(self, name: str, split: str = "train") -> list[float]:
+        """The values of one series (train or eval), in step order."""
+        return [v for _, v in (self.train if split == "train" else self.eval).get(name, [])]
+
+    def latest(self, name: str, split: str = "train") -> float | None:
+        values = self.values(name, split)
+        return values[-1] if values else None
+
+    def seconds_per_step(self) -> float | None:
+        """Wall time per step over the latest records (pauses count, so it is honest about ETA)."""
+        if len(self._times) < 2:
+            return None
+        (s0, t0), (s1, t1) = self._times[0], self._times[-1]
+        return (t1 - t0) / (s1 - s0) if s1 > s0 else None
+
+    def eta(self, now: float | None = None) -> float | None:
+        """Seconds left until the last step, from the recent speed; None when not known."""
+        s = self.summary
+        per_step = self.seconds_per_step()
+        if per_step is None or not s.total_steps or s.final or s.state == "paused":
+            return None
+        left = max(0, s.total_steps - s.step) * per_step
+        if self._times:  # time already spent on the step under way
+            left -= max(0.0, (now or time.time()) - self._times[-1][1])
+        return max(0.0, left)
+
+
+def format_seconds(seconds: float | None) -> str:
+    """`1:02:03`, `4:05`, or `-` when unknown."""
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _cut_from(series: dict[str, list[Point]], step: int) -> None:
+    """Drop the points at `step` and after: a run resumed from an earlier checkpoint in its own
+    folder trains those steps again, and its new records replace the old ones."""
+    for points in series.values():
+        while points and points[-1][0] >= step:
+            points.pop()
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
