@@ -9,6 +9,8 @@
 2. Chat latency: time from a chat request sent at a random moment mid-training to its first
    streamed token, against one step time plus the first-token time of the same request on an
    idle (paused) engine (target <= 1.2).
+3. The idle boundary itself: rank 0's own clock of the per-step broadcast, and its share of a
+   step: the control plane's cost without the noise of two whole runs on a shared machine.
 
 Both runs of a pair are the tiny default model on a slice of the default task, one after the
 other (never at the same time: they would share the cores), started through the real entry
@@ -18,6 +20,7 @@ point (engine.launch.spawn -> DeepSpeed launcher -> engine.worker).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -73,6 +76,7 @@ def live_run(tmp: Path, task: dict, zero: int, steps: int, chats: int) -> dict:
     follower = threading.Thread(target=lambda: [None for _ in RunClient(run.folder.root).events()], daemon=True)
     follower.start()
     wait_for_step(run, steps, timeout=1800)
+    boundary = client.status()["boundary"]  # rank 0's own clock of the idle exchanges
     tps = throughput(run, WINDOW_SKIP, steps)
     step_s = step_time(run, WINDOW_SKIP, steps)
     mid = []
@@ -84,32 +88,56 @@ def live_run(tmp: Path, task: dict, zero: int, steps: int, chats: int) -> dict:
     client.stop(save=False)
     assert wait_exit(run, timeout=600) == 0
     follower.join(timeout=30)
-    return {"tps": tps, "step_s": step_s, "mid": statistics.median(mid), "idle": statistics.median(idle)}
+    exchange_s = boundary["idle_seconds"] / max(1, boundary["idle_exchanges"])
+    return {"tps": tps, "step_s": step_s, "mid": mid, "idle": idle, "exchange_s": exchange_s}
+
+
+def measure(tmp: Path, task: dict, zero: int, args) -> dict:
+    """`repeats` pairs of runs, alternating which goes first (the machine's load drifts)."""
+    offs, ons = [], []
+    for r in range(args.repeats):
+        for kind in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            if kind == "off":
+                offs.append(quiet_run(tmp, task, zero, args.steps))
+            else:
+                ons.append(live_run(tmp, task, zero, args.steps, args.chats))
+    mid = statistics.median(x for on in ons for x in on["mid"])
+    idle = statistics.median(x for on in ons for x in on["idle"])
+    step_s = statistics.median(on["step_s"] for on in ons)
+    return {"off": statistics.median(offs), "on": statistics.median(on["tps"] for on in ons),
+            "pairs": [on["tps"] / off for on, off in zip(ons, offs)], "step_s": step_s,
+            "mid": mid, "idle": idle, "exchange_s": statistics.median(on["exchange_s"] for on in ons)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--chats", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2, help="pairs of runs per ZeRO stage")
     parser.add_argument("--zero", type=int, nargs="+", default=[2, 3])
     args = parser.parse_args()
     random.seed(0)
+    load_before = os.getloadavg()[0]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-control-") as tmp_dir:
         tmp = Path(tmp_dir)
         task = task_files(tmp / "task")
         for zero in args.zero:
-            off = quiet_run(tmp, task, zero, args.steps)
-            on = live_run(tmp, task, zero, args.steps, args.chats)
-            rows.append((zero, off, on))
-    print("\ncontrol plane cost, 2 ranks, tiny default model, median of "
-          f"{args.chats} chats (8 new tokens)\n")
-    print(f"{'ZeRO':>4} | {'tok/s off':>10} | {'tok/s on+client':>15} | {'ratio':>6} (>=0.99) | "
-          f"{'step s':>7} | {'1st tok idle s':>14} | {'1st tok mid s':>13} | {'ratio':>6} (<=1.2)")
-    for zero, off, on in rows:
-        latency_ratio = on["mid"] / (on["step_s"] + on["idle"])
-        print(f"{zero:>4} | {off:>10.0f} | {on['tps']:>15.0f} | {on['tps'] / off:>6.3f}          | "
-              f"{on['step_s']:>7.4f} | {on['idle']:>14.4f} | {on['mid']:>13.4f} | {latency_ratio:>6.3f}")
+            rows.append((zero, measure(tmp, task, zero, args)))
+    print(f"\ncontrol plane cost: 2 ranks, tiny default model, {args.steps} steps, {args.repeats} pair(s) "
+          f"of runs per stage, {args.chats} chats (8 new tokens) per live run; load average "
+          f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
+    print(f"{'ZeRO':>4} | {'tok/s off':>9} | {'tok/s on':>8} | {'ratio':>5} (>=0.99) | {'pairs':>11} | "
+          f"{'exchange ms':>11} | {'of step':>7} | {'step s':>6} | {'1st tok idle':>12} | "
+          f"{'1st tok mid':>11} | {'ratio':>5} (<=1.2)")
+    for zero, m in rows:
+        latency_ratio = m["mid"] / (m["step_s"] + m["idle"])
+        pairs = "/".join(f"{x:.2f}" for x in m["pairs"])
+        print(f"{zero:>4} | {m['off']:>9.0f} | {m['on']:>8.0f} | {m['on'] / m['off']:>5.3f}          | "
+              f"{pairs:>11} | {m['exchange_s'] * 1e3:>11.3f} | {m['exchange_s'] / m['step_s']:>7.2%} | "
+              f"{m['step_s']:>6.3f} | {m['idle']:>12.4f} | {m['mid']:>11.4f} | {latency_ratio:>5.3f}")
+    print("\nexchange ms: rank 0's own time in the idle per-step broadcast (the control plane's whole "
+          "per-step work when no command is queued); 'of step' is its share of a step.")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ a uint8 tensor. Every rank then holds the same list in the same order and execut
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,10 +27,13 @@ class Boundary:
         self.device = device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
         self._size = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.collectives = 0  # broadcasts issued, for tests and the benchmark
+        # what an exchange costs a step when there is nothing to do (status, bench_control.py)
+        self.idle_exchanges, self.idle_seconds = 0, 0.0
 
     def exchange(self, wait_s: float = 0.0) -> list[Pending]:
         """The commands to execute now, identical on every rank. On rank 0 `wait_s` > 0 first
         waits up to that long for a command (the paused loop's heartbeat)."""
+        started = time.perf_counter()
         items: list[Pending] = []
         if self.rank == 0:
             if wait_s > 0:
@@ -43,6 +47,9 @@ class Boundary:
         self.collectives += 1
         size = int(self._size.item())
         if size == 0:
+            if wait_s <= 0:
+                self.idle_exchanges += 1
+                self.idle_seconds += time.perf_counter() - started
             return items
         if self.rank == 0:
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)

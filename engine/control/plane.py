@@ -123,7 +123,9 @@ class Control:
                 "accepting": self.commands.closed is None if self.commands is not None else False,
                 "last_train": self.last_train, "last_eval": self.last_eval,
                 "settings": handlers.current_settings(self), "world_size": self.world_size,
-                "memory_mb": {"0": handlers.memory_mb()}, "memory_of": "rank 0 only (ranks=true: every rank)"}
+                "memory_mb": {"0": handlers.memory_mb()}, "memory_of": "rank 0 only (ranks=true: every rank)",
+                "boundary": {"idle_exchanges": self.boundary.idle_exchanges,
+                             "idle_seconds": self.boundary.idle_seconds}}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:
