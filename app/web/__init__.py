@@ -1,0 +1,61 @@
+"""The Gradio web app: one module per tab (configure, train, chat, checkpoints, runs), each only
+laying out components and wiring their events to the `Backend`; `api` adds the named endpoints.
+
+    backend = Backend("runs")
+    demo = build_app(backend)
+    demo.launch(server_name="127.0.0.1", server_port=7860, **launch_options())
+
+Each browser page keeps the run it shows in a `gr.State`; a page that opens (or reloads) shows
+the run going on, rebuilt from its event log.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app.web import api, chat, checkpoints, configure, runs, train
+from app.web.backend import Backend
+from app.web.widgets import CSS
+
+TITLE = "livetune"
+
+
+def build_app(backend: Backend) -> gr.Blocks:
+    """The whole page, wired to `backend`."""
+    with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as demo:
+        gr.Markdown(f"## {TITLE} · fine-tune a language model and talk to it while it trains",
+                    elem_id="app-title")
+        run_state = gr.State(None)  # the run folder this page shows
+        with gr.Tabs(selected="configure", elem_id="tabs") as tabs:
+            with gr.Tab("Configure", id="configure", elem_id="tab-configure"):
+                config_tab = configure.build(backend, run_state, tabs)
+            with gr.Tab("Train", id="train", elem_id="tab-train"):
+                train.build(backend, run_state, tabs, config_tab)
+            with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
+                chat_refresh = chat.build(backend, run_state)
+            with gr.Tab("Checkpoints", id="checkpoints", elem_id="tab-checkpoints") as ckpt_tab:
+                ckpt_refresh = checkpoints.build(backend, run_state, tabs)
+            with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
+                runs_refresh = runs.build(backend, run_state, tabs)
+        config_tab.validation()
+        chat_tab.select(**chat_refresh)
+        ckpt_tab.select(**ckpt_refresh)
+        runs_tab.select(**runs_refresh)
+        demo.load(lambda: _on_load(backend), outputs=[run_state, tabs], api_visibility="private",
+                  show_progress="hidden")
+        api.register(backend)
+    return demo
+
+
+def _on_load(backend: Backend):
+    """A page that opens while a run is going shows that run's Train tab."""
+    path = backend.default_run()
+    if path and backend.info(path).alive:
+        return path, gr.Tabs(selected="train")
+    return path, gr.skip()
+
+
+def launch_options() -> dict:
+    """The look of the page (Gradio 6 takes theme and CSS at launch)."""
+    theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="slate")
+    return {"theme": theme, "css": CSS, "footer_links": ["api"]}

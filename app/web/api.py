@@ -1,0 +1,97 @@
+"""The named Gradio API endpoints, for `gradio_client` scripts (documented in the README):
+
+    /start   /stop   /pause   /resume   /set   /save   /evaluate   /chat   /status   /runs
+
+Each takes plain values and returns a JSON object; `run` is a run name, a run folder path, or
+empty for the app's current run. A failure comes back as a Gradio error with a readable message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator
+
+import gradio as gr
+
+from app.runs import RunInfo
+from app.web.backend import Backend, BackendError
+from app.web.backend.forms import DEFAULT_PRESET
+
+
+def _info(info: RunInfo) -> dict:
+    return {**dataclasses.asdict(info), "run": info.name}
+
+
+def _call(fn, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except BackendError as e:
+        raise gr.Error(str(e), print_exception=False) from None
+
+
+def register(backend: Backend) -> None:
+    """Add the endpoints to the Blocks being built."""
+
+    def start(config: str = "", preset: str = DEFAULT_PRESET) -> dict:
+        """Start a run: `config` is YAML or JSON (a partial run config) laid over `preset`
+        ("" for the schema defaults). Returns the run's info (name, path, state ...)."""
+        return _info(_call(backend.start_text, config, preset))
+
+    def stop(run: str = "", save: bool = False) -> dict:
+        """Stop a run (with `save`: a checkpoint first and the final model); waits until every
+        process of it has ended. Returns its final info."""
+        return _info(_call(backend.stop, run, save=save, wait=True))
+
+    def pause(run: str = "") -> dict:
+        """Pause at the next step boundary; the model stays in memory and still answers chats."""
+        return _call(backend.command, run, "pause")
+
+    def resume(run: str = "") -> dict:
+        """Resume a paused run."""
+        return _call(backend.command, run, "resume")
+
+    def set_values(run: str = "", lr: float | None = None, lr_scale: float | None = None,
+                   grad_clip: float | None = None, eval_every_n_steps: int | None = None,
+                   save_every_n_steps: int | None = None) -> dict:
+        """Change live settings at the next step boundary (give at least one)."""
+        changes = {k: v for k, v in dict(lr=lr, lr_scale=lr_scale, grad_clip=grad_clip,
+                                         eval_every_n_steps=eval_every_n_steps,
+                                         save_every_n_steps=save_every_n_steps).items() if v is not None}
+        if not changes:
+            raise gr.Error("set: give at least one of lr, lr_scale, grad_clip, eval_every_n_steps, "
+                           "save_every_n_steps", print_exception=False)
+        return _call(backend.command, run, "set", **changes)
+
+    def save(run: str = "") -> dict:
+        """Save a training checkpoint now."""
+        return _call(backend.command, run, "save")
+
+    def evaluate(run: str = "") -> dict:
+        """Evaluate now; returns the metrics."""
+        return _call(backend.command, run, "evaluate")
+
+    def chat(message: str, run: str = "", max_new_tokens: int = 64, temperature: float = 0.0,
+             compare_base: bool = False) -> Iterator[dict]:
+        """Ask the live model; streams {"text", "base", "step", "done"} (the last one has the
+        training step the answer came from)."""
+        messages = [{"role": "user", "content": message}]
+        try:
+            for update in backend.chat(run, messages, compare_base=compare_base,
+                                       max_new_tokens=max_new_tokens, temperature=temperature):
+                yield {"text": update.text, "base": update.base, "step": update.step,
+                       "done": update.done, "note": update.note}
+        except BackendError as e:
+            raise gr.Error(str(e), print_exception=False) from None
+
+    def status(run: str = "") -> dict:
+        """State, step, total steps, epoch, ETA, latest metrics and live settings."""
+        return _call(backend.status, run)
+
+    def runs() -> list[dict]:
+        """Every run, newest first."""
+        return [_info(i) for i in backend.runs()]
+
+    for fn, name in ((start, "start"), (stop, "stop"), (pause, "pause"), (resume, "resume"),
+                     (set_values, "set"), (save, "save"), (evaluate, "evaluate"), (chat, "chat"),
+                     (status, "status"), (runs, "runs")):
+        gr.api(fn, api_name=name, concurrency_limit=None)

@@ -1,0 +1,101 @@
+"""A run's saved things, as the Checkpoints tab lists them: training checkpoints (for exact
+resume) and the final model or adapter; and the jobs on them (resume a new run from one, export,
+merge LoRA), which run the engine's code in a child process so the app never imports torch."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import RunConfig, load_config
+from engine.launch import REPO_ROOT
+from engine.run_folder import RunFolder
+
+EXPORT_TIMEOUT_S = 900.0
+_STEP = re.compile(r"(\d+)$")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One thing a run saved."""
+    name: str
+    path: str
+    kind: str           # checkpoint, model, adapter
+    step: int | None
+    size_bytes: int
+    complete: bool
+
+    @property
+    def size(self) -> str:
+        return human_size(self.size_bytes)
+
+
+def list_saved(folder: RunFolder) -> list[Saved]:
+    """Training checkpoints (newest first), then the final model or adapter if there is one."""
+    found = []
+    if folder.checkpoints.is_dir():
+        for path in folder.checkpoints.iterdir():
+            if not path.is_dir() or path.is_symlink():
+                continue
+            match = _STEP.search(path.name)
+            temporary = path.name.startswith(".") or path.name.endswith((".tmp", ".partial"))
+            found.append(Saved(path.name, str(path), "checkpoint", int(match.group(1)) if match else None,
+                               folder_size(path), not temporary))
+    found.sort(key=lambda s: (s.step is None, -(s.step or 0)))
+    model = folder.model
+    if model.is_dir() and any(model.iterdir()):
+        kind = "adapter" if (model / "adapter_config.json").exists() else "model"
+        found.append(Saved("model", str(model), kind, None, folder_size(model), True))
+    return found
+
+
+def folder_size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def resume_config(folder: RunFolder, checkpoint: str) -> RunConfig:
+    """The run's own config, continuing from `checkpoint` in a new run folder."""
+    return load_config(folder.config, [f"resume={checkpoint}", f"run_name={folder.root.name}-resumed"])
+
+
+def export(source: str, target: str, merge_lora: bool = False, python: str = sys.executable) -> str:
+    """Export a checkpoint or adapter to a Hugging Face model folder through the engine's
+    command line (`python -m engine.checkpoint export SOURCE TARGET [--merge-lora]`); returns
+    what it printed. Raises RuntimeError with its last lines when it fails."""
+    if Path(target).exists() and any(Path(target).iterdir()):
+        raise RuntimeError(f"{target} exists and is not empty; choose a new folder")
+    cmd = [python, "-m", "engine.checkpoint", "export", source, target] + (["--merge-lora"] if merge_lora else [])
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(REPO_ROOT), env=env,
+                              timeout=EXPORT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the export did not finish within {EXPORT_TIMEOUT_S:g} s") from None
+    output = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        if "No module named engine.checkpoint" in output or "engine.checkpoint.__main__" in output:
+            raise RuntimeError("exporting needs the engine's checkpoint command line "
+                               "(`python -m engine.checkpoint export`), which this install does not have yet")
+        raise RuntimeError("the export failed:\n" + "\n".join(output.splitlines()[-12:]))
+    return output.splitlines()[-1] if output else f"exported to {target}"

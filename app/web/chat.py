@@ -1,0 +1,131 @@
+"""The Chat tab: talk to the model while it trains (the live weights in the engine), tokens
+streaming in; generation settings; the base model's answer side by side when a PEFT adapter
+trains; each answer tagged with the training step it came from. Works while paused."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import gradio as gr
+
+from app.web.backend import Backend, BackendError
+
+TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
+
+
+def build(backend: Backend, run_state: gr.State) -> dict:
+    about = gr.Markdown("", elem_id="chat-about")
+    with gr.Row(equal_height=True):
+        live = gr.Chatbot(label="Live model (the weights being trained)", height=420, elem_id="chat-live",
+                          buttons=["copy"], placeholder="Ask the model something while it trains.",
+                          feedback_options=None)
+        base = gr.Chatbot(label="Base model (adapter off)", height=420, elem_id="chat-base",
+                          visible=False, buttons=["copy"], feedback_options=None)
+    with gr.Row(equal_height=True):
+        message = gr.Textbox(placeholder="e.g. reverse: hello", show_label=False, scale=6,
+                             elem_id="chat-input", max_lines=4, submit_btn=False)
+        send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+        clear = gr.Button("Clear", scale=1, elem_id="chat-clear")
+    with gr.Accordion("Generation settings", open=False, elem_id="chat-settings"):
+        with gr.Row():
+            max_new = gr.Slider(1, 512, value=64, step=1, label="max_new_tokens", elem_id="chat-max-new")
+            temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0: greedy)",
+                                    elem_id="chat-temperature")
+            top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top_p")
+        with gr.Row():
+            top_k = gr.Number(0, precision=0, label="top_k (0: off)")
+            repetition = gr.Slider(0.5, 2.0, value=1.0, step=0.05, label="repetition_penalty")
+            history = gr.Checkbox(False, label="Send earlier turns too",
+                                  info="Off: each question alone (the embedded default model was trained on single instructions).")
+        compare = gr.Checkbox(False, label="Compare with the base model", interactive=False,
+                              elem_id="chat-compare",
+                              info="Only when the run trains a PEFT adapter: the same question answered with the adapter off.")
+
+    settings = [max_new, temperature, top_p, top_k, repetition, history, compare]
+
+    def respond(text: str, chat: list, base_chat: list, path: str | None, *opts: Any):
+        yield from _respond(backend, text, chat, base_chat, path, *opts)
+
+    for trigger in (send.click, message.submit):
+        trigger(respond, inputs=[message, live, base, run_state, *settings],
+                outputs=[message, live, base, about], concurrency_limit=None, show_progress="hidden",
+                api_visibility="private")
+    clear.click(lambda: ([], []), outputs=[live, base], api_visibility="private")
+    compare.change(lambda on: gr.update(visible=on), inputs=compare, outputs=base, api_visibility="private")
+    refresh = dict(fn=lambda path: _about(backend, path), inputs=run_state, outputs=[about, compare],
+                   api_visibility="private", show_progress="hidden")
+    run_state.change(**refresh)
+    return refresh  # the app also runs it when the tab is selected
+
+
+def _about(backend: Backend, path: str | None):
+    """The header line: which run, its step and state; whether comparing makes sense."""
+    try:
+        path = path or backend.default_run()
+        if not path:
+            return "No run yet: start one in the Configure tab.", gr.update(interactive=False, value=False)
+        snap = backend.snapshot(path)
+    except BackendError as e:
+        return str(e), gr.update(interactive=False)
+    adapter = backend.trains_adapter(path)
+    p = snap.progress
+    text = f"Talking to run **{snap.info.name}** — {p.state}, step {p.step}{f' / {p.total}' if p.total else ''}."
+    if not snap.info.alive:
+        text += " It has ended, so it cannot answer any more; start or reattach a run that is going."
+    return text, gr.update(interactive=adapter, value=False if not adapter else gr.skip())
+
+
+def _text(content: Any) -> str:
+    """A Chatbot message's text (Gradio hands content over as a list of parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        return str(content.get("text", ""))
+    if isinstance(content, list):
+        return "".join(_text(part) for part in content)
+    return ""
+
+
+def _messages(chat: list, text: str, with_history: bool) -> list[dict]:
+    """What the model is sent: this question, and with `with_history` the earlier turns
+    (without the step tags the page added)."""
+    turns = []
+    if with_history:
+        for m in chat:
+            content = TAG.sub("", _text(m.get("content")))
+            if m.get("role") in ("user", "assistant") and content and not content.startswith("⚠"):
+                turns.append({"role": m["role"], "content": content})
+    return turns + [{"role": "user", "content": text}]
+
+
+def _respond(backend: Backend, text: str, chat: list, base_chat: list, path: str | None,
+             max_new: int, temperature: float, top_p: float, top_k: Any, repetition: float,
+             with_history: bool, compare: bool):
+    text = (text or "").strip()
+    if not text:
+        raise gr.Error("Type a message first.", print_exception=False)
+    chat, base_chat = list(chat or []), list(base_chat or [])
+    messages = _messages(chat, text, with_history)
+    chat += [{"role": "user", "content": text}, {"role": "assistant", "content": "… waiting for the next step boundary"}]
+    if compare:
+        base_chat += [{"role": "user", "content": text}, {"role": "assistant", "content": "…"}]
+    yield "", chat, base_chat, gr.skip()
+    params = dict(max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
+                  top_k=int(top_k or 0), repetition_penalty=float(repetition))
+    try:
+        for update in backend.chat(path, messages, compare_base=compare, **params):
+            chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, "live weights")}
+            if compare:
+                base_text = update.base or ("" if not update.done else update.note or "")
+                base_chat[-1] = {"role": "assistant", "content": _tagged(base_text, update.step, "adapter off")}
+            yield "", chat, base_chat, gr.skip()
+    except BackendError as e:
+        chat[-1] = {"role": "assistant", "content": f"⚠ {e}"}
+        yield "", chat, base_chat, gr.skip()
+
+
+def _tagged(text: str, step: int | None, what: str) -> str:
+    if step is None:
+        return text or "…"
+    return f"{text or '(empty answer)'}\n\n<sub>step {step} · {what}</sub>"

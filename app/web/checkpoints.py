@@ -1,0 +1,79 @@
+"""The Checkpoints tab: what the page's run saved (step, metrics, size); resume a new run from a
+checkpoint; export a model or adapter; merge a LoRA adapter into its base model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from app.web.backend import Backend, BackendError
+from app.web.widgets import readable
+
+COLUMNS = ["name", "kind", "step", "loss", "eval metrics", "size", "complete", "path"]
+
+
+def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
+    about = gr.Markdown("", elem_id="ckpt-about")
+    table = gr.Dataframe(pd.DataFrame(columns=COLUMNS), interactive=False, elem_id="ckpt-table",
+                         wrap=True, max_height=320)
+    with gr.Row(equal_height=True):
+        chosen = gr.Dropdown([], label="Checkpoint, model or adapter", scale=3, elem_id="ckpt-choice",
+                             allow_custom_value=False)
+        refresh_btn = gr.Button("Refresh", scale=1, elem_id="ckpt-refresh")
+    with gr.Row(equal_height=True):
+        resume = gr.Button("Resume a new run from it", variant="primary", elem_id="ckpt-resume")
+        target = gr.Textbox(label="Export into (a new folder)", scale=2, elem_id="ckpt-target",
+                            placeholder="e.g. exports/my-model")
+        export = gr.Button("Export model / adapter", elem_id="ckpt-export")
+        merge = gr.Button("Merge LoRA and export", elem_id="ckpt-merge")
+    result = gr.Markdown("", elem_id="ckpt-result")
+
+    def listing(path: str | None):
+        return _listing(backend, path)
+
+    refresh = dict(fn=listing, inputs=run_state, outputs=[about, table, chosen], api_visibility="private",
+                   show_progress="hidden")
+    refresh_btn.click(**refresh)
+    resume.click(readable(lambda path, src: _resume(backend, path, src)), inputs=[run_state, chosen],
+                 outputs=[run_state, tabs], api_visibility="private")
+    export.click(readable(lambda src, dst: _export(backend, src, dst, False)), inputs=[chosen, target],
+                 outputs=result, api_visibility="private")
+    merge.click(readable(lambda src, dst: _export(backend, src, dst, True)), inputs=[chosen, target],
+                outputs=result, api_visibility="private")
+    return refresh
+
+
+def _listing(backend: Backend, path: str | None):
+    try:
+        path = backend.resolve(path)
+        saved = backend.saved(path)
+    except BackendError as e:
+        return str(e), pd.DataFrame(columns=COLUMNS), gr.update(choices=[], value=None)
+    rows = []
+    for item, metrics in saved:
+        evals = ", ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/"))
+        loss = metrics.get("loss")
+        rows.append([item.name, item.kind, item.step if item.step is not None else "",
+                     f"{loss:.4f}" if loss is not None else "", evals, item.size,
+                     "yes" if item.complete else "no (being written or broken)", item.path])
+    name = Path(path).name
+    about = (f"Saved by run **{name}**: {len(rows)} item{'s' * (len(rows) != 1)}." if rows else
+             f"Run **{name}** has saved nothing yet (use *Save now* on the Train tab, or "
+             "`checkpoint.every_n_steps`).")
+    choices = [(f"{r[0]} ({r[1]}{', step ' + str(r[2]) if r[2] != '' else ''})", r[7]) for r in rows]
+    return about, pd.DataFrame(rows, columns=COLUMNS), gr.update(choices=choices, value=choices[0][1] if choices else None)
+
+
+def _resume(backend: Backend, path: str | None, checkpoint: str | None):
+    if not checkpoint or Path(checkpoint).parent.name != "checkpoints":
+        raise gr.Error("Pick a training checkpoint (not the final model) to resume from.", print_exception=False)
+    info = backend.resume_from(path, checkpoint)
+    gr.Info(f"Started {info.name}, continuing from {Path(checkpoint).name}.")
+    return info.path, gr.Tabs(selected="train")
+
+
+def _export(backend: Backend, source: str | None, target: str, merge: bool) -> str:
+    message = backend.export(source or "", (target or "").strip(), merge_lora=merge)
+    return f"**Done:** {message}"

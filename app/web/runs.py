@@ -1,0 +1,81 @@
+"""The Runs tab: past and present runs with their state and final metrics; open one to see its
+plots and config (the Train tab follows it too); reattach to one still going."""
+
+from __future__ import annotations
+
+import time
+
+import gradio as gr
+import pandas as pd
+
+from app.web.backend import Backend, BackendError
+from app.web.widgets import Plots, duration, make_plots, readable
+
+COLUMNS = ["run", "state", "step", "loss", "eval metrics", "started", "duration", "path"]
+
+
+def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
+    table = gr.Dataframe(pd.DataFrame(columns=COLUMNS), interactive=False, elem_id="runs-table",
+                         wrap=True, max_height=360)
+    with gr.Row(equal_height=True):
+        chosen = gr.Dropdown([], label="Run", scale=3, elem_id="runs-choice")
+        refresh_btn = gr.Button("Refresh", scale=1, elem_id="runs-refresh")
+        open_btn = gr.Button("Open", variant="primary", scale=1, elem_id="runs-open")
+        attach_btn = gr.Button("Reattach", scale=1, elem_id="runs-attach")
+    summary = gr.Markdown("", elem_id="runs-summary")
+    plots = make_plots("runs", full=False)
+    config = gr.Code("", language="yaml", label="Config", lines=14, interactive=False, elem_id="runs-config")
+
+    refresh = dict(fn=lambda path: _listing(backend, path), inputs=run_state, outputs=[table, chosen],
+                   api_visibility="private", show_progress="hidden")
+    refresh_btn.click(**refresh)
+    opened = [summary, *plots.components(), config]
+    open_btn.click(readable(lambda name: _open(backend, name, plots)), inputs=chosen, outputs=[run_state, *opened],
+                   api_visibility="private")
+    attach_btn.click(readable(lambda name: _attach(backend, name)), inputs=chosen,
+                     outputs=[run_state, tabs], api_visibility="private")
+    return refresh
+
+
+def _listing(backend: Backend, path: str | None):
+    infos = backend.runs()
+    rows = []
+    for i in infos:
+        loss = i.metrics.get("loss")
+        evals = ", ".join(f"{k[5:]} {v:.4g}" for k, v in i.metrics.items() if k.startswith("eval/"))
+        end = i.end_time or (time.time() if i.alive else None)
+        took = end - i.start_time if end and i.start_time else None
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(i.start_time)) if i.start_time else ""
+        state = i.state + (" (stopped by user)" if i.stopped_by_user else "")
+        rows.append([i.name, state, f"{i.step} / {i.total_steps}" if i.total_steps else str(i.step),
+                     f"{loss:.4f}" if loss is not None else "", evals, started, duration(took), i.path])
+    choices = [(f"{i.name} ({i.state})", i.path) for i in infos]
+    selected = path if path in {c[1] for c in choices} else (choices[0][1] if choices else None)
+    return pd.DataFrame(rows, columns=COLUMNS), gr.update(choices=choices, value=selected)
+
+
+def _open(backend: Backend, path: str | None, plots: Plots):
+    if not path:
+        raise gr.Error("Pick a run first.", print_exception=False)
+    snap = backend.snapshot(path)
+    frames = backend.frames(snap.path)
+    p, info = snap.progress, snap.info
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in info.metrics.items() if k in ("loss",) or k.startswith("eval/"))
+    text = (f"**{info.name}** — {info.state}, step {p.step}{f' / {p.total}' if p.total else ''}, "
+            f"ran {duration(p.elapsed_s)}. {metrics}")
+    if info.error:
+        text += f"\n\n**Failed:** {info.error}"
+    text += "\n\nThe Train, Chat and Checkpoints tabs now show this run."
+    try:
+        config = backend.config_text(snap.path)
+    except BackendError as e:
+        config = f"# {e}"
+    return snap.path, text, *plots.updates(frames), config
+
+
+def _attach(backend: Backend, path: str | None):
+    if not path:
+        raise gr.Error("Pick a run first.", print_exception=False)
+    info = backend.attach(path)
+    gr.Info(f"Reattached to {info.name} ({info.state}).")
+    return info.path, gr.Tabs(selected="train")

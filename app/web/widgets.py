@@ -1,0 +1,170 @@
+"""Pieces the tabs share: the plot group, the status line and failure banner (HTML made from the
+backend's values), the page style, and `readable`, which turns a backend failure into a message
+in the page instead of a stack trace."""
+
+from __future__ import annotations
+
+import functools
+import html
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import gradio as gr
+
+from app.runs import Failure
+from app.web.backend import BackendError, Snapshot
+
+STATE_COLORS = {"starting": "#6b7280", "running": "#059669", "paused": "#d97706",
+                "stopping": "#7c3aed", "finished": "#2563eb", "failed": "#dc2626"}
+
+CSS = """
+.field-error p { color: #dc2626 !important; font-size: 0.85em; margin: 2px 0 0 0 !important; }
+.field-error { min-height: 0 !important; }
+.inspect-note p { font-size: 0.85em; margin: 2px 0 !important; }
+.problems-box { border-left: 4px solid #dc2626; padding: 6px 12px !important; background: #fef2f2; }
+.ok-box { border-left: 4px solid #059669; padding: 6px 12px !important; background: #ecfdf5; }
+.run-status { display: flex; flex-wrap: wrap; gap: 14px; align-items: center; font-size: 0.95em; }
+.state-chip { color: white; border-radius: 999px; padding: 2px 12px; font-weight: 600; }
+.progress-outer { width: 100%; height: 10px; background: #e5e7eb; border-radius: 6px; margin-top: 8px; overflow: hidden; }
+.progress-inner { height: 100%; background: linear-gradient(90deg, #6366f1, #22c55e); transition: width 0.5s; }
+.fail-banner { border: 1px solid #fca5a5; background: #fef2f2; border-radius: 8px; padding: 10px 14px; color: #7f1d1d; }
+.fail-banner pre { max-height: 220px; overflow: auto; font-size: 0.8em; background: #fff; padding: 6px; white-space: pre-wrap; }
+.muted { color: #6b7280; font-size: 0.9em; }
+footer { display: none !important; }
+"""
+
+
+def readable(fn: Callable) -> Callable:
+    """Wrap an event handler so a BackendError (or any other failure) reaches the user as a
+    readable message box (gr.Error), never as a stack trace; generators too."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen_wrapper(*args: Any, **kwargs: Any):
+            try:
+                yield from fn(*args, **kwargs)
+            except gr.Error:
+                raise
+            except BackendError as e:
+                raise gr.Error(str(e), print_exception=False) from None
+            except Exception as e:  # noqa: BLE001 - whatever it is, the page says so in words
+                raise gr.Error(f"{type(e).__name__}: {e}", print_exception=False) from None
+        return gen_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any):
+        try:
+            return fn(*args, **kwargs)
+        except gr.Error:
+            raise
+        except BackendError as e:
+            raise gr.Error(str(e), print_exception=False) from None
+        except Exception as e:  # noqa: BLE001
+            raise gr.Error(f"{type(e).__name__}: {e}", print_exception=False) from None
+    return wrapper
+
+
+# -- plots --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plots:
+    loss: gr.LinePlot
+    eval: gr.LinePlot
+    lr: gr.LinePlot | None = None
+    tokens: gr.LinePlot | None = None
+    memory: gr.LinePlot | None = None
+
+    def components(self) -> list[gr.LinePlot]:
+        return [p for p in (self.loss, self.eval, self.lr, self.tokens, self.memory) if p is not None]
+
+    def names(self) -> list[str]:
+        return [n for n in ("loss", "eval", "lr", "tokens", "memory") if getattr(self, n) is not None]
+
+    def updates(self, frames: dict) -> list:
+        """New data for every plot, in `components()` order; None (a blank plot) for one without
+        data yet, so that its first drawing has data to take its axes from (see `_plot`)."""
+        return [frames[name] if len(frames[name]) else None for name in self.names()]
+
+
+def _plot(y: str, title: str, y_title: str, elem_id: str, legend: bool = True) -> gr.LinePlot:
+    # No initial data on purpose: the browser takes the axis types and the color scale from the
+    # first data it draws, and an empty table would fix them wrongly (untyped, no series).
+    return gr.LinePlot(None, x="step", y=y, color="series", title=title, x_title="step",
+                       y_title=y_title, height=240, elem_id=elem_id, show_label=False,
+                       colors_in_legend=None if legend else [], y_axis_format="~g",
+                       buttons=["fullscreen", "export"])
+
+
+def make_plots(prefix: str, full: bool = True) -> Plots:
+    """The plots of a run: loss and evaluation metrics, with `full` also lr, tokens/s, memory."""
+    with gr.Row(equal_height=True):
+        loss = _plot("loss", "Loss (raw, smoothed, eval)", "loss", f"{prefix}-plot-loss")
+        ev = _plot("value", "Evaluation metrics", "value", f"{prefix}-plot-eval")
+    if not full:
+        return Plots(loss, ev)
+    with gr.Row(equal_height=True):
+        lr = _plot("lr", "Learning rate", "lr", f"{prefix}-plot-lr", legend=False)
+        tokens = _plot("tokens_per_s", "Throughput", "tokens / s", f"{prefix}-plot-tokens", legend=False)
+        memory = _plot("mem_mb", "Memory (rank 0)", "MiB", f"{prefix}-plot-memory", legend=False)
+    return Plots(loss, ev, lr, tokens, memory)
+
+
+# -- status and failures ------------------------------------------------------------------------
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h {m:02d}m" if h else (f"{m}m {s:02d}s" if m else f"{s}s")
+
+
+def status_html(snap: Snapshot | None, note: str | None = None) -> str:
+    """The status line: state, run, step / total, epoch, ETA, last numbers, a progress bar."""
+    if snap is None:
+        return ("<div class='run-status'><span class='state-chip' style='background:#9ca3af'>no run</span>"
+                "<span class='muted'>Configure a run and press Start, or open one in the Runs tab.</span></div>")
+    p, info = snap.progress, snap.info
+    color = STATE_COLORS.get(p.state, "#6b7280")
+    total = f" / {p.total}" if p.total else ""
+    parts = [f"<span class='state-chip' style='background:{color}' id='run-state'>{html.escape(p.state)}</span>",
+             f"<b>{html.escape(info.name)}</b>",
+             f"<span id='run-step'>step {p.step}{total}</span>", f"epoch {p.epoch}"]
+    if p.state == "running":
+        parts.append(f"ETA {duration(p.eta_s)}")
+    parts.append(f"elapsed {duration(p.elapsed_s)}")
+    for key, label, fmt in (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.2e}"), ("tokens_per_s", "tok/s", "{:.0f}")):
+        if key in p.last:
+            parts.append(f"{label} {fmt.format(p.last[key])}")
+    for key, value in list(p.last_eval.items())[:3]:
+        parts.append(f"{html.escape(key)} {value:.4g}")
+    if note:
+        parts.append(f"<span class='muted'>{html.escape(note)}</span>")
+    bar = (f"<div class='progress-outer' title='{p.fraction:.0%}'>"
+           f"<div class='progress-inner' style='width:{100 * p.fraction:.1f}%'></div></div>")
+    return f"<div><div class='run-status'>{' · '.join(parts)}</div>{bar}</div>"
+
+
+def banner_html(failure: Failure | None, error: str | None = None) -> str:
+    """The red banner of a failed run: what happened, which rank, its last log lines."""
+    if failure is None and not error:
+        return ""
+    if failure is None:
+        return f"<div class='fail-banner' id='fail-banner'><b>{html.escape(error)}</b></div>"
+    where = f"rank {failure.rank}" if failure.rank is not None else "the run"
+    lines = "\n".join(failure.lines)
+    log = f" — last lines of {html.escape(failure.log.rsplit('/', 1)[-1])}" if failure.log else ""
+    return (f"<div class='fail-banner' id='fail-banner'><b>Run {html.escape(failure.run)} failed "
+            f"({html.escape(where)})</b>: {html.escape(failure.message)}{log}"
+            f"<pre>{html.escape(lines)}</pre></div>")
+
+
+def problems_html(problems: list[str]) -> str:
+    if not problems:
+        return "<div class='ok-box'>The config is valid: press <b>Start</b>.</div>"
+    items = "".join(f"<li>{html.escape(p)}</li>" for p in problems)
+    n = len(problems)
+    return (f"<div class='problems-box' id='config-problems'><b>{n} problem{'s' * (n != 1)} to fix "
+            f"before Start</b><ul>{items}</ul></div>")
