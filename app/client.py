@@ -278,17 +278,18 @@ class RunClient:
             time.sleep(0.2)
 
     def _may_come_back(self, unknown: bool) -> bool:
-        """Whether the run's server can still answer: the run has not ended and one of its
-        processes lives. `unknown` is the answer for a folder with no trace of a process yet."""
-        if self._run_state() in TERMINAL_STATES:
-            return False
+        """Whether the run's server can still answer: one of its processes lives (a run resumed
+        in the same folder counts, whatever the log says of the last one), or, with none found,
+        the log does not say it ended and `unknown` (a folder with no trace of a process yet)."""
         traces = [_pid_in(self.folder.root / "launcher.pid")]
         try:
             traces.append(json.loads(self.folder.control.read_text()).get("pid"))
         except (FileNotFoundError, json.JSONDecodeError):
             pass
         traces = [pid for pid in traces if isinstance(pid, int)]
-        return any(_alive(pid) for pid in traces) if traces else unknown
+        if any(_alive(pid) for pid in traces):
+            return True
+        return unknown and not traces and self._run_state() not in TERMINAL_STATES
 
     def _run_state(self) -> str:
         state = "not started"

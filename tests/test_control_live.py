@@ -92,8 +92,25 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
     assert [e["line"] for e in got] == list(range(len(log)))
     assert [e["type"] for e in got] == [e["type"] for e in log]
     assert not run.folder.control.exists()
-    if HAS_CHECKPOINTS:
-        assert stopped["checkpoint"] and (run.folder.root / stopped["checkpoint"]).exists()
-        assert (run.folder.model / "config.json").exists()
-    else:
+    if not HAS_CHECKPOINTS:
         pytest.xfail("engine.checkpoint is not there yet: stop-and-save could not save")
+    assert stopped["checkpoint"] and (run.folder.root / stopped["checkpoint"]).exists()
+    assert (run.folder.model / "config.json").exists()
+
+    # the live settings went into the checkpoint: a resumed run has them again
+    last = train[-1]["step"]
+    again = launch(tmp_path, "live", task, "zero_stage=2", f"max_steps={last + 40}", "resume=latest",
+                   "optim.scheduler=constant", "optim.warmup_steps=0", "optim.lr=0.002",
+                   "checkpoint.save_at_end=false")
+    assert again.folder.root == run.folder.root
+    with RunClient.connect(again.folder.root, timeout=180) as client:
+        held = client.pause()  # taken before the first resumed step, or soon after
+        settings = client.status()["settings"]
+        assert settings["grad_clip"] == 0.5 and settings["generation"]["max_new_tokens"] == 5
+        assert len(client.chat("sort: dcba\n")) <= 5
+        client.resume()
+        wait_for_step(again, held["step"] + 2)
+        client.stop(save=False)
+    assert wait_exit(again) == 0, logs_of(again)
+    resumed = [e for e in events(again) if e["type"] == "train" and e["time"] > train[-1]["time"]]
+    assert resumed[0]["step"] == last + 1 and all(e["lr"] == pytest.approx(1e-4) for e in resumed)
