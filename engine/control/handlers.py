@@ -152,7 +152,8 @@ def set_values(control: "Control", args: dict, reply: Reply) -> dict:
 
 def _check_settable(control: "Control", args: dict) -> None:
     trainer = control.trainer
-    if ("lr" in args or "lr_scale" in args) and trainer.engine.optimizer is None:
+    # trainer.optimizer: the engine's, or the fused LOMO one the engine does not know about
+    if ("lr" in args or "lr_scale" in args) and getattr(trainer, "optimizer", None) is None:
         raise CommandRefused("set: this run has no optimizer whose learning rate could change")
     if "lr_scale" in args and control.settings["lr_scale"] == 0:
         raise CommandRefused("set: the learning rate is 0, so it cannot be scaled; set `lr` instead")
