@@ -150,9 +150,9 @@ def test_sgd_gets_only_the_params_it_takes():
 
 
 def test_tensor_parallel_size():
-    assert build({}, "tp=2", "zero_stage=1").config["tensor_parallel"] == {"autotp_size": 2}
+    assert build({}, "tp=2", "zero_stage=1").config["tensor_parallel"]["autotp_size"] == 2
     assert "tensor_parallel" not in build({}).config
-    assert build({"tensor_parallel": {"autotp_size": "auto"}}, "tp=2").config["tensor_parallel"] == {"autotp_size": 2}
+    assert build({"tensor_parallel": {"autotp_size": "auto"}}, "tp=2").config["tensor_parallel"]["autotp_size"] == 2
 
 
 # -- mismatches ---------------------------------------------------------------------------------
