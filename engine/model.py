@@ -75,7 +75,12 @@ def build_model(folder: str | Path, *, seed: int, precision: str, attn_implement
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(total, trainable) parameters; under ZeRO-3 the full (not partitioned) sizes."""
+    """(total, trainable) parameters; under ZeRO-3 the full (not partitioned) sizes. A model
+    split by tensor or pipeline parallelism carries its whole model's counts (set when it was
+    split, engine.setup), so every rank reports the same numbers."""
+    whole = getattr(model, "whole_model_parameters", None)
+    if whole is not None:
+        return whole
     total = trainable = 0
     for p in model.parameters():
         n = getattr(p, "ds_numel", p.numel())

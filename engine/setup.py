@@ -20,6 +20,8 @@ from engine import ds_config, methods, model as model_layer
 from engine.config import RunConfig
 from engine.launch import free_port, make_run_folder
 from engine.monitors import open_sinks
+from engine.parallel import tp as tensor_parallel
+from engine.parallel.groups import build_layout
 from engine.rng import seed_everything
 from engine.run_folder import EventLog, RunFolder
 
@@ -29,15 +31,21 @@ class DistEnv:
     rank: int
     local_rank: int
     world_size: int
-    dp_rank: int
+    dp_rank: int          # which data-parallel replica this rank is part of (its data shard)
     dp_size: int
-    dp_group: object
+    dp_group: object      # the ranks that hold the same layers on other data (None: the world)
     device: torch.device
+    tp_size: int = 1      # tensor-parallel ranks per replica (engine.parallel.groups)
+    tp_rank: int = 0
+    pp_size: int = 1      # pipeline stages per replica
+    stage: int = 0        # this rank's pipeline stage
+    topology: object = None  # the pipeline's DeepSpeed ProcessTopology when pp_size > 1
 
 
-def init_distributed() -> DistEnv:
+def init_distributed(cfg: RunConfig | None = None) -> DistEnv:
     """Join the launcher's process group (gloo on CPU, nccl on GPU), or make a one-rank group
-    when a script or notebook runs the Trainer without a launcher."""
+    when a script or notebook runs the Trainer without a launcher; then create the groups of
+    the config's tp x pp x dp layout."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -49,7 +57,12 @@ def init_distributed() -> DistEnv:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return DistEnv(rank, local_rank, world, dp_rank=rank, dp_size=world, dp_group=None, device=device)
+    p = cfg.parallel if cfg is not None else None
+    layout = build_layout(p.tp_size if p else 1, p.pp_size if p else 1, rank, world)
+    return DistEnv(rank, local_rank, world, dp_rank=layout.dp_rank, dp_size=layout.dp_size,
+                   dp_group=layout.dp_group, device=device, tp_size=layout.tp_size,
+                   tp_rank=layout.tp_rank, pp_size=layout.pp_size, stage=layout.stage,
+                   topology=layout.topology)
 
 
 def open_run_folder(cfg: RunConfig, run_dir: str | None, is_rank0: bool) -> tuple[RunFolder, EventLog | None]:
@@ -158,6 +171,14 @@ def engine_of(trainer, model, optimizer, lr_scheduler):
             init_context=lambda: ds_config.zero3_init(setup.config),
             trust_remote_code=cfg.model.trust_remote_code)
     model = methods.prepare_model(model, cfg)
+    if env.tp_size > 1 or env.pp_size > 1:  # counted whole, before AutoTP shards or stages cut it
+        whole = model_layer.count_parameters(model)
+    if env.pp_size > 1:  # the same model, cut into this rank's pipeline stage
+        from engine.parallel.pipeline import build_pipeline_module
+        model = build_pipeline_module(model, topology=env.topology, partition=cfg.parallel.pp_partition,
+                                      loss_fn=trainer.loss_fn)
+    if env.tp_size > 1 or env.pp_size > 1:
+        model.whole_model_parameters = whole
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None and not setup.ds_optimizer and trainable:
         optimizer = make_optimizer(model, cfg)
@@ -166,7 +187,8 @@ def engine_of(trainer, model, optimizer, lr_scheduler):
                                      num_warmup_steps=warmup, num_training_steps=max(total, 1))
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=setup.config,
-        model_parameters=trainable if setup.ds_optimizer else None)
+        model_parameters=trainable if setup.ds_optimizer else None,
+        mpu=tensor_parallel.engine_mpu(env.tp_size))
     return engine, optimizer, lr_scheduler, setup
 
 

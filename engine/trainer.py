@@ -62,7 +62,7 @@ class Trainer:
         self.should_stop = False
         self.paused = False
 
-        self.env = setup.init_distributed()
+        self.env = setup.init_distributed(self.config)
         self.folder, self.events = setup.open_run_folder(self.config, run_dir, self.env.rank == 0)
         self.precision = setup.precision_of(self.config)
         self.tokenizer = tokenizer or setup.tokenizer_of(self.config)
@@ -124,6 +124,9 @@ class Trainer:
         """Forward one micro-batch and return its loss (the model's own, or `loss_fn`'s)."""
         # No KV cache in training: it is wasted work, and with one transformers treats a packed
         # row as one sequence (samples would attend to each other).
+        if self.env.pp_size > 1:  # the stages hold different layers (evaluation only)
+            from engine.parallel.pipeline import eval_loss
+            return eval_loss(self, batch)
         batch = {k: v.to(self.engine.device) for k, v in batch.items()}
         if self.loss_fn is None:
             return self.engine(**batch, use_cache=False).loss
