@@ -46,6 +46,8 @@ def check_bindable(host: str, port: int) -> str | None:
         return f"cannot resolve host {host!r}: {e.strerror}"
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        # as the server itself will: a port left in TIME_WAIT by an earlier app is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(address)
         except OSError as e:

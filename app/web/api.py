@@ -19,7 +19,9 @@ from app.web.backend.forms import DEFAULT_PRESET
 
 
 def _info(info: RunInfo) -> dict:
-    return {**dataclasses.asdict(info), "run": info.name}
+    # "folder", not "path": gradio_client takes any object with a "path" key for a file to fetch
+    fields = dataclasses.asdict(info)
+    return {"run": info.name, "folder": fields.pop("path"), **fields}
 
 
 def _call(fn, *args: Any, **kwargs: Any) -> Any:
@@ -85,7 +87,9 @@ def register(backend: Backend) -> None:
 
     def status(run: str = "") -> dict:
         """State, step, total steps, epoch, ETA, latest metrics and live settings."""
-        return _call(backend.status, run)
+        found = _call(backend.status, run)
+        found["folder"] = found.pop("path")
+        return found
 
     def runs() -> list[dict]:
         """Every run, newest first."""

@@ -92,7 +92,7 @@ def _plot(y: str, title: str, y_title: str, elem_id: str, legend: bool = True) -
     # first data it draws, and an empty table would fix them wrongly (untyped, no series).
     return gr.LinePlot(None, x="step", y=y, color="series", title=title, x_title="step",
                        y_title=y_title, height=240, elem_id=elem_id, show_label=False,
-                       colors_in_legend=None if legend else [], y_axis_format="~g",
+                       colors_in_legend=None if legend else [], y_axis_format=".3~g",
                        buttons=["fullscreen", "export"])
 
 

@@ -16,7 +16,7 @@ from engine.launch import REPO_ROOT
 from engine.run_folder import RunFolder
 
 EXPORT_TIMEOUT_S = 900.0
-_STEP = re.compile(r"(\d+)$")
+_STEP = re.compile(r"(\d+)(?!.*\d)")  # the last number in the name
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def list_saved(folder: RunFolder) -> list[Saved]:
             temporary = path.name.startswith(".") or path.name.endswith((".tmp", ".partial"))
             found.append(Saved(path.name, str(path), "checkpoint", int(match.group(1)) if match else None,
                                folder_size(path), not temporary))
-    found.sort(key=lambda s: (s.step is None, -(s.step or 0)))
+    found.sort(key=lambda s: (not s.complete, s.step is None, -(s.step or 0)))  # newest complete first
     model = folder.model
     if model.is_dir() and any(model.iterdir()):
         kind = "adapter" if (model / "adapter_config.json").exists() else "model"

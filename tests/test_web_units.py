@@ -1,0 +1,239 @@
+"""The web app's backend pieces without a browser: the form built from the schema, the run view
+folded from a real event log, the saved-things listing, the command line, the preview worker."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.web.backend import Backend, BackendError
+from app.web.backend.forms import DEFAULT_PRESET, Form
+from app.web.backend.preview import PreviewWorker, describe_data, describe_model
+from app.web.backend.store import human_size, list_saved
+from app.web.backend.views import MAX_POINTS, RunView
+from engine.config import load_config, schema
+from engine.presets import PRESETS
+from engine.run_folder import EventLog, RunFolder
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def form(tmp_path) -> Form:
+    return Form(str(tmp_path / "runs"))
+
+
+# -- the form -------------------------------------------------------------------------------------
+
+def test_form_has_every_schema_field_once_in_groups(form):
+    keys = [f["key"] for f in schema()]
+    assert form.keys == keys
+    grouped = [f["key"] for _, _, fields in form.groups() for f in fields]
+    assert sorted(grouped) == sorted(keys) and len(grouped) == len(set(grouped))
+    titles = [title for _, title, _ in form.groups()]
+    for wanted in ("Model", "Data", "Method", "Optimization", "Parallelism and DeepSpeed",
+                   "Evaluation", "Checkpoints", "Logging"):
+        assert wanted in titles
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_preset_values_load_to_the_preset(form, preset):
+    checked = form.check(form.preset_values(preset))
+    expected = load_config(data={**json.loads(json.dumps(PRESETS[preset])),
+                                 "logging": {"output_dir": form.field("logging.output_dir")["default"]}})
+    assert checked.ok, checked.problems
+    assert checked.config.to_dict() == expected.to_dict()
+
+
+def test_bad_values_are_kept_next_to_their_fields(form):
+    values = form.preset_values(DEFAULT_PRESET)
+    values[form.keys.index("train.micro_batch_size")] = 0
+    values[form.keys.index("parallel.nproc")] = 3
+    values[form.keys.index("parallel.tp_size")] = 2
+    values[form.keys.index("optim.lr")] = None
+    values[form.keys.index("parallel.deepspeed")] = "{not json"
+    checked = form.check(values)
+    assert not checked.ok
+    assert checked.by_field["train.micro_batch_size"] == ["must be at least 1, got 0"]
+    assert "multiple of 2" in checked.by_field["parallel.nproc"][0]
+    assert checked.by_field["optim.lr"] == ["needs a value"]
+    assert "not valid JSON or YAML" in checked.by_field["parallel.deepspeed"][0]
+    assert not checked.general
+
+
+def test_problem_owner_is_the_nearest_field(form):
+    assert form.owner("parallel.deepspeed.zero_optimization.stage") == "parallel.deepspeed"
+    assert form.owner("optim.lr") == "optim.lr"
+    assert form.owner("config") is None
+
+
+def test_lists_and_mappings_round_trip(form):
+    values = form.preset_values(DEFAULT_PRESET)
+    values[form.keys.index("optim.betas")] = "0.8, 0.95"
+    values[form.keys.index("eval.evaluators")] = "perplexity"
+    values[form.keys.index("parallel.deepspeed")] = '{"gradient_clipping": "auto"}'
+    cfg = form.check(values).config
+    assert cfg.optim.betas == [0.8, 0.95]
+    assert cfg.eval.evaluators == ["perplexity"]
+    assert cfg.parallel.deepspeed == {"gradient_clipping": "auto"}
+    again = form.values_for(cfg.to_dict())
+    assert again[form.keys.index("optim.betas")] == "0.8, 0.95"
+    assert json.loads(again[form.keys.index("parallel.deepspeed")]) == {"gradient_clipping": "auto"}
+
+
+def test_yaml_save_and_load(form):
+    values = form.preset_values("ZeRO-3, 2 processes")
+    text = form.to_yaml(values)
+    assert yaml.safe_load(text)["parallel"]["zero_stage"] == 3
+    loaded, notes = form.load_yaml(text)
+    assert loaded == values and notes == []
+    loaded, notes = form.load_yaml("train: {max_steps: 7}\nbogus: 1\n")
+    assert loaded[form.keys.index("train.max_steps")] == 7
+    assert any(n.startswith("bogus:") for n in notes)
+    with pytest.raises(ValueError, match="mapping"):
+        form.load_yaml("- 1\n- 2\n")
+
+
+# -- the run view ---------------------------------------------------------------------------------
+
+def _log(folder: RunFolder, events: list[dict]) -> None:
+    log = EventLog(folder.events)
+    for e in events:
+        log.emit(dict(e))
+    log.close()
+
+
+def test_run_view_folds_the_event_log(tmp_path):
+    folder = RunFolder(tmp_path / "run").create()
+    t0 = time.time() - 100
+    _log(folder, [{"type": "state", "state": "starting", "method": "lora", "time": t0},
+                  {"type": "setup", "total_steps": 10, "time": t0 + 1},
+                  {"type": "state", "state": "running", "time": t0 + 1}]
+         + [{"type": "train", "step": s, "epoch": 0, "loss": 5.0 - 0.1 * s, "lr": 1e-3, "tokens_per_s": 100.0,
+             "mem_mb": 500.0, "time": t0 + 1 + 2 * s} for s in range(1, 6)]
+         + [{"type": "eval", "step": 5, "eval/loss": 4.0, "eval/perplexity": 54.6, "eval/exact_match": 0.25,
+             "time": t0 + 20}])
+    view = RunView(folder)
+    assert view.poll() == 1 and view.poll() == 1  # nothing new: same version
+    frames = view.frames(smoothing=0.0)
+    loss = frames["loss"]
+    assert list(loss[loss.series == "raw"]["loss"]) == pytest.approx([4.9, 4.8, 4.7, 4.6, 4.5])
+    assert list(loss[loss.series == "smoothed"]["loss"]) == pytest.approx([4.9, 4.8, 4.7, 4.6, 4.5])
+    assert list(loss[loss.series == "eval"]["step"]) == [5]
+    assert set(frames["eval"].series) == {"exact_match"}  # loss and perplexity go with the loss
+    p = view.progress()
+    assert (p.state, p.step, p.total, p.method) == ("running", 5, 10, "lora")
+    assert p.eta_s == pytest.approx(10.0)  # 5 steps left x 2 s per step
+    assert view.metrics_at(5) == {"loss": pytest.approx(4.5), "eval/loss": 4.0, "eval/perplexity": 54.6,
+                                  "eval/exact_match": 0.25}
+    with open(folder.events, "a") as f:  # a line being written is left for the next poll
+        f.write('{"type": "train", "step": 6, "loss": 1.0')
+    assert view.poll() == 1
+    with open(folder.events, "a") as f:
+        f.write(', "time": 1}\n')
+    assert view.poll() == 2 and 6 in view.train
+    fresh = RunView(folder)  # a page opened later rebuilds the same history
+    fresh.poll()
+    assert sorted(fresh.train) == sorted(view.train)
+    smoothed = fresh.frames(smoothing=0.9)["loss"]
+    assert smoothed[smoothed.series == "smoothed"]["loss"].iloc[0] == pytest.approx(4.9)  # debiased
+
+
+def test_run_view_thins_long_runs_keeping_the_newest_point(tmp_path):
+    folder = RunFolder(tmp_path / "run").create()
+    _log(folder, [{"type": "train", "step": s, "loss": 1.0, "time": float(s)} for s in range(1, 1001)])
+    view = RunView(folder)
+    view.poll()
+    raw = view.frames()["loss"].query("series == 'raw'")
+    assert len(raw) == MAX_POINTS and raw.step.iloc[-1] == 1000 and raw.step.iloc[0] == 1
+
+
+# -- saved things, CLI ----------------------------------------------------------------------------
+
+def test_list_saved(tmp_path):
+    folder = RunFolder(tmp_path / "run").create()
+    for name, size in (("step-10", 1000), ("step-20", 3000), (".step-30.tmp", 10)):
+        (folder.checkpoints / name).mkdir()
+        (folder.checkpoints / name / "weights").write_bytes(b"x" * size)
+    folder.model.mkdir()
+    (folder.model / "adapter_config.json").write_text("{}")
+    saved = list_saved(folder)
+    assert [(s.name, s.step, s.kind, s.complete) for s in saved] == [
+        ("step-20", 20, "checkpoint", True), ("step-10", 10, "checkpoint", True),
+        (".step-30.tmp", 30, "checkpoint", False), ("model", None, "adapter", True)]
+    assert saved[0].size_bytes == 3000 and saved[0].size == "2.9 KiB"
+    assert human_size(512) == "512 B" and human_size(5 * 2**30) == "5.0 GiB"
+
+
+def test_backend_names_unknown_runs(tmp_path):
+    backend = Backend(tmp_path / "runs")
+    try:
+        with pytest.raises(BackendError, match="there is no run yet"):
+            backend.resolve("")
+        with pytest.raises(BackendError, match="no run 'nope'"):
+            backend.resolve("nope")
+        with pytest.raises(BackendError, match="no preset"):
+            backend.start_text("", preset="bogus")
+        with pytest.raises(BackendError, match="train.max_steps"):
+            backend.start_text("train: {max_steps: -1}")
+    finally:
+        backend.close()
+
+
+def _app(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout)
+
+
+def test_port_in_use_is_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _app("--port", str(port))
+    assert done.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_username_needs_a_password():
+    done = _app("--username", "me")
+    assert done.returncode == 2 and "give both --username and --password" in done.stderr
+
+
+# -- the preview worker (a real child process running the engine's code) -------------------------
+
+def test_preview_worker_answers_with_the_engines_code(tmp_path, form):
+    from engine import default_task
+    assets = default_task.ensure_default_assets()
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n"
+                            for i in range(5)) + "not json\n")
+    values = form.preset_values("ZeRO-3, 2 processes")
+    worker = PreviewWorker()
+    try:
+        ds = worker.deepspeed(form.check(values).config.to_dict())
+        assert ds["ok"], ds
+        assert ds["config"]["zero_optimization"]["stage"] == 3
+        assert ds["config"]["train_batch_size"] == 2 * ds["config"]["train_micro_batch_size_per_gpu"]
+        assert "auto" not in json.dumps(ds["config"])
+        clash = worker.deepspeed({"parallel": {"deepspeed": {"train_micro_batch_size_per_gpu": 3}},
+                                  "train": {"max_steps": 5}})
+        assert not clash["ok"] and clash["problems"][0][0] == "parallel.deepspeed.train_micro_batch_size_per_gpu"
+        model = worker.model(str(assets.model_dir))
+        assert model["ok"] and model["parameters"] > 100_000 and model["chat_template"] is True
+        assert "M parameters" in describe_model(model)
+        assert "Cannot use" in describe_model(worker.model(str(tmp_path)))  # no config.json
+        rows = worker.data(str(data))
+        assert rows["ok"] and rows["rows"] == 6 and rows["format"] == "chat" and rows["unreadable"] == 1
+        assert "6 rows" in describe_data(rows)
+        assert "no such file" in worker.data(str(tmp_path / "missing.jsonl"))["error"]
+    finally:
+        worker.close()
