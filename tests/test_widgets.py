@@ -102,6 +102,29 @@ def test_flatten_keeps_the_deepspeed_mapping_whole():
         {"train.max_steps": 5, "parallel.deepspeed": {"a": {"b": 1}}}
 
 
+# -- the plain calls' config handling ----------------------------------------------------------
+
+def test_make_config_takes_every_kind_of_config_and_paths_become_absolute(tmp_path, monkeypatch):
+    from app.notebook.api import absolute_paths, make_config
+
+    assert make_config().to_dict() == load_config(data=copy.deepcopy(DEFAULT)).to_dict()
+    assert make_config(None, "max_steps=7").train.max_steps == 7
+    assert make_config({"train": {"max_steps": 3}}).train.micro_batch_size == 8  # no preset
+    (tmp_path / "run.yaml").write_text("train: {max_steps: 9}\n")
+    assert make_config(str(tmp_path / "run.yaml"), "lr=0.5").optim.lr == 0.5
+    assert make_config(load_config(overrides=["seed=3"]), "max_steps=2").train.seed == 3
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        make_config(None, "max_steps=-1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    cfg = absolute_paths(make_config({"model": {"path": "model"}, "data": {"train": "train.jsonl"},
+                                      "parallel": {"deepspeed": {"file": "ds.json"}}}))
+    assert (cfg.model.path, cfg.data.train) == (str(tmp_path / "model"), str(tmp_path / "train.jsonl"))
+    assert cfg.parallel.deepspeed == {"file": str(tmp_path / "ds.json")}
+    assert cfg.data.eval == "" and cfg.resume == ""  # empty stays empty
+
+
 # -- the series -------------------------------------------------------------------------------
 
 def test_history_folds_train_eval_and_a_resume_from_an_earlier_step():
@@ -233,6 +256,8 @@ def test_the_panel_drives_a_run_by_clicks_while_other_cells_run(tmp_path, monkey
     nb = code_notebook(*(textwrap.dedent(c) for c in (SETUP, OTHER_WORK, CONTROLS, REATTACH, STOP)))
     client = run_notebook(nb, cwd=tmp_path, tmp=tmp_path, timeout=600)
     assert errors_in(nb) == []
+    shown = [o for o in nb.cells[0].outputs if o.get("output_type") == "execute_result"]
+    assert "application/vnd.jupyter.widget-view+json" in shown[0]["data"]
     # what the front end was sent: the progress bar's updates arrived while the cells ran
     progress = [s for s in widget_states(client, "IntProgressModel") if s.get("max") == 400]
     assert progress and progress[0]["value"] >= 4
