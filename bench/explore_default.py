@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", choices=["bf16", "autocast", "fp32"], default="bf16",
                    help="bf16: bf16 weights with fp32 master copy in the optimizer (what "
                    "DeepSpeed's bf16 mode does); autocast: fp32 weights, bf16 matmuls")
+    p.add_argument("--batching", choices=["random", "group_by_length"], default="random",
+                   help="group_by_length: like engine/data/sampler.py, megabatches of 50 "
+                   "batches sorted by length, so each batch holds samples of one length")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--stop-at", type=float, default=0.0, help="stop once exact match >= this")
@@ -94,6 +97,20 @@ def collate(samples: list[tuple[list[int], int]], pad_id: int) -> dict[str, torc
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
+def batch_order(data: list[tuple[list[int], int]], args: argparse.Namespace) -> list[int]:
+    """Sample order: a permutation, or length-sorted megabatches whose batches are shuffled."""
+    gen = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(data), generator=gen).tolist()
+    if args.batching == "random":
+        return order
+    mega = 50 * args.batch
+    batches = []
+    for start in range(0, len(order), mega):
+        part = sorted(order[start:start + mega], key=lambda i: -len(data[i][0]))
+        batches += [part[i:i + args.batch] for i in range(0, len(part), args.batch)]
+    return [i for b in torch.randperm(len(batches), generator=gen).tolist() for i in batches[b]]
+
+
 def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -125,7 +142,7 @@ def train(args: argparse.Namespace) -> dict:
         model.to(torch.bfloat16)
     opt = torch.optim.AdamW(master, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99))
     data = encode(tokenizer, rows)
-    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    order = batch_order(data, args)
     curve, train_time, summary = [], 0.0, {}
     for step in range(args.steps):
         start = time.perf_counter()

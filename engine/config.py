@@ -30,6 +30,8 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 METHODS = ("full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo")
 FUSED_METHODS = ("lomo", "adalomo")  # the update happens inside backward
 PEFT_METHODS = ("lora", "prompt_tuning", "p_tuning")
+# eval.evaluators values (engine.evaluators builds them; kept here so that validation stays torch-free)
+EVALUATORS = ("perplexity", "choice", "exact_match", "generation")
 
 
 @dataclass
@@ -121,8 +123,10 @@ class EvalConfig:
     every_n_epochs: int = _f(0, "Evaluate every n epochs; 0 never.", minimum=0)
     at_end: bool = _f(True, "Evaluate once more when training ends (if there is evaluation data).")
     batch_size: int = _f(16, "Samples per rank per evaluation batch.", minimum=1)
-    evaluators: list[str] = _f(["perplexity"], "Evaluators: perplexity, exact_match (generate "
-                               "and compare), choice (lowest-loss candidate), generation.")
+    evaluators: list[str] = _f(["perplexity"], "Evaluators: perplexity (loss, perplexity); choice "
+                               "(rows with choices: the lowest-loss candidate; accuracy, F1); "
+                               "exact_match (generate and compare); generation (exact match, BLEU, "
+                               "ROUGE, predictions saved in the run folder).")
     max_new_tokens: int = _f(32, "Tokens generated per sample by generating evaluators.", minimum=1)
     max_samples: int = _f(0, "Evaluate on at most this many samples; 0: all.", minimum=0)
 
@@ -393,6 +397,15 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
         if t.grad_accum > 1:
             problems.append(("train.grad_accum", f"{c.method.name} applies each gradient as soon as it "
                              "is computed, so gradients cannot be accumulated; set grad_accum 1"))
+        if isinstance(p.deepspeed, dict) and "optimizer" in p.deepspeed:
+            problems.append(("parallel.deepspeed", f"{c.method.name} updates the weights itself; remove "
+                             "the DeepSpeed \"optimizer\" section"))
+        if p.offload_optimizer:
+            problems.append(("parallel.offload_optimizer", f"{c.method.name} keeps no optimizer state to offload"))
+    if c.method.name in ("prompt_tuning", "p_tuning") and c.data.batching == "packing":
+        problems.append(("data.batching", f"{c.method.name} puts virtual tokens in front of each row and "
+                         "drops position_ids, which packed rows need to keep samples apart; use "
+                         "group_by_length or random"))
     if t.max_steps == 0 and t.epochs == 0:
         problems.append(("train.max_steps", "set max_steps or epochs above 0"))
     evaluates = c.eval.every_n_steps or c.eval.every_n_epochs
@@ -403,10 +416,9 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
         problems.append(("checkpoint.monitor", "keep_best needs a metric to rank by"))
     if len(c.optim.betas) != 2:
         problems.append(("optim.betas", f"expected two numbers, got {c.optim.betas}"))
-    known_evaluators = {"perplexity", "exact_match", "choice", "generation"}
     for name in c.eval.evaluators:
-        if name not in known_evaluators:
-            problems.append(("eval.evaluators", f"unknown evaluator {name!r}; allowed: {', '.join(sorted(known_evaluators))}"))
+        if name not in EVALUATORS:
+            problems.append(("eval.evaluators", f"unknown evaluator {name!r}; allowed: {', '.join(EVALUATORS)}"))
     if c.control.host not in ("127.0.0.1", "localhost", "::1") and not p.hostfile:
         problems.append(("control.host", "listening beyond loopback is for multi-machine runs; set parallel.hostfile"))
     for key, folder in (("model.path", c.model.path), ("model.tokenizer", c.model.tokenizer)):

@@ -1,4 +1,4 @@
-"""The embedded default: a synthetic instruction task, its tokenizer and a tiny Llama config.
+r"""The embedded default: a synthetic instruction task, its tokenizer and a tiny Llama config.
 
 A new user presses Start without choosing anything and trains this. It has to learn visibly and
 fast on a laptop CPU, so everything here is small and generated locally (no hub downloads):

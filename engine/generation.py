@@ -41,12 +41,17 @@ class CallbackStreamer(BaseStreamer):
             self.seen = len(text)
 
 
-def encode_prompts(tokenizer, prompts: list[str], device) -> dict[str, torch.Tensor]:
-    """Left-padded prompts (generation continues at the right edge of every row)."""
+def encode_prompts(tokenizer, prompts: list[str], device,
+                   add_special_tokens: bool = False) -> dict[str, torch.Tensor]:
+    """Left-padded prompts (generation continues at the right edge of every row).
+
+    `add_special_tokens`: False for text a chat template rendered (it holds its own special
+    tokens); True for raw `input` text, encoded as the data layer encodes training inputs.
+    """
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
     finally:
         tokenizer.padding_side = side
     return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
@@ -55,14 +60,21 @@ def encode_prompts(tokenizer, prompts: list[str], device) -> dict[str, torch.Ten
 def generate(trainer, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
              stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
-             use_base: bool = False) -> list[str]:
+             use_base: bool = False, add_special_tokens: bool = False) -> list[str]:
     """Generate a completion of each prompt with the engine's current weights (collective).
 
     `use_base` answers with the PEFT adapter disabled: the base model, at no extra memory.
+    Under pipeline parallelism the stages generate together (engine.pipeline_generate).
     """
+    if trainer.env.pp_size > 1:
+        from engine.pipeline_generate import pipeline_generate
+        return pipeline_generate(trainer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                                 seed=seed, stop=stop, on_text=on_text, use_base=use_base,
+                                 add_special_tokens=add_special_tokens)
     engine, tok = trainer.engine, trainer.tokenizer
     model = engine.module
-    inputs = encode_prompts(tok, prompts, engine.device)
+    inputs = encode_prompts(tok, prompts, engine.device, add_special_tokens)
     sample = temperature > 0
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=tok.pad_token_id,
                   eos_token_id=tok.eos_token_id, repetition_penalty=repetition_penalty,

@@ -8,6 +8,7 @@ nobody drains.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 
 from engine.config import RunConfig
+from engine.parallel.checks import is_local_only, parse_hostfile
 from engine.run_folder import RunFolder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -55,10 +57,32 @@ def launch_command(cfg: RunConfig, folder: RunFolder, python: str = sys.executab
     cmd = [python, "-m", "deepspeed.launcher.runner", "--master_addr", p.master_addr,
            "--master_port", str(port), "--module"]
     if p.hostfile:
-        cmd += ["--hostfile", p.hostfile]
+        # nproc ranks on each machine of the hostfile (the config's world size counts so)
+        cmd += ["--hostfile", p.hostfile, "--num_gpus", str(p.nproc)]
+        if is_local_only(parse_hostfile(Path(p.hostfile).read_text())[0]):
+            # this machine alone: DeepSpeed starts it locally, but first checks passwordless
+            # ssh to the host, which fails where no ssh server runs; skip only that check
+            cmd.append("--no_ssh_check")
     else:  # one machine: no hostfile lookup, no ssh
         cmd += ["--num_gpus", str(p.nproc)]
     return cmd + worker
+
+
+class LaunchError(RuntimeError):
+    """The run cannot be started from this machine (a tool the launch needs is missing)."""
+
+
+def check_launchable(cfg: RunConfig) -> None:
+    """Refuse, with the reason, a launch that would fail inside DeepSpeed's launcher: several
+    machines are started over ssh with pdsh (DeepSpeed's default multi-node backend)."""
+    p = cfg.parallel
+    if not p.hostfile:
+        return
+    hosts, _ = parse_hostfile(Path(p.hostfile).read_text())
+    if not is_local_only(hosts) and shutil.which("pdsh") is None:
+        raise LaunchError(f"parallel.hostfile names {len(hosts)} machines; DeepSpeed starts them with "
+                          "pdsh over passwordless ssh, and pdsh is not installed here (apt-get install "
+                          "pdsh), or start each machine yourself: see the README, 'Several machines'")
 
 
 @dataclass
@@ -80,6 +104,7 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None) -> L
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.update(extra_env or {})
+    check_launchable(cfg)
     cmd = launch_command(cfg, folder)
     folder.logs.mkdir(parents=True, exist_ok=True)
     (folder.logs / "command.txt").write_text(" ".join(cmd) + "\n")

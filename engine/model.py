@@ -66,8 +66,11 @@ def build_model(folder: str | Path, *, seed: int, precision: str, attn_implement
                 str(folder), dtype=DTYPES[precision], attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code)
         else:
+            # dtype: the run's precision, not the config's torch_dtype (the default model's config
+            # says bfloat16, which would make an fp32 run train bf16 weights)
             model = AutoModelForCausalLM.from_config(
-                config, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+                config, dtype=DTYPES[precision], attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

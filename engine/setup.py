@@ -16,7 +16,7 @@ import torch.distributed as dist
 from transformers import get_scheduler
 
 from engine import data as data_layer
-from engine import ds_config, methods, model as model_layer
+from engine import ds_config, lomo, methods, model as model_layer
 from engine.config import RunConfig
 from engine.launch import free_port, make_run_folder
 from engine.monitors import open_sinks
@@ -180,7 +180,12 @@ def engine_of(trainer, model, optimizer, lr_scheduler):
     if env.tp_size > 1 or env.pp_size > 1:
         model.whole_model_parameters = whole
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if optimizer is None and not setup.ds_optimizer and trainable:
+    fused = lomo.uses_fused_step(cfg)  # LOMO / AdaLomo: the fused step owns the update
+    if fused:
+        if optimizer is not None:
+            raise ValueError(f"method.name: {cfg.method.name} updates inside backward; pass no optimizer")
+        lomo.prepare_ds_setup(setup, cfg.method.name)
+    if optimizer is None and not setup.ds_optimizer and trainable and not fused:
         optimizer = make_optimizer(model, cfg)
     if lr_scheduler is None and optimizer is not None and not setup.ds_scheduler:
         lr_scheduler = get_scheduler(SCHEDULERS[cfg.optim.scheduler], optimizer,
@@ -189,6 +194,11 @@ def engine_of(trainer, model, optimizer, lr_scheduler):
         model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=setup.config,
         model_parameters=trainable if setup.ds_optimizer else None,
         mpu=tensor_parallel.engine_mpu(env.tp_size))
+    if fused:  # built on the engine's module: under ZeRO-3 its parameters are the partitioned ones
+        optimizer = lomo.build_optimizer(engine, cfg, setup.config, env.dp_group, env.dp_size)
+        lr_scheduler = lr_scheduler or get_scheduler(
+            SCHEDULERS[cfg.optim.scheduler], optimizer, num_warmup_steps=warmup,
+            num_training_steps=max(total, 1))
     return engine, optimizer, lr_scheduler, setup
 
 

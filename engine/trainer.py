@@ -120,18 +120,23 @@ class Trainer:
         return self.should_stop or self.state.global_step >= self.state.total_steps
 
     # -- one step's pieces --------------------------------------------------------------------
-    def compute_loss(self, batch: dict) -> torch.Tensor:
-        """Forward one micro-batch and return its loss (the model's own, or `loss_fn`'s)."""
+    def compute_loss(self, batch: dict, model: Callable | None = None) -> torch.Tensor:
+        """Forward one micro-batch and return its loss (the model's own, or `loss_fn`'s).
+
+        `model` replaces the engine's forward: the fused LOMO step calls the bare module, whose
+        backward DeepSpeed does not tie to `engine.backward`.
+        """
         # No KV cache in training: it is wasted work, and with one transformers treats a packed
         # row as one sequence (samples would attend to each other).
+        forward = model if model is not None else self.engine
         if self.env.pp_size > 1:  # the stages hold different layers (evaluation only)
             from engine.parallel.pipeline import eval_loss
             return eval_loss(self, batch)
         batch = {k: v.to(self.engine.device) for k, v in batch.items()}
         if self.loss_fn is None:
-            return self.engine(**batch, use_cache=False).loss
+            return forward(**batch, use_cache=False).loss
         model_inputs = {k: v for k, v in batch.items() if k != "labels"}
-        outputs = self.engine(**model_inputs, use_cache=False)
+        outputs = forward(**model_inputs, use_cache=False)
         return call_by_names(self.loss_fn, batch, outputs)
 
     def _reduce(self, loss: torch.Tensor, tokens: int) -> tuple[float, int]:
@@ -152,7 +157,9 @@ class Trainer:
         self.emit(record)
 
     def current_lr(self) -> float:
-        return float(self.engine.optimizer.param_groups[0]["lr"]) if self.engine.optimizer else 0.0
+        # self.optimizer: the engine's (wrapped) optimizer, or LOMO's fused one, which the
+        # engine does not know about
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
 
     def set_lr(self, lr: float) -> None:
         """Make the next step's learning rate `lr`; the schedule goes on from there, scaled."""
@@ -166,7 +173,7 @@ class Trainer:
                 sched.base_lrs = [absolute for _ in sched.base_lrs]
             else:
                 sched.base_lrs = [b * factor for b in sched.base_lrs]
-        for group in self.engine.optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             group["lr"] = absolute if absolute is not None else group["lr"] * factor
 
     # -- evaluation -----------------------------------------------------------------------------

@@ -69,8 +69,10 @@ def test_chat_page_of_a_script_trainer(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url = _page_url(run_dir, proc)
-        base, token = url.split("/?token=")
+        base = _page_url(run_dir, proc).rstrip("/")
+        url = json.loads((run_dir / "control.json").read_text())["chat_page"]
+        token = url.split("/?token=")[1]
+        assert url.startswith(base) and token not in (run_dir / "events.jsonl").read_text()
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(base + "/?token=wrong", timeout=10)
         assert refused.value.code == 403

@@ -224,3 +224,19 @@ def test_fused_step_on_two_ranks_averages_and_learns(tmp_path, zero):
         # set_lr at step 6: the next rate is the one asked for, and the schedule goes on scaled
         assert r0["lrs"][6] == pytest.approx(r0["asked_lr"])
         assert r0["lrs"][7] < r0["lrs"][6]
+
+
+@pytest.mark.parametrize("rule", [LomoRule(), AdaLomoRule()], ids=["lomo", "adalomo"])
+def test_gradient_checkpointing_gives_the_same_update(rule):
+    results = []
+    for checkpointing in (False, True):
+        model = tiny_model()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = FusedOptimizer(model.parameters(), rule, lr=1e-2, max_grad_norm=0.5)
+        for seed in (1, 2):
+            b = batch(seed)
+            opt.fused_step(lambda: model(**b, use_cache=False).loss)
+        results.append(snapshot(model))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*results))

@@ -159,16 +159,19 @@ def test_run_view_thins_long_runs_keeping_the_newest_point(tmp_path):
 
 def test_list_saved(tmp_path):
     folder = RunFolder(tmp_path / "run").create()
-    for name, size in (("step-10", 1000), ("step-20", 3000), (".step-30.tmp", 10)):
+    for name, size in (("step-10", 1000), ("step-20", 3000), (".tmp-step-30-ab12", 10), ("step-40", 10)):
         (folder.checkpoints / name).mkdir()
         (folder.checkpoints / name / "weights").write_bytes(b"x" * size)
+        if name in ("step-10", "step-20"):  # finished saves carry the completion marker
+            (folder.checkpoints / name / "COMPLETE.json").write_text("{}")
     folder.model.mkdir()
     (folder.model / "adapter_config.json").write_text("{}")
     saved = list_saved(folder)
     assert [(s.name, s.step, s.kind, s.complete) for s in saved] == [
         ("step-20", 20, "checkpoint", True), ("step-10", 10, "checkpoint", True),
-        (".step-30.tmp", 30, "checkpoint", False), ("model", None, "adapter", True)]
-    assert saved[0].size_bytes == 3000 and saved[0].size == "2.9 KiB"
+        ("step-40", 40, "checkpoint", False), (".tmp-step-30-ab12", 30, "checkpoint", False),
+        ("model", None, "adapter", True)]
+    assert saved[0].size_bytes == 3002 and saved[0].size == "2.9 KiB"
     assert human_size(512) == "512 B" and human_size(5 * 2**30) == "5.0 GiB"
 
 

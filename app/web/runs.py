@@ -24,7 +24,8 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
         attach_btn = gr.Button("Reattach", scale=1, elem_id="runs-attach")
     summary = gr.Markdown("", elem_id="runs-summary")
     plots = make_plots("runs", full=False)
-    config = gr.Code("", language="yaml", label="Config", lines=14, interactive=False, elem_id="runs-config")
+    config = gr.Code("", language="yaml", label="Config", lines=14, max_lines=24, interactive=False,
+                     elem_id="runs-config")
 
     refresh = dict(fn=lambda path: _listing(backend, path), inputs=run_state, outputs=[table, chosen],
                    api_visibility="private", show_progress="hidden")

@@ -53,7 +53,10 @@ class Control:
             if chat_page:
                 from engine.control.chat_page import ChatPage
                 self.page = ChatPage(self.server, host=cfg.host).start()
-                trainer.emit({"type": "chat_page", "url": self.page.url})
+                # the token stays out of events.jsonl (readable by others): control.json has it
+                self.server.write_control_file(chat_page=self.page.url)
+                trainer.emit({"type": "chat_page", "url": self.page.url.split("?")[0],
+                              "note": "open the URL printed by rank 0, or chat_page in control.json"})
                 print(f"chat with the model being trained: {self.page.url}", flush=True)
 
     # -- the boundary ------------------------------------------------------------------------------

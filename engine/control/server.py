@@ -164,9 +164,13 @@ class ControlServer:
 
     def start(self) -> "ControlServer":
         self._thread.start()
-        write_private_json(self.folder.control, {"host": self.host, "port": self.port,
-                                                 "token": self.token, "pid": os.getpid()})
+        self.write_control_file()
         return self
+
+    def write_control_file(self, **extra: Any) -> None:
+        """control.json (mode 0600): address, token, pid, and `extra` (the chat page's URL)."""
+        write_private_json(self.folder.control, {"host": self.host, "port": self.port,
+                                                 "token": self.token, "pid": os.getpid(), **extra})
 
     # -- requests --------------------------------------------------------------------------------
     def handle_line(self, line: bytes, conn: Connection) -> None:

@@ -114,6 +114,9 @@ def hostfile_problems(cfg: Any) -> list[tuple[str, str]]:
     if short:
         problems.append(("parallel.nproc", f"{p.nproc} processes per machine, but the hostfile gives "
                          + ", ".join(f"{h} only {n} slots" for h, n in short.items())))
+    if p.launcher != "deepspeed":
+        problems.append(("parallel.launcher", f"a hostfile is read by the DeepSpeed launcher; "
+                         f"{p.launcher} cannot use it (set launcher deepspeed)"))
     if len(hosts) > 1 and p.master_addr in LOOPBACK:
         problems.append(("parallel.master_addr", f"{p.master_addr} is this machine only; with "
                          f"{len(hosts)} machines give an address of the first host that the others reach"))

@@ -70,11 +70,19 @@ def load_full_state_dict(trainer, state_dict: dict[str, torch.Tensor]) -> None:
     elif env.tp_size > 1:
         missing = tp.load_full_state_dict(engine.module, state_dict)
     else:
-        missing = list(engine.module.load_state_dict(state_dict, strict=False).missing_keys)
+        missing = _untied(engine.module, engine.module.load_state_dict(state_dict, strict=False).missing_keys,
+                          state_dict)
     if missing:
         raise ValueError(f"the weights lack {len(missing)} of this model's tensors: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
     refresh_master_weights(engine)
+
+
+def _untied(module, missing: list[str], state_dict: dict) -> list[str]:
+    """The missing keys that are not a tied copy of a loaded weight (lm_head = embed_tokens)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in state_dict if k in params}
+    return [k for k in missing if k not in params or id(params[k]) not in loaded]
 
 
 def refresh_master_weights(engine) -> None:

@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import report  # noqa: E402
 
 PROMPTS = ["reverse: kcodw\n", "sort: abc\n", "upper: hello\n"]
-LAYOUTS = {"tp": ["nproc=2", "tp=2"], "pp": ["nproc=2", "pp=2"], "tp_zero1": ["nproc=2", "tp=2", "zero_stage=1"],
-           "single": ["nproc=1"]}
+LAYOUTS = {"tp": ["nproc=2", "tp=2"], "pp": ["nproc=2", "pp=2"], "single": ["nproc=1"],
+           "tp_zero2": ["nproc=2", "tp=2", "zero_stage=2"], "pp_zero1": ["nproc=2", "pp=2", "zero_stage=1"]}
 
 
 def parse() -> argparse.Namespace:
@@ -66,29 +66,40 @@ def main() -> None:
 
     def chat_against_one_rank(trainer) -> dict:
         texts = generate(trainer, PROMPTS, max_new_tokens=12)  # collective, every rank
+        sampled = generate(trainer, PROMPTS, max_new_tokens=12, temperature=1.0, seed=7)
         streamed: list[str] = []
         first = generate(trainer, PROMPTS[:1], max_new_tokens=12, on_text=streamed.append)[0]
         state = layouts.full_state_dict(trainer)  # collective; rank 0 gets the whole model
-        ref = None
+        ref = ref_sampled = None
         if trainer.env.rank == 0:
             model = one_rank_model(trainer, state)
-            enc = encode_prompts(trainer.tokenizer, PROMPTS, "cpu")
-            with torch.no_grad():
-                ids = model.generate(**enc, max_new_tokens=12, do_sample=False,
-                                     pad_token_id=trainer.tokenizer.pad_token_id,
-                                     eos_token_id=trainer.tokenizer.eos_token_id)
-            ref = trainer.tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        return {"texts": texts, "reference": ref, "streamed": "".join(streamed), "first": first}
+            ref = hf_generate(model, trainer.tokenizer, do_sample=False)
+            ref_sampled = hf_generate(model, trainer.tokenizer, do_sample=True, seed=7)
+        return {"texts": texts, "reference": ref, "sampled": sampled, "reference_sampled": ref_sampled,
+                "streamed": "".join(streamed), "first": first}
+
+    def hf_generate(model, tok, do_sample: bool, seed: int = 0) -> list[str]:
+        """Plain transformers generation on this process (sampling: the same seed and RNG)."""
+        enc = encode_prompts(tok, PROMPTS, "cpu")
+        with torch.no_grad():
+            torch.manual_seed(seed)
+            ids = model.generate(**enc, max_new_tokens=12, do_sample=do_sample, top_k=None,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        return tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
     trainer = Trainer(config=cfg, callbacks=[Probe()])
     if a.resume:
         trainer.load_checkpoint(a.resume)
     trainer.train()
+    loaded = None
     if not a.resume:
         layouts.save_hf_model(trainer, out / "model")
         save_engine_logits(trainer, out / "engine_logits.pt")
+        loaded = load_halved_weights(trainer, out)
     report(rank=trainer.env.rank, losses=losses, eval=evals, chat=chats, dp_rank=trainer.env.dp_rank,
-           dp_size=trainer.env.dp_size, stage=trainer.env.stage, tp_rank=trainer.env.tp_rank)
+           dp_size=trainer.env.dp_size, stage=trainer.env.stage, tp_rank=trainer.env.tp_rank,
+           parameters=trainer.engine.module.whole_model_parameters[0] if a.layout != "single" else None,
+           loaded_round_trip=loaded)
     trainer.close()
 
 
@@ -99,6 +110,22 @@ def one_rank_model(trainer, state: dict):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not [k for k in missing if k != "lm_head.weight"] and not unexpected, (missing, unexpected)
     return model.eval()
+
+
+def load_halved_weights(trainer, out: Path) -> bool | None:
+    """load_full_state_dict: every rank reads the saved model, halves it and loads it into its
+    layout; returns (on rank 0) whether gathering it again gives exactly the halved weights.
+    The engine's logits afterwards go to engine_logits_loaded.pt."""
+    import torch
+    from safetensors.torch import load_file
+    from engine.parallel import layouts
+    halved = {k: v * 0.5 for k, v in load_file(str(out / "model" / "model.safetensors")).items()}
+    layouts.load_full_state_dict(trainer, halved)
+    save_engine_logits(trainer, out / "engine_logits_loaded.pt")
+    again = layouts.full_state_dict(trainer)
+    if again is None:
+        return None
+    return all(torch.equal(again[k], v) for k, v in halved.items())
 
 
 def save_engine_logits(trainer, path: Path) -> None:

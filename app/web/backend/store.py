@@ -16,7 +16,11 @@ from engine.launch import REPO_ROOT
 from engine.run_folder import RunFolder
 
 EXPORT_TIMEOUT_S = 900.0
-_STEP = re.compile(r"(\d+)(?!.*\d)")  # the last number in the name
+# engine/checkpoint/atomic.py's names (not imported: that package loads torch): a save writes
+# into `.tmp-...` and marks a finished folder with COMPLETE.json; only those can be resumed
+MARKER = "COMPLETE.json"
+TMP_PREFIX = ".tmp-"
+_STEP = re.compile(r"step[-_]?(\d+)|(\d+)")  # the number after "step", else the first
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,10 @@ def list_saved(folder: RunFolder) -> list[Saved]:
             if not path.is_dir() or path.is_symlink():
                 continue
             match = _STEP.search(path.name)
-            temporary = path.name.startswith(".") or path.name.endswith((".tmp", ".partial"))
-            found.append(Saved(path.name, str(path), "checkpoint", int(match.group(1)) if match else None,
-                               folder_size(path), not temporary))
+            step = int(match.group(1) or match.group(2)) if match else None
+            complete = not path.name.startswith(TMP_PREFIX) and (path / MARKER).exists()
+            found.append(Saved(path.name, str(path), "checkpoint", step,
+                               folder_size(path), complete))
     found.sort(key=lambda s: (not s.complete, s.step is None, -(s.step or 0)))  # newest complete first
     model = folder.model
     if model.is_dir() and any(model.iterdir()):

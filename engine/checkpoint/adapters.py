@@ -1,0 +1,243 @@
+"""PEFT adapters: PEFT's own layout out of the engine and back in, and the merged LoRA export.
+
+`save_peft` writes each selected adapter as `adapter_config.json` + `adapter_model.safetensors`
+(the "default" adapter in the folder, others in a sub-folder named after them; PEFT's own
+`save_pretrained` does the writing), so `PeftModel.from_pretrained(base, path)` loads it. Under
+ZeRO-3 only the adapter parameters are gathered, never the base model. `load_peft` loads an
+adapter's weights into the engine's adapter of that name (keys and shapes checked before any
+weight changes); a new adapter can join only for inference and not under ZeRO-3, because the
+engine's optimizer and partitioning were built around the adapters it started with. Without PEFT
+both fall back to the model functions, as in CoLLie.
+
+`export_merged` writes base + LoRA as a plain Hugging Face model: each LoRA layer's base weight
+plus its delta (PEFT's `get_delta_weight`, what `merge_and_unload` adds) is made shard by shard
+through the streaming writer of `models.py`, so nothing is ever merged in place.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import atomic, models
+from engine.checkpoint.atomic import CheckpointError, Comm
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class AdapterError(CheckpointError):
+    pass
+
+
+def is_peft(module) -> bool:
+    from peft import PeftModel
+    return isinstance(module, PeftModel)
+
+
+def check_adapter_names(module, selected: list[str] | None) -> list[str]:
+    """The selected adapters (all when None); an unknown name is an error listing the known."""
+    known = list(module.peft_config)
+    names = known if selected is None else list(selected)
+    unknown = [n for n in names if n not in module.peft_config]
+    if unknown or not names:
+        raise AdapterError(f"no adapter named {', '.join(map(repr, unknown)) or '(none selected)'}; "
+                           f"this model has: {', '.join(known)}")
+    return names
+
+
+def adapter_params(module, names: list[str]) -> list[torch.nn.Parameter]:
+    """The parameters of the named adapters (their name has the adapter as one component)."""
+    return [p for n, p in module.named_parameters() if any(f".{a}." in f".{n}." for a in names)]
+
+
+def _any_partitioned(params) -> bool:
+    return any(models.is_partitioned(p) for p in params)
+
+
+# -- saving ------------------------------------------------------------------------------------
+def save_peft(trainer, path: str, selected_adapters: list[str] | None = None) -> dict:
+    """Selected adapters (all when None) in PEFT's layout at `path`; collective, rank 0 writes."""
+    module = trainer.engine.module
+    if not is_peft(module):
+        return models.save_model(trainer, path)
+    names = check_adapter_names(module, selected_adapters)
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    started, comm = time.perf_counter(), Comm.current()
+    params = adapter_params(module, names)
+    meta = {"step": trainer.state.global_step, "adapters": names}
+    with atomic.writing(path, kind="adapter", meta=meta, comm=comm) as w:
+        with GatheredParameters(params, modifier_rank=None):
+            if comm.rank == 0:
+                # under ZeRO-3 the module's own state_dict is read inside the gather, where the
+                # adapter tensors are whole (the base tensors are empty shards, and filtered out)
+                extra = {"state_dict": module.state_dict()} if _any_partitioned(params) else {}
+                module.save_pretrained(str(w.local), selected_adapters=names, safe_serialization=True, **extra)
+                if trainer.tokenizer is not None:
+                    trainer.tokenizer.save_pretrained(str(w.local))
+    info = {"adapters": names, "bytes": sum(p.numel() * p.element_size() for p in params),
+            "seconds": time.perf_counter() - started}
+    trainer.emit({"type": "export", "kind": "adapter", "path": str(path), "step": trainer.state.global_step, **info})
+    return info
+
+
+# -- loading -----------------------------------------------------------------------------------
+def load_peft(trainer, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
+    """Load the adapter saved at `path` (or its `adapter_name` sub-folder) into the engine."""
+    module = trainer.engine.module
+    if not is_peft(module):
+        return models.load_model(trainer, path)
+    local, temporary = models.fetch_model_folder(path, Comm.current())
+    try:
+        folder = local / adapter_name if (local / adapter_name / ADAPTER_CONFIG).is_file() else local
+        load_adapter_files(trainer, folder, str(path), adapter_name, is_trainable)
+    finally:
+        if temporary:
+            shutil.rmtree(local, ignore_errors=True)
+
+
+def load_adapter_files(trainer, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
+    """Adapter weights from a local PEFT folder into the engine's adapter `adapter_name`."""
+    import peft
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    module, comm = trainer.engine.module, Comm.current()
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise AdapterError(f"{where} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
+    saved = peft.PeftConfig.from_pretrained(str(folder))
+    if adapter_name not in module.peft_config:
+        return _add_inference_adapter(trainer, folder, where, adapter_name, is_trainable)
+    _check_config(saved, module.peft_config[adapter_name], where, adapter_name)
+    weights = load_peft_weights(str(folder), device="cpu")
+    _check_weights(module, weights, adapter_name, where)
+    params = adapter_params(module, [adapter_name])
+    with torch.no_grad(), GatheredParameters(params, modifier_rank=0):
+        if comm.rank == 0 or not _any_partitioned(params):
+            result = set_peft_model_state_dict(module, weights, adapter_name=adapter_name)
+            unexpected = [k for k in getattr(result, "unexpected_keys", []) if f".{adapter_name}." in f".{k}."]
+            if unexpected:  # _check_weights makes this unreachable; kept as a last guard
+                raise AdapterError(f"{where}: keys the adapter does not have: {unexpected[:6]}")
+    models.refresh_master_weights(trainer.engine)
+
+
+def _add_inference_adapter(trainer, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
+    module = trainer.engine.module
+    known = ", ".join(module.peft_config)
+    if is_trainable:
+        raise AdapterError(f"cannot add the trainable adapter {adapter_name!r} from {where} to the running "
+                           f"engine: its optimizer holds the adapters {known}; load it into one of those, "
+                           f"pass is_trainable=False, or start a run with method.adapter_name={adapter_name}")
+    if _any_partitioned(list(module.parameters())):
+        raise AdapterError(f"cannot add the adapter {adapter_name!r} to a ZeRO-3 engine (its new parameters "
+                           f"would not be partitioned); load it into one of the adapters {known}")
+    module.load_adapter(str(folder), adapter_name, is_trainable=False)
+
+
+def _check_config(saved, current, where: str, adapter_name: str) -> None:
+    fields = ("peft_type", "r", "lora_alpha", "target_modules", "num_virtual_tokens", "use_dora")
+    differ = []
+    for f in fields:
+        a, b = getattr(saved, f, None), getattr(current, f, None)
+        a, b = (sorted(a) if isinstance(a, (set, list)) else a), (sorted(b) if isinstance(b, (set, list)) else b)
+        if a != b:
+            differ.append(f"{f}: saved {a!r}, engine {b!r}")
+    if differ:
+        raise AdapterError(f"the adapter in {where} does not match the engine's adapter {adapter_name!r} "
+                           f"({'; '.join(differ)}); nothing was loaded")
+
+
+def expected_adapter_shapes(module, adapter_name: str) -> dict[str, tuple[int, ...]]:
+    """The keys and shapes a saved `adapter_name` has, computed without touching any data."""
+    from peft.utils import get_peft_model_state_dict
+
+    config = module.peft_config[adapter_name]
+    if config.is_prompt_learning:
+        tokens = config.num_virtual_tokens * config.num_transformer_submodules
+        return {"prompt_embeddings": (tokens, config.token_dim)}
+    meta = {n: torch.empty(s, device="meta") for n, s in
+            ((n, models.full_shape(t)) for n, t in module.state_dict(keep_vars=True).items())}
+    return {k: tuple(v.shape) for k, v in
+            get_peft_model_state_dict(module, state_dict=meta, adapter_name=adapter_name,
+                                      save_embedding_layers=False).items()}
+
+
+def _check_weights(module, weights: dict, adapter_name: str, where: str) -> None:
+    expected = expected_adapter_shapes(module, adapter_name)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = [f"{k}: file {tuple(weights[k].shape)}, engine {expected[k]}"
+             for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
+    problems = [f"{label}: {models._few(items)}" for label, items in
+                (("missing", missing), ("not in the adapter", unexpected), ("shapes differ", wrong)) if items]
+    if problems:
+        raise AdapterError(f"the adapter weights in {where} do not fit the engine's adapter "
+                           f"{adapter_name!r} ({'; '.join(problems)}); nothing was loaded")
+
+
+# -- the base model's tensors and the merged export --------------------------------------------
+def _adapter_prefixes(base) -> list[str]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    prefixes = []
+    for path, mod in base.named_modules():
+        if isinstance(mod, BaseTunerLayer):
+            for attr in (*mod.adapter_layer_names, *getattr(mod, "other_param_names", ())):
+                prefixes.append(f"{path}.{attr}.")
+        if isinstance(mod, ModulesToSaveWrapper):  # the trained copies; the original is the base
+            prefixes.append(f"{path}.modules_to_save.")
+    return prefixes
+
+
+def hf_key(name: str) -> str:
+    """A base-model tensor's name as the plain model has it (PEFT wraps layers in base_layer)."""
+    return name.replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
+def base_tensors(module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The base model's tensors under their plain Hugging Face keys (adapters left out), and the
+    aliases of tied ones."""
+    base = module.get_base_model()
+    prefixes = _adapter_prefixes(base)
+    targets = {hf_key(n): t for n, t in models.named_tensors(base) if not n.startswith(tuple(prefixes))}
+    return targets, models.tensor_aliases(base, rename=hf_key)
+
+
+def export_merged(trainer, path: str, adapter_name: str | None = None,
+                  max_shard_size: int | str = models.DEFAULT_SHARD_SIZE) -> dict:
+    """Base weights + the LoRA adapter `adapter_name` (the trained one when None) as a plain
+    Hugging Face model at `path`; collective, the engine's weights are left as they are."""
+    from peft.tuners.lora import LoraLayer
+
+    module = trainer.engine.module
+    if not is_peft(module):
+        raise AdapterError("export_merged needs a PEFT model; this run trains the model itself (save_model)")
+    name = adapter_name or trainer.config.method.adapter_name
+    check_adapter_names(module, [name])
+    config = module.peft_config[name]
+    if config.peft_type.value != "LORA" or getattr(config, "use_dora", False):
+        raise AdapterError(f"only plain LoRA adapters merge into the base weights; {name!r} is "
+                           f"{config.peft_type.value}{' with DoRA' if getattr(config, 'use_dora', False) else ''}: "
+                           "save it with save_peft")
+    base = module.get_base_model()
+    lora_of = {id(m.get_base_layer().weight): m for m in base.modules()
+               if isinstance(m, LoraLayer) and (name in m.lora_A or name in getattr(m, "lora_embedding_A", {}))}
+    targets, _ = base_tensors(module)
+    entries = [_merged_entry(k, t, lora_of.get(id(t)), name) for k, t in targets.items()]
+    return models.save_hf(trainer, path, base, entries, max_shard_size, kind="model")
+
+
+def _merged_entry(key: str, weight: torch.Tensor, layer, adapter: str) -> models.Entry:
+    entry = models._tensor_entry(key, weight)
+    if layer is None:
+        return entry
+    gathered = [p for p in layer.parameters() if models.is_partitioned(p)]
+
+    def make() -> torch.Tensor:
+        return weight.detach() + layer.get_delta_weight(adapter).to(weight.dtype)
+
+    return models.Entry(key, gathered, make, entry.shape, entry.dtype)

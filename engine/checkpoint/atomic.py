@@ -1,0 +1,479 @@
+"""Where checkpoints go and how a folder is published whole or not at all.
+
+Every save and load takes a local path or an fsspec URL (``memory://``, ``s3://`` with s3fs
+installed, ...), the counterpart of CoLLie's `protocol` argument.
+
+Publishing (collective, :func:`writing`): every rank writes into a temporary sibling folder
+``.tmp-<name>-<token>`` (for a remote URL: into a local staging folder, then uploads its own
+files there). Each rank hashes the files it wrote (xxh3-128, over a memory map: a few GB/s, far
+cheaper than the write); rank 0 then writes the completion marker ``COMPLETE.json`` -- the
+manifest of every file with its size and hash -- renames the folder into place (moving an older
+folder of that name aside first and deleting it after) and, for training checkpoints, points
+``latest`` in the parent folder at it. A folder without its marker is never offered for resume:
+a save killed at any moment leaves the previous checkpoint as it was, and the broken temporary
+folder is deleted by the next save into the same parent.
+
+Data files are not fsync'ed (that would cost as much as the write); after a power loss a file
+whose bytes never reached the disk no longer matches its hash, and loading says so.
+
+On object stores a rename is a copy, so there the marker written last is what makes a folder
+complete; the swap of an existing folder of the same name is not atomic there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import fsspec
+import xxhash
+
+MARKER = "COMPLETE.json"
+POINTER = "latest"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+FORMAT = "livetune-checkpoint-v1"
+
+
+# -- errors -------------------------------------------------------------------------------------
+class CheckpointError(Exception):
+    """A checkpoint cannot be saved or loaded; the message says why and what to do."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    pass
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The folder has no completion marker: the save that wrote it never finished."""
+
+
+class MissingFilesError(CheckpointError):
+    pass
+
+
+class CorruptCheckpointError(CheckpointError):
+    pass
+
+
+class LayoutMismatchError(CheckpointError):
+    """The checkpoint was written by another parallel layout (or another model / method)."""
+
+
+class WrongKindError(CheckpointError):
+    """A model export where a training checkpoint was expected, or the other way round."""
+
+
+# -- ranks ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Comm:
+    """The few collectives publishing needs; a single process when no process group exists."""
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def current(cls) -> "Comm":
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def agree(self, problem: str | None) -> list[str]:
+        """Every rank's problem (None: none), so that all ranks raise the same error or none."""
+        return [f"rank {r}: {p}" if self.world > 1 else p
+                for r, p in enumerate(self.all_gather(problem)) if p]
+
+
+# -- locations ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Location:
+    """A folder on some fsspec file system."""
+    fs: Any
+    path: str
+
+    @property
+    def is_local(self) -> bool:
+        return "file" in _protocols(self.fs)
+
+    @property
+    def url(self) -> str:
+        return self.path if self.is_local else self.fs.unstrip_protocol(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> "Location":
+        return Location(self.fs, self.path.rstrip("/").rsplit("/", 1)[0] or "/")
+
+    def child(self, *parts: str) -> "Location":
+        return Location(self.fs, "/".join([self.path.rstrip("/"), *parts]))
+
+    def exists(self) -> bool:
+        return self.fs.exists(self.path)
+
+    def read_text(self) -> str:
+        return self.fs.cat_file(self.path).decode("utf-8")
+
+
+def location(url: str | os.PathLike) -> Location:
+    """The file system and path of a local path or fsspec URL."""
+    fs, path = fsspec.core.url_to_fs(str(url))
+    return Location(fs, path)
+
+
+def _protocols(fs) -> tuple:
+    proto = fs.protocol
+    return proto if isinstance(proto, tuple) else (proto,)
+
+
+# -- hashing --------------------------------------------------------------------------------------
+def file_digest(path: str | Path) -> str:
+    """xxh3-128 of a local file, read through a memory map (no copy into Python memory)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_128(b"").hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return xxhash.xxh3_128(m).hexdigest()
+
+
+def describe(root: Path, relpaths: list[str]) -> dict[str, dict]:
+    """{relpath: {"size", "xxh3"}} of files under a local folder."""
+    return {rel: {"size": (root / rel).stat().st_size, "xxh3": file_digest(root / rel)} for rel in relpaths}
+
+
+def local_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+# -- writing --------------------------------------------------------------------------------------
+@dataclass
+class FolderWriter:
+    """Handed to the body of :func:`writing`: write under `local`, then `claim` what you wrote."""
+    local: Path
+    comm: Comm
+    claimed: list[str] = field(default_factory=list)
+
+    def claim(self, *relpaths: str) -> None:
+        """Files this rank wrote (relative to `local`); unclaimed files there belong to rank 0."""
+        self.claimed.extend(relpaths)
+
+    def claim_paths(self, paths) -> None:
+        for p in paths:
+            self.claim(str(Path(p).resolve().relative_to(self.local.resolve())))
+
+
+@contextlib.contextmanager
+def writing(url: str, kind: str, meta: dict | None = None, pointer: bool = False,
+            comm: Comm | None = None) -> Iterator[FolderWriter]:
+    """Write a folder at `url` atomically, together with every rank (see the module docstring).
+
+    The body writes its files under `writer.local` on each rank; when it returns, the folder is
+    hashed, marked complete and published, and `<parent>/latest` names it when `pointer`.
+    """
+    comm = comm or Comm.current()
+    target = location(url)
+    if comm.rank == 0:
+        _remove_stale(target.parent)
+    token = comm.broadcast(uuid.uuid4().hex[:10])
+    tmp = target.parent.child(f"{TMP_PREFIX}{target.name}-{token}")
+    if target.is_local:
+        local = Path(tmp.path)
+        if comm.rank == 0:
+            local.mkdir(parents=True)
+        comm.barrier()
+    else:
+        local = Path(tempfile.mkdtemp(prefix="livetune-stage-"))
+    writer = FolderWriter(local, comm)
+    try:
+        yield writer
+        _finish(writer, target, tmp, kind, meta or {}, pointer)
+    finally:
+        if not target.is_local:
+            shutil.rmtree(local, ignore_errors=True)
+
+
+def _finish(writer: FolderWriter, target: Location, tmp: Location, kind: str, meta: dict,
+            pointer: bool) -> None:
+    comm = writer.comm
+    problem, files = None, {}
+    try:
+        files = describe(writer.local, writer.claimed)
+        if not target.is_local:
+            _upload(writer.local, list(files), tmp)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others hang
+        problem = f"{type(e).__name__}: {e}"
+    gathered = comm.all_gather((files, problem))
+    problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(gathered) if p]
+    if comm.rank == 0 and not problems:
+        try:
+            manifest: dict[str, dict] = {}
+            for rank_files, _ in gathered:
+                manifest.update(rank_files)
+            rest = [rel for rel in local_files(writer.local) if rel not in manifest and rel != MARKER]
+            manifest.update(describe(writer.local, rest))
+            if not target.is_local:
+                _upload(writer.local, rest, tmp)
+            marker = {"format": FORMAT, "kind": kind, "created": time.time(), **meta,
+                      "files": dict(sorted(manifest.items()))}
+            _write_marker(tmp, marker)
+            _publish(tmp, target)
+            if pointer:
+                write_pointer(target.parent, target.name)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"rank 0: {type(e).__name__}: {e}")
+    problems = [p for p in comm.broadcast(problems)]
+    if problems:
+        raise CheckpointError(f"saving {target.url} failed, nothing was published (the previous "
+                              f"checkpoint is untouched): " + "; ".join(problems))
+
+
+def _upload(local: Path, relpaths: list[str], tmp: Location) -> None:
+    for rel in relpaths:
+        dest = tmp.child(*rel.split("/"))
+        tmp.fs.makedirs(dest.parent.path, exist_ok=True)
+        tmp.fs.put_file(str(local / rel), dest.path)
+
+
+def _write_marker(folder: Location, marker: dict) -> None:
+    data = json.dumps(marker, indent=1).encode()
+    path = folder.child(MARKER)
+    if folder.is_local:
+        _write_local_durably(Path(path.path), data)
+    else:
+        folder.fs.pipe_file(path.path, data)
+
+
+def _write_local_durably(path: Path, data: bytes) -> None:
+    """Write a small file in full or not at all (temp + fsync + rename)."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _publish(tmp: Location, target: Location) -> None:
+    """Move the finished temporary folder to its name; an older folder there is replaced."""
+    fs = target.fs
+    old = None
+    if target.exists():
+        old = target.parent.child(f"{OLD_PREFIX}{target.name}-{uuid.uuid4().hex[:8]}")
+        if target.is_local:
+            os.rename(target.path, old.path)
+        else:  # no atomic rename: unmark the old folder first, so it is never taken as complete
+            if fs.exists(target.child(MARKER).path):
+                fs.rm(target.child(MARKER).path)
+            fs.mv(target.path, old.path, recursive=True)
+    if target.is_local:
+        os.rename(tmp.path, target.path)
+    else:
+        fs.mv(tmp.path, target.path, recursive=True)
+    if old is not None:
+        remove(old)
+
+
+def write_pointer(collection: Location, name: str) -> None:
+    """Point `<collection>/latest` at the checkpoint `name` (written in one step)."""
+    path = collection.child(POINTER)
+    if collection.is_local:
+        _write_local_durably(Path(path.path), (name + "\n").encode())
+    else:
+        collection.fs.pipe_file(path.path, (name + "\n").encode())
+
+
+def remove(folder: Location) -> None:
+    """Delete a folder; an unmarked folder is never mistaken for a checkpoint while it goes."""
+    if not folder.exists():
+        return
+    marker = folder.child(MARKER)
+    if folder.fs.exists(marker.path):
+        folder.fs.rm(marker.path)
+    if folder.is_local:
+        shutil.rmtree(folder.path, ignore_errors=True)
+    else:
+        folder.fs.rm(folder.path, recursive=True)
+
+
+def _remove_stale(collection: Location) -> None:
+    """Temporary and replaced folders left by saves that were killed: never complete, deleted."""
+    if not collection.exists():
+        collection.fs.makedirs(collection.path, exist_ok=True)
+        return
+    for info in collection.fs.ls(collection.path, detail=True):
+        name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+        if info["type"] == "directory" and name.startswith((TMP_PREFIX, OLD_PREFIX)):
+            remove(Location(collection.fs, info["name"]))
+
+
+# -- reading --------------------------------------------------------------------------------------
+def read_marker(folder: Location) -> dict | None:
+    """The completion marker of a folder, or None when it has none (never finished)."""
+    path = folder.child(MARKER)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path.url} is not valid JSON ({e}); the checkpoint "
+                                     f"cannot be trusted") from None
+
+
+def complete_marker(url: str, kind: str | None = None) -> dict:
+    """The marker of a complete folder of `kind`, or a clear error saying what is wrong."""
+    folder = location(url)
+    if not folder.exists():
+        raise CheckpointNotFoundError(f"no checkpoint at {folder.url}: the folder does not exist")
+    marker = read_marker(folder)
+    if marker is None:
+        nearby = [c["name"] for c in list_checkpoints(folder.parent.url)]
+        raise IncompleteCheckpointError(
+            f"{folder.url} has no completion marker ({MARKER}): the save that wrote it did not "
+            f"finish, so it is not used. Complete checkpoints beside it: {nearby or 'none'}")
+    if marker.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{folder.url}/{MARKER} has format {marker.get('format')!r}, "
+                                     f"expected {FORMAT!r}")
+    if kind is not None and marker.get("kind") != kind:
+        raise WrongKindError(f"{folder.url} is a {marker.get('kind')} folder, not a {kind} one"
+                             + (" (load it with load_model / load_peft)" if kind == "training" else ""))
+    return marker
+
+
+def list_checkpoints(collection_url: str, kind: str = "training") -> list[dict]:
+    """The complete checkpoints directly under a folder, oldest step first; each is its marker
+    plus "name" and "url". Temporary and unmarked folders are left out."""
+    collection = location(collection_url)
+    if not collection.exists():
+        return []
+    found = []
+    for info in collection.fs.ls(collection.path, detail=True):
+        name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+        if info["type"] != "directory" or name.startswith((TMP_PREFIX, OLD_PREFIX)):
+            continue
+        folder = Location(collection.fs, info["name"])
+        try:
+            marker = read_marker(folder)
+        except CorruptCheckpointError:
+            continue
+        if marker and marker.get("format") == FORMAT and marker.get("kind") == kind:
+            found.append({**marker, "name": name, "url": folder.url})
+    return sorted(found, key=lambda m: (m.get("step", 0), m.get("created", 0)))
+
+
+def latest_checkpoint(collection_url: str) -> str | None:
+    """The checkpoint `latest` names when it is complete, else the newest complete one."""
+    collection = location(collection_url)
+    pointer = collection.child(POINTER)
+    if pointer.exists():
+        name = pointer.read_text().strip()
+        candidate = collection.child(name)
+        marker = read_marker(candidate) if name and candidate.exists() else None
+        if marker is not None and marker.get("kind") == "training":
+            return candidate.url
+    complete = list_checkpoints(collection.url)
+    return complete[-1]["url"] if complete else None
+
+
+def resolve_checkpoint(value: str, checkpoints_url: str) -> str:
+    """The training checkpoint to continue from: `value` is a checkpoint folder, a folder of
+    checkpoints (the one its `latest` names), or "latest" (in the run's `checkpoints_url`)."""
+    collection = None
+    if value == "latest":
+        collection = location(checkpoints_url)
+    else:
+        folder = location(value)
+        if not folder.exists():
+            raise CheckpointNotFoundError(f"resume={value}: no such checkpoint folder")
+        if read_marker(folder) is not None:
+            complete_marker(folder.url, "training")  # the right kind, or a clear error
+            return folder.url
+        if not folder.child(POINTER).exists() and not list_checkpoints(folder.url):
+            complete_marker(folder.url, "training")  # raises: an unfinished checkpoint
+        collection = folder
+    found = latest_checkpoint(collection.url)
+    if found is None:
+        ignored = [n for n in _subfolders(collection) if not n.startswith(OLD_PREFIX)]
+        raise CheckpointNotFoundError(f"resume={value}: no complete checkpoint in {collection.url}"
+                                      + (f" (unfinished, ignored: {ignored})" if ignored else ""))
+    return found
+
+
+def _subfolders(collection: Location) -> list[str]:
+    if not collection.exists():
+        return []
+    return sorted(i["name"].rstrip("/").rsplit("/", 1)[-1]
+                  for i in collection.fs.ls(collection.path, detail=True) if i["type"] == "directory")
+
+
+def verify(folder: Location, marker: dict, relpaths: list[str] | None = None,
+           local_root: Path | None = None) -> list[str]:
+    """Problems of the listed files (all of the manifest when None): missing, wrong size, wrong
+    hash. `local_root`: a local copy to hash (the folder itself when it is local)."""
+    files = marker.get("files", {})
+    root = local_root if local_root is not None else (Path(folder.path) if folder.is_local else None)
+    problems = []
+    for rel in files if relpaths is None else relpaths:
+        expected = files[rel]
+        path = root / rel if root is not None else None
+        if path is None or not path.is_file():
+            problems.append(f"missing {rel}")
+        elif path.stat().st_size != expected["size"]:
+            problems.append(f"{rel} has {path.stat().st_size} bytes, the manifest says {expected['size']}")
+        elif file_digest(path) != expected["xxh3"]:
+            problems.append(f"{rel} does not match its hash (the file changed or is damaged)")
+    return problems
+
+
+def missing_files(folder: Location, marker: dict) -> list[str]:
+    """Files the manifest lists that the folder lacks (one listing, no reads)."""
+    present = set()
+    base = folder.path.rstrip("/") + "/"
+    for path in folder.fs.find(folder.path):
+        present.add(path[len(base):] if path.startswith(base) else path)
+    return [rel for rel in marker.get("files", {}) if rel not in present]
+
+
+def fetch(folder: Location, relpaths: list[str]) -> tuple[Path, bool]:
+    """A local folder holding `relpaths` of `folder`: the folder itself when local, else a
+    temporary download (the bool says whether the caller must delete it)."""
+    if folder.is_local:
+        return Path(folder.path), False
+    local = Path(tempfile.mkdtemp(prefix="livetune-fetch-"))
+    for rel in relpaths:
+        dest = local / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        folder.fs.get_file(folder.child(*rel.split("/")).path, str(dest))
+    return local, True

@@ -1,0 +1,310 @@
+"""Training checkpoints: everything needed to continue a run bit for bit.
+
+A checkpoint folder (published atomically by `atomic.writing`)::
+
+    step-40/
+        COMPLETE.json            completion marker + manifest (sizes, hashes), written last
+        trainer_state.json       position, parallel layout, model fingerprint, sampler, run config
+        callbacks.pt             the callbacks' states (the control plane's live settings, ...)
+        rng/rank00000.pt ...     Python, NumPy and torch (and CUDA) RNG states, one file per rank
+        latest                   \\
+        zero_to_fp32.py           | DeepSpeed's own layout, written by engine.save_checkpoint:
+        global_step40/            | model, optimizer partitions per rank, lr scheduler; its
+            mp_rank_00_model_states.pt, *zero_pp_rank_<r>_*_optim_states.pt, ...   / zero_to_fp32 reads it
+
+`load_checkpoint` checks everything before it changes anything: the marker (an unfinished save is
+refused), that every listed file is there, the layout (dp, tp, pp, ZeRO stage) and the model
+(precision, method, parameter counts), that the data order is the same, and -- each rank the
+files it reads -- every hash. Only then does DeepSpeed load the model, optimizer and scheduler,
+followed by the callbacks, the position and the RNG states. The next `train()` starts at the
+saved (epoch, micro-batch) and skips exactly what was trained.
+
+A different layout is refused with both layouts named; the message says how DeepSpeed's
+universal checkpoint conversion carries model and optimizer state to another layout for a new
+run (not an exact resume: the data order and RNG streams of the new layout differ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import time
+import weakref
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine.checkpoint import atomic
+from engine.checkpoint.atomic import (CheckpointError, Comm, CorruptCheckpointError, LayoutMismatchError,
+                                      MissingFilesError)
+from engine.rng import rng_state, set_rng_state
+
+STATE_FILE = "trainer_state.json"
+CALLBACKS_FILE = "callbacks.pt"
+RNG_DIR = "rng"
+LAYOUT_KEYS = ("world_size", "dp_size", "tp_size", "pp_size", "zero_stage")
+MODEL_KEYS = ("precision", "method", "parameters", "trainable_parameters")
+_RANKED = re.compile(r"zero_pp_rank_(\d+)_")
+_RNG = re.compile(rf"{RNG_DIR}/rank(\d+)\.pt$")
+
+
+class DataMismatchError(CheckpointError):
+    """The run's data order differs from the checkpoint's (seed, sizes, batching ...)."""
+
+
+def rng_file(rank: int) -> str:
+    return f"{RNG_DIR}/rank{rank:05d}.pt"
+
+
+def ds_tag(step: int) -> str:
+    return f"global_step{step}"  # DeepSpeed's own default tag
+
+
+# -- what a checkpoint records --------------------------------------------------------------------
+def layout_of(trainer) -> dict:
+    p = trainer.config.parallel
+    return {"world_size": trainer.env.world_size, "dp_size": trainer.env.dp_size, "tp_size": p.tp_size,
+            "pp_size": p.pp_size, "zero_stage": int(trainer.engine.zero_optimization_stage())}
+
+
+def model_of(trainer) -> dict:
+    from engine.model import count_parameters
+    total, trainable = count_parameters(trainer.engine.module)
+    return {"precision": trainer.precision, "method": trainer.config.method.name,
+            "parameters": total, "trainable_parameters": trainable}
+
+
+_samplers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _sampler(trainer):
+    """The run's batch sampler (built once per trainer): its state is the data order's identity."""
+    sampler = _samplers.get(trainer)
+    if sampler is None:
+        sampler = trainer.train_loader(0, start_batch=0).batch_sampler
+        _samplers[trainer] = sampler
+    return sampler
+
+
+def sampler_state(trainer) -> dict | None:
+    sampler = _sampler(trainer)
+    if not hasattr(sampler, "state_dict"):
+        return None
+    sampler.set_epoch(trainer.state.epoch)
+    return sampler.state_dict(batches_done=trainer.state.batch_in_epoch)
+
+
+def describe_layout(layout: dict) -> str:
+    return (f"dp {layout.get('dp_size')} x tp {layout.get('tp_size')} x pp {layout.get('pp_size')}, "
+            f"ZeRO {layout.get('zero_stage')} ({layout.get('world_size')} ranks)")
+
+
+# -- saving ---------------------------------------------------------------------------------------
+class _RecordingEngine:
+    """Stands in for DeepSpeed's checkpoint engine during a save and notes every file it writes,
+    so that each rank hashes (and, for a remote URL, uploads) exactly its own files."""
+
+    def __init__(self, inner):
+        self._inner, self.written = inner, []
+
+    def save(self, state_dict, path):
+        self._inner.save(state_dict, path)
+        self.written.append(path)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _recording(engine) -> Iterator[list[str]]:
+    inner = engine.checkpoint_engine
+    if inner is not None and inner.is_decoupled():
+        raise CheckpointError("DeepSpeed's decoupled (asynchronous) checkpoint engine is not supported: "
+                              "a checkpoint is published only once all of its files are written")
+    recorder = _RecordingEngine(inner)
+    engine.checkpoint_engine = recorder
+    try:
+        yield recorder.written
+    finally:
+        engine.checkpoint_engine = inner
+
+
+def _points_latest(trainer, path: str) -> bool:
+    folder = getattr(trainer, "folder", None)
+    if folder is None:
+        return False
+    return atomic.location(path).parent.path.rstrip("/") == atomic.location(str(folder.checkpoints)).path.rstrip("/")
+
+
+def save_checkpoint(trainer, path: str, *, saved_by: str = "manual", metrics: dict | None = None,
+                    pointer: bool | None = None) -> str:
+    """Write the full training state to `path` (local or fsspec URL); every rank calls this.
+
+    `pointer`: update `latest` in the parent folder (default: when the parent is the run's
+    checkpoints folder). `saved_by` and `metrics` go into the marker, where the checkpoint
+    callback's keep-last / keep-best rules read them. Returns the checkpoint's URL.
+    """
+    started, comm = time.perf_counter(), Comm.current()
+    state, engine = trainer.state, trainer.engine
+    callback_states = trainer.callbacks.state_dict(trainer)  # on every rank: a callback may be collective
+    record = {"position": {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
+                           "global_step": state.global_step, "total_steps": state.total_steps},
+              "ds_tag": ds_tag(state.global_step), "layout": layout_of(trainer), "model": model_of(trainer),
+              "sampler": sampler_state(trainer), "config": trainer.config.to_dict(), "versions": _versions()}
+    meta = {"step": state.global_step, "epoch": state.epoch, "saved_by": saved_by,
+            "metrics": dict(metrics or {})}
+    pointer = _points_latest(trainer, path) if pointer is None else pointer
+    with atomic.writing(path, kind="training", meta=meta, pointer=pointer, comm=comm) as w:
+        with _recording(engine) as written:
+            engine.save_checkpoint(str(w.local), tag=record["ds_tag"], client_state={}, save_latest=True)
+        w.claim_paths(written)
+        (w.local / RNG_DIR).mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), w.local / rng_file(comm.rank))
+        w.claim(rng_file(comm.rank))
+        if comm.rank == 0:
+            (w.local / STATE_FILE).write_text(json.dumps(record, indent=1, default=str))
+            torch.save(callback_states, w.local / CALLBACKS_FILE)
+    url = atomic.location(path).url
+    trainer.emit({"type": "checkpoint", "step": state.global_step, "epoch": state.epoch, "path": url,
+                  "saved_by": saved_by, "seconds": round(time.perf_counter() - started, 3)})
+    return url
+
+
+def _versions() -> dict:
+    import deepspeed
+    import transformers
+    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "transformers": transformers.__version__}
+
+
+# -- loading --------------------------------------------------------------------------------------
+def files_read_by(files: list[str], rank: int, dp_rank: int) -> list[str]:
+    """The manifest files rank `rank` reads to resume: its own partitions and RNG file, the shared
+    model states and our state files. The rest (DeepSpeed's scripts) are checked by rank 0."""
+    mine = []
+    for rel in files:
+        ranked, rng = _RANKED.search(rel), _RNG.search(rel)
+        if ranked:
+            ok = int(ranked.group(1)) == dp_rank
+        elif rng:
+            ok = int(rng.group(1)) == rank
+        else:
+            ok = "/" in rel or rel in (STATE_FILE, CALLBACKS_FILE) or rank == 0
+        if ok:
+            mine.append(rel)
+    return mine
+
+
+def read_record(folder: atomic.Location) -> dict:
+    try:
+        return json.loads(folder.child(STATE_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{folder.url}/{STATE_FILE} is damaged ({e}); nothing was loaded") from None
+
+
+def check_compatible(trainer, record: dict, url: str, data_order: bool = True) -> None:
+    """Same parallel layout, same model, same data order -- or an error naming both sides."""
+    saved, now = record.get("layout", {}), layout_of(trainer)
+    if any(saved.get(k) != now[k] for k in LAYOUT_KEYS):
+        tag = record.get("ds_tag", "global_stepN")
+        raise LayoutMismatchError(
+            f"{url} was written by {describe_layout(saved)}; this run is {describe_layout(now)}. An exact "
+            f"resume needs the checkpoint's layout: set parallel.nproc={saved.get('world_size')} "
+            f"zero_stage={saved.get('zero_stage')} tp={saved.get('tp_size')} pp={saved.get('pp_size')}. "
+            f"To carry the model and optimizer state to the new layout instead (a new run, not an exact "
+            f"resume: data order and RNG streams differ), convert it with DeepSpeed's universal checkpoint "
+            f"tool: python -m deepspeed.checkpoint.ds_to_universal --input_folder {url}/{tag} "
+            f"--output_folder {url}/{tag}_universal, and load that with DeepSpeed's load_checkpoint "
+            f"under the DeepSpeed config {{\"checkpoint\": {{\"load_universal\": true}}}}")
+    saved_model, model = record.get("model", {}), model_of(trainer)
+    differ = [f"{k}: checkpoint {saved_model.get(k)!r}, this run {model[k]!r}" for k in MODEL_KEYS
+              if saved_model.get(k) != model[k]]
+    if differ:
+        raise LayoutMismatchError(f"{url} holds another model or method ({'; '.join(differ)}); nothing was loaded")
+    saved_sampler = record.get("sampler")
+    sampler = _sampler(trainer) if data_order else None
+    if saved_sampler is not None and hasattr(sampler, "load_state_dict"):
+        try:
+            sampler.load_state_dict(saved_sampler)
+        except Exception as e:  # noqa: BLE001 - the data layer's own message says what differs
+            raise DataMismatchError(f"{url}: {e}; nothing was loaded") from None
+
+
+@contextlib.contextmanager
+def verified(trainer, path: str, data_order: bool = True) -> Iterator[tuple[atomic.Location, dict, dict, Path]]:
+    """Check a training checkpoint completely (collective) and yield (folder, marker, record,
+    local copy of this rank's files); raises before anything is changed."""
+    comm = Comm.current()
+    folder = atomic.location(path)
+    marker = atomic.complete_marker(path, "training")
+    missing = atomic.missing_files(folder, marker)
+    if missing:
+        raise MissingFilesError(f"{folder.url} lacks {len(missing)} file(s) its manifest lists: "
+                                f"{', '.join(missing[:6])}; nothing was loaded")
+    record = read_record(folder)
+    check_compatible(trainer, record, folder.url, data_order)
+    mine = files_read_by(sorted(marker["files"]), comm.rank, trainer.env.dp_rank)
+    local, temporary = atomic.fetch(folder, mine)
+    try:
+        problems = comm.agree("; ".join(atomic.verify(folder, marker, mine, local_root=local)) or None)
+        if problems:
+            raise CorruptCheckpointError(f"{folder.url} is damaged: {'; '.join(problems)}; nothing was loaded")
+        yield folder, marker, record, local
+    finally:
+        if temporary:
+            shutil.rmtree(local, ignore_errors=True)
+
+
+def load_checkpoint(trainer, path: str) -> dict:
+    """Restore the training state saved at `path`; every rank calls this. Returns the marker."""
+    started = time.perf_counter()
+    with verified(trainer, path) as (folder, marker, record, local):
+        _restore(trainer, local, record)
+    changes = _config_changes(record.get("config", {}), trainer.config.to_dict())
+    trainer.emit({"type": "resume", "checkpoint": folder.url, "step": trainer.state.global_step,
+                  "epoch": trainer.state.epoch, "batch_in_epoch": trainer.state.batch_in_epoch,
+                  "config_changes": changes, "seconds": round(time.perf_counter() - started, 3)})
+    return marker
+
+
+def load_weights(trainer, path: str) -> None:
+    """The model (and the optimizer state DeepSpeed keeps with it) of a training checkpoint; the
+    position, scheduler, RNG streams and callbacks stay as they are. Collective."""
+    with verified(trainer, path, data_order=False) as (_, _, record, local):
+        load_path, _ = trainer.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_optimizer_states=True,
+                                                      load_lr_scheduler_states=False)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {path}")
+
+
+def _restore(trainer, local: Path, record: dict) -> None:
+    load_path, _ = trainer.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_module_strict=True,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {local}")
+    states = torch.load(local / CALLBACKS_FILE, map_location="cpu", weights_only=False)
+    trainer.callbacks.load_state_dict(trainer, states)
+    position = record["position"]
+    trainer.state.epoch = int(position["epoch"])
+    trainer.state.batch_in_epoch = int(position["batch_in_epoch"])
+    trainer.state.global_step = int(position["global_step"])
+    # last: nothing may draw random numbers between here and the next step
+    set_rng_state(torch.load(local / rng_file(trainer.env.rank), map_location="cpu", weights_only=False))
+
+
+_NOT_TRAINING = ("resume", "logging.", "control.", "checkpoint.", "eval.")
+
+
+def _config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose value differs (left out: fields that cannot change the trajectory)."""
+    changes = []
+    for key in sorted(set(saved) | set(now)):
+        dotted = f"{prefix}{key}"
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += _config_changes(a, b, dotted + ".")
+        elif a != b and not dotted.startswith(_NOT_TRAINING):
+            changes.append(dotted)
+    return changes
