@@ -10,7 +10,7 @@ from engine.default_task import RECOMMENDED as _R
 DEFAULT: dict = {
     "optim": {"lr": _R["lr"], "warmup_steps": _R["warmup_steps"]},
     "train": {"micro_batch_size": _R["micro_batch_size"], "max_steps": _R["max_steps"]},
-    "data": {"max_length": _R["max_length"]},
+    "data": {"max_length": _R["max_length"], "batching": _R["batching"]},
     "eval": {"every_n_steps": _R["eval_every_n_steps"], "evaluators": ["perplexity", "exact_match"],
              "max_samples": 128, "batch_size": 64},
 }
