@@ -96,7 +96,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
                             errors.append(gr.Markdown("\n\n".join(msgs), visible=bool(msgs),
                                                       elem_classes="field-error", elem_id=f"err-{slug(f['key'])}"))
                             if f["key"] in INSPECTED:
-                                notes[f["key"]] = gr.Markdown(_idle_note(f["key"], ""), elem_classes="inspect-note",
+                                notes[f["key"]] = gr.Markdown(_idle_note(f["key"]), elem_classes="inspect-note",
                                                               elem_id=f"inspect-{slug(f['key'])}")
                     for _ in range(COLUMNS - len(chunk)):  # a short last row keeps the column widths
                         gr.Column(min_width=220)
@@ -210,7 +210,7 @@ def _deepspeed(backend: Backend, values: list[Any]) -> str:
     return head + warnings + "\n" + json.dumps(answer["config"], indent=2)
 
 
-def _idle_note(key: str, path: str) -> str:
+def _idle_note(key: str) -> str:
     if key == "model.path":
         return "Empty: the embedded tiny Llama (2 layers, hidden 128, character tokenizer)."
     if key == "data.train":
@@ -221,7 +221,7 @@ def _idle_note(key: str, path: str) -> str:
 def _inspect(backend: Backend, key: str, path: str, fmt: str) -> str:
     path = (path or "").strip()
     if not path:
-        return _idle_note(key, path)
+        return _idle_note(key)
     if not Path(path).exists():
         return f"**Cannot use it:** no such {'folder' if key == 'model.path' else 'file or folder'}: `{path}`"
     if INSPECTED[key] == "model":

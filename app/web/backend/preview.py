@@ -11,7 +11,6 @@ import queue
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 from engine.launch import REPO_ROOT
@@ -119,9 +118,3 @@ def describe_data(info: dict) -> str:
         text += "\n\nfirst row: `" + json.dumps(info["examples"][0], ensure_ascii=False)[:200] + "`"
     return text
 
-
-def relative(path: str) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return path
