@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch.utils.data import DataLoader
 
 from engine.data.collate import PaddingCollator
@@ -40,4 +41,9 @@ def build_dataloader(dataset, *, micro_batch_size: int, dp_rank: int = 0, dp_siz
         lengths_of(dataset, needed=strategy == "group_by_length"), micro_batch_size, dp_rank=dp_rank,
         dp_size=dp_size, seed=seed, strategy=strategy, drop_last=drop_last, shuffle=shuffle)
     collate = collate_fn if collate_fn is not None else PaddingCollator(tokenizer)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers)
+    # Its own generator: a DataLoader otherwise draws its workers' base seed from the global torch
+    # RNG each time it is iterated, and a run resumed mid-epoch (one extra iteration) would then
+    # see other dropout masks than the uninterrupted run.
+    generator = torch.Generator().manual_seed(seed % 2**63)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                      generator=generator)
