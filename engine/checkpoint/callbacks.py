@@ -7,7 +7,8 @@ training. When an evaluation falls on the same step, the save waits for it so th
 checkpoint carries that step's metrics. After each save the rules run on what is on disk:
 
 - keep the newest `keep_last` scheduled checkpoints (0 keeps all),
-- and the best `keep_best` by `monitor` (`mode` min or max),
+- and the best `keep_best` by `monitor` (`mode` min or max), among the checkpoints evaluated at
+  their own step (a checkpoint between evaluations has no metric and is not ranked),
 - and always the newest one (`last`, the one `latest` names);
 
 every other scheduled checkpoint is deleted. Checkpoints saved by hand (the control plane's
@@ -76,6 +77,7 @@ class CheckpointCallback(Callback):
     def __init__(self, save_last: bool = True):
         self.save_last = save_last
         self.metrics: dict[str, Any] = {}
+        self.metrics_step: int | None = None  # the step `metrics` were measured at
         self._pending_step: int | None = None
         self._saved_step: int | None = None
 
@@ -90,6 +92,7 @@ class CheckpointCallback(Callback):
 
     def on_evaluate_end(self, trainer, results: dict[str, float]) -> None:
         self.metrics = {f"eval/{k}": v for k, v in results.items()}
+        self.metrics_step = trainer.state.global_step
         if self._pending_step == trainer.state.global_step:
             self.save(trainer)
 
@@ -104,17 +107,21 @@ class CheckpointCallback(Callback):
             self.save(trainer)
 
     def on_save_checkpoint(self, trainer) -> Any:
-        return {"metrics": self.metrics}
+        return {"metrics": self.metrics, "metrics_step": self.metrics_step}
 
     def on_load_checkpoint(self, trainer, saved: Any) -> None:
         self.metrics = dict(saved.get("metrics", {}))
+        self.metrics_step = saved.get("metrics_step")
 
     def save(self, trainer) -> str:
         """Save `checkpoints/step-<N>` now (collective) and prune by the rules."""
         self._pending_step = None
         self._saved_step = trainer.state.global_step
-        path = str(trainer.folder.checkpoints / checkpoint_name(trainer.state.global_step))
-        url = state.save_checkpoint(trainer, path, saved_by=SCHEDULE, metrics=self.metrics)
+        step = trainer.state.global_step
+        path = str(trainer.folder.checkpoints / checkpoint_name(step))
+        # only metrics measured on these very weights rank a checkpoint
+        metrics = self.metrics if self.metrics_step == step else {}
+        url = state.save_checkpoint(trainer, path, saved_by=SCHEDULE, metrics=metrics)
         if trainer.env.rank == 0:
             self.prune(trainer)
         return url
