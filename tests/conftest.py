@@ -48,3 +48,19 @@ def tmp_jsonl(tmp_path: Path):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         return path
     return write
+
+
+@pytest.fixture(autouse=True)
+def _remove_deepspeed_shm_buffers():
+    """DeepSpeed's CPU all-reduce leaves a 66 MB /dev/shm file per rank and never deletes it;
+    over a whole suite that fills memory. Unlinking after a test is safe even for a process
+    that still maps the file."""
+    import time
+    started = time.time() - 1
+    yield
+    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        try:
+            if path.stat().st_mtime >= started:
+                path.unlink()
+        except OSError:
+            pass
