@@ -52,6 +52,7 @@ def init_distributed(cfg: RunConfig | None = None) -> DistEnv:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        _unlink_shm_buffers()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -63,6 +64,22 @@ def init_distributed(cfg: RunConfig | None = None) -> DistEnv:
                    dp_group=layout.dp_group, device=device, tp_size=layout.tp_size,
                    tp_rank=layout.tp_rank, pp_size=layout.pp_size, stage=layout.stage,
                    topology=layout.topology)
+
+
+def _unlink_shm_buffers() -> None:
+    """DeepSpeed's CPU all-reduce maps a 66 MB /dev/shm file per rank and never deletes it.
+    Once every rank has mapped them (the barrier), each rank unlinks its own, so the memory is
+    freed when the processes exit, however they exit."""
+    if torch.cuda.is_available() or dist.get_world_size() == 1:
+        return
+    dist.barrier()
+    suffix = f"_{os.environ['MASTER_PORT']}_{dist.get_rank()}"
+    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
+        if path.name.endswith(suffix):
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
 
 def open_run_folder(cfg: RunConfig, run_dir: str | None, is_rank0: bool) -> tuple[RunFolder, EventLog | None]:
