@@ -414,6 +414,11 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
                          "evaluation is scheduled but data.eval names no evaluation data"))
     if c.checkpoint.keep_best and not c.checkpoint.monitor:
         problems.append(("checkpoint.monitor", "keep_best needs a metric to rank by"))
+    if c.resume == "latest" and not c.logging.run_name:
+        problems.append(("resume", "`latest` is the newest checkpoint of a run folder: name the run to "
+                         "continue with logging.run_name (run_name=...), or give a checkpoint path"))
+    elif c.resume and c.resume != "latest" and "://" not in c.resume and not Path(c.resume).exists():
+        problems.append(("resume", f"no such checkpoint folder: {c.resume}"))
     if len(c.optim.betas) != 2:
         problems.append(("optim.betas", f"expected two numbers, got {c.optim.betas}"))
     for name in c.eval.evaluators:

@@ -33,7 +33,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def make_run_folder(cfg: RunConfig) -> RunFolder:
     """Create the run's folder (unique name) and write its resolved config there."""
-    name = cfg.logging.run_name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    resumed = _run_of_checkpoint(cfg)
+    if resumed is not None:  # resume=<run>/checkpoints/<name>: the run goes on in its own folder
+        cfg.logging.output_dir = str(resumed.parent)
+    name = cfg.logging.run_name or (resumed.name if resumed else datetime.now().strftime("run-%Y%m%d-%H%M%S"))
     root = Path(cfg.logging.output_dir) / name
     if root.exists() and (root / "events.jsonl").exists() and not cfg.resume:
         suffix = 2
@@ -44,6 +47,22 @@ def make_run_folder(cfg: RunConfig) -> RunFolder:
     folder = RunFolder(root.resolve()).create()
     folder.config.write_text(cfg.to_yaml())
     return folder
+
+
+def _run_of_checkpoint(cfg: RunConfig) -> Path | None:
+    """The run folder a `resume=` checkpoint path lies in (<run>/checkpoints/<name>, or
+    <run>/checkpoints), when no run_name says otherwise and that folder holds a run."""
+    value = cfg.resume
+    if not value or value == "latest" or cfg.logging.run_name or "://" in value:
+        return None
+    path = Path(value).resolve()
+    if path.name == "checkpoints":
+        run = path.parent
+    elif path.parent.name == "checkpoints":
+        run = path.parent.parent
+    else:
+        return None
+    return run if (run / "events.jsonl").exists() else None
 
 
 def launch_command(cfg: RunConfig, folder: RunFolder, python: str = sys.executable) -> list[str]:

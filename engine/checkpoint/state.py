@@ -99,7 +99,8 @@ def sampler_state(trainer) -> dict | None:
 
 def describe_layout(layout: dict) -> str:
     return (f"dp {layout.get('dp_size')} x tp {layout.get('tp_size')} x pp {layout.get('pp_size')}, "
-            f"ZeRO {layout.get('zero_stage')} ({layout.get('world_size')} ranks)")
+            f"ZeRO {layout.get('zero_stage')} ({layout.get('world_size')} rank"
+            f"{'s' * (layout.get('world_size') != 1)})")
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -159,7 +160,8 @@ def save_checkpoint(trainer, path: str, *, saved_by: str = "manual", metrics: di
     pointer = _points_latest(trainer, path) if pointer is None else pointer
     with atomic.writing(path, kind="training", meta=meta, pointer=pointer, comm=comm) as w:
         with _recording(engine) as written:
-            engine.save_checkpoint(str(w.local), tag=record["ds_tag"], client_state={}, save_latest=True)
+            engine.save_checkpoint(str(w.local), tag=record["ds_tag"], client_state=_client_state(trainer),
+                                   save_latest=True)
         w.claim_paths(written)
         (w.local / RNG_DIR).mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), w.local / rng_file(comm.rank))
@@ -171,6 +173,18 @@ def save_checkpoint(trainer, path: str, *, saved_by: str = "manual", metrics: di
     trainer.emit({"type": "checkpoint", "step": state.global_step, "epoch": state.epoch, "path": url,
                   "saved_by": saved_by, "seconds": round(time.perf_counter() - started, 3)})
     return url
+
+
+def _client_state(trainer) -> dict:
+    """What DeepSpeed's universal checkpoint conversion asks of the client: with plain data
+    parallelism no tensor needs merge patterns, only the format version (with AutoTP DeepSpeed
+    records its own)."""
+    p = trainer.config.parallel
+    if p.tp_size > 1 or p.pp_size > 1:
+        return {}
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
 def _versions() -> dict:
@@ -208,16 +222,11 @@ def check_compatible(trainer, record: dict, url: str, data_order: bool = True) -
     """Same parallel layout, same model, same data order -- or an error naming both sides."""
     saved, now = record.get("layout", {}), layout_of(trainer)
     if any(saved.get(k) != now[k] for k in LAYOUT_KEYS):
-        tag = record.get("ds_tag", "global_stepN")
         raise LayoutMismatchError(
             f"{url} was written by {describe_layout(saved)}; this run is {describe_layout(now)}. An exact "
             f"resume needs the checkpoint's layout: set parallel.nproc={saved.get('world_size')} "
             f"zero_stage={saved.get('zero_stage')} tp={saved.get('tp_size')} pp={saved.get('pp_size')}. "
-            f"To carry the model and optimizer state to the new layout instead (a new run, not an exact "
-            f"resume: data order and RNG streams differ), convert it with DeepSpeed's universal checkpoint "
-            f"tool: python -m deepspeed.checkpoint.ds_to_universal --input_folder {url}/{tag} "
-            f"--output_folder {url}/{tag}_universal, and load that with DeepSpeed's load_checkpoint "
-            f"under the DeepSpeed config {{\"checkpoint\": {{\"load_universal\": true}}}}")
+            + _universal_hint(url, record))
     saved_model, model = record.get("model", {}), model_of(trainer)
     differ = [f"{k}: checkpoint {saved_model.get(k)!r}, this run {model[k]!r}" for k in MODEL_KEYS
               if saved_model.get(k) != model[k]]
@@ -255,6 +264,20 @@ def verified(trainer, path: str, data_order: bool = True) -> Iterator[tuple[atom
     finally:
         if temporary:
             shutil.rmtree(local, ignore_errors=True)
+
+
+def _universal_hint(url: str, record: dict) -> str:
+    """How to carry the state to another layout (DeepSpeed's universal checkpoint), when possible."""
+    tag = record.get("ds_tag", "global_stepN")
+    if int(record.get("layout", {}).get("zero_stage", 0)) == 0:
+        return ("DeepSpeed's universal checkpoint conversion needs a ZeRO 1-3 checkpoint; to start a "
+                "new run in another layout from these weights, export them (load_checkpoint in the old "
+                "layout, then save_model) and set model.path to the export")
+    return ("To carry the model and optimizer state to the new layout instead (a new run, not an exact "
+            "resume: the data order and RNG streams differ), convert it with DeepSpeed's universal "
+            f"checkpoint tool: python -m deepspeed.checkpoint.ds_to_universal --input_folder {url}/{tag} "
+            f"--output_folder {url}/{tag}_universal, and load that with DeepSpeed's load_checkpoint under "
+            'the DeepSpeed config {"checkpoint": {"load_universal": true}}')
 
 
 def load_checkpoint(trainer, path: str) -> dict:
