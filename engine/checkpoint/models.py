@@ -177,9 +177,14 @@ def save_model(trainer, path: str, max_shard_size: int | str = DEFAULT_SHARD_SIZ
     promises); `adapters.export_merged` writes base + LoRA as one plain model.
     """
     from engine.checkpoint import adapters
+    from engine.parallel import layouts
     module = trainer.engine.module
     if adapters.is_peft(module):
         return adapters.save_peft(trainer, path)
+    if layouts.is_split(trainer):  # tp / pp: the whole model, gathered on rank 0 (engine.parallel)
+        state = layouts.full_state_dict(trainer) or {}
+        entries = [Entry(k, [], (lambda v=v: v), tuple(v.shape), v.dtype) for k, v in state.items()]
+        return save_hf(trainer, path, layouts.model_files_source(trainer), entries, max_shard_size)
     return save_hf(trainer, path, module, model_entries(module), max_shard_size)
 
 
@@ -342,6 +347,8 @@ def load_model(trainer, path: str) -> None:
     module, comm = trainer.engine.module, Comm.current()
     local, temporary = fetch_model_folder(path, comm)
     try:
+        if _split_layout(trainer):
+            return _load_split(trainer, local, str(path), comm)
         if adapters.is_peft(module):
             if (local / adapters.ADAPTER_CONFIG).is_file():
                 return adapters.load_adapter_files(trainer, local, str(path), trainer.config.method.adapter_name, True)
@@ -355,6 +362,24 @@ def load_model(trainer, path: str) -> None:
     finally:
         if temporary:
             shutil.rmtree(local, ignore_errors=True)
+
+
+def _split_layout(trainer) -> bool:
+    from engine.parallel import layouts
+    return layouts.is_split(trainer)
+
+
+def _load_split(trainer, local: Path, url: str, comm: Comm) -> None:
+    """Under tp / pp: check every key and shape against the whole model, then every rank reads
+    the folder and keeps its own shard or stage (engine.parallel.layouts)."""
+    from engine.parallel import layouts
+    _verify_if_marked(local, url, comm)
+    reader = WeightReader(local)
+    problems = layouts.shape_problems(trainer, {k: reader.shape(k) for k in reader.keys()})
+    if problems:
+        raise ModelLoadError(f"the weights in {url} do not fit this model ({'; '.join(problems)}); "
+                             "nothing was loaded")
+    layouts.load_full_state_dict(trainer, {k: reader.get(k) for k in reader.keys()})
 
 
 def _verify_if_marked(local: Path, url: str, comm: Comm) -> None:

@@ -40,7 +40,10 @@ def full_state_dict(trainer) -> dict[str, torch.Tensor] | None:
     if env.pp_size > 1:
         return _gather_stages(trainer)
     if env.tp_size > 1:
-        return tp.full_state_dict(engine)
+        state = tp.full_state_dict(engine)
+        # DeepSpeed's consolidation lists a tied weight under both names; keep the first, as
+        # save_pretrained does
+        return None if state is None else {k: v for k, v in state.items() if k not in tied_aliases(engine.module)}
     if env.rank != 0:
         return None
     return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
@@ -59,6 +62,55 @@ def _gather_stages(trainer) -> dict[str, torch.Tensor] | None:
     for part in gathered:
         merged.update(part or {})
     return merged
+
+
+def tied_aliases(module) -> set[str]:
+    """Names under which a module holds a parameter it already holds under an earlier name."""
+    seen, aliases = set(), set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        seen.add(id(p))
+    return aliases
+
+
+def whole_model_shapes(trainer) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the whole (unsplit) model and its shape, Hugging Face names, tied copies
+    once: what a Hugging Face folder for this layout must hold. Built on the meta device."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config_of(trainer))
+    aliases = tied_aliases(skeleton)
+    return {k: tuple(v.shape) for k, v in skeleton.state_dict().items() if k not in aliases}
+
+
+def shape_problems(trainer, file_shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """What keeps a folder's tensors (name -> shape) from loading into this layout: missing,
+    unexpected (beyond tied copies) and misshapen tensors; empty when they fit."""
+    want = whole_model_shapes(trainer)
+    missing = sorted(set(want) - set(file_shapes))
+    unexpected = sorted(k for k in set(file_shapes) - set(want) if not k.endswith("lm_head.weight"))
+    wrong = [f"{k}: file {file_shapes[k]}, model {want[k]}" for k in sorted(set(want) & set(file_shapes))
+             if tuple(file_shapes[k]) != want[k]]
+    problems = []
+    for label, items in (("missing from the folder", missing), ("not in the model", unexpected),
+                         ("shapes differ", wrong)):
+        if items:
+            problems.append(f"{label}: {', '.join(items[:6])}" + (f" and {len(items) - 6} more" if len(items) > 6 else ""))
+    return problems
+
+
+def model_files_source(trainer):
+    """What the checkpoint layer writes config.json and generation_config.json from: the model
+    itself under tensor parallelism, its config (and a generation config made from it) under
+    pipeline parallelism, where the engine holds only a stage."""
+    module = trainer.engine.module
+    if not hasattr(module, "hf_config"):
+        return module
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+    return SimpleNamespace(config=module.hf_config, generation_config=GenerationConfig.from_model_config(module.hf_config))
 
 
 def load_full_state_dict(trainer, state_dict: dict[str, torch.Tensor]) -> None:

@@ -93,7 +93,7 @@ def main() -> None:
     trainer.train()
     loaded = None
     if not a.resume:
-        layouts.save_hf_model(trainer, out / "model")
+        trainer.save_model(str(out / "model"))  # engine.checkpoint, merged by engine.parallel.layouts
         save_engine_logits(trainer, out / "engine_logits.pt")
         loaded = load_halved_weights(trainer, out)
     report(rank=trainer.env.rank, losses=losses, eval=evals, chat=chats, dp_rank=trainer.env.dp_rank,
@@ -112,20 +112,37 @@ def one_rank_model(trainer, state: dict):
     return model.eval()
 
 
-def load_halved_weights(trainer, out: Path) -> bool | None:
-    """load_full_state_dict: every rank reads the saved model, halves it and loads it into its
-    layout; returns (on rank 0) whether gathering it again gives exactly the halved weights.
-    The engine's logits afterwards go to engine_logits_loaded.pt."""
+def load_halved_weights(trainer, out: Path) -> dict:
+    """trainer.load_model of a Hugging Face folder holding the saved model's weights halved
+    (split into this layout), after a folder lacking one tensor was refused; returns the refusal
+    and (rank 0) whether gathering the weights again gives exactly the halved ones. The engine's
+    logits afterwards go to engine_logits_loaded.pt."""
+    import shutil
+
     import torch
-    from safetensors.torch import load_file
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
     from engine.parallel import layouts
     halved = {k: v * 0.5 for k, v in load_file(str(out / "model" / "model.safetensors")).items()}
-    layouts.load_full_state_dict(trainer, halved)
+    broken = {k: v for k, v in halved.items() if k != "model.norm.weight"}
+    if trainer.env.rank == 0:
+        for name, weights in (("halved", halved), ("broken", broken)):
+            shutil.copytree(out / "model", out / name, ignore=shutil.ignore_patterns("*.safetensors", "COMPLETE*"))
+            save_file(weights, str(out / name / "model.safetensors"), metadata={"format": "pt"})
+    if trainer.env.world_size > 1:
+        dist.barrier()
+    from engine.checkpoint import ModelLoadError
+    try:
+        trainer.load_model(str(out / "broken"))
+        refused = None
+    except ModelLoadError as e:  # checked before any weight changes, the same on every rank
+        refused = str(e)
+    trainer.load_model(str(out / "halved"))
     save_engine_logits(trainer, out / "engine_logits_loaded.pt")
     again = layouts.full_state_dict(trainer)
     if again is None:
-        return None
-    return all(torch.equal(again[k], v) for k, v in halved.items())
+        return {"refused": refused}
+    return {"refused": refused, "round_trip": all(torch.equal(again[k], v) for k, v in halved.items())}
 
 
 def save_engine_logits(trainer, path: Path) -> None:
