@@ -68,7 +68,7 @@ def main() -> None:
     from engine.config import load_config
     from engine.trainer import Trainer
 
-    lr = {"lora": "1e-2", "prompt_tuning": "3e-2", "p_tuning": "1e-2"}
+    lr = {"lora": "1e-2", "prompt_tuning": "1e-1", "p_tuning": "1e-2"}
     for method in a.methods.split(","):
         cfg = load_config(overrides=[
             f"method={method}", f"zero_stage={a.zero}", "nproc=2", f"max_steps={a.steps}", f"lr={lr[method]}",
@@ -95,7 +95,8 @@ def main() -> None:
         with torch.no_grad():  # collective under ZeRO-3: every rank runs it
             engine_logits = trainer.engine(**{k: v.to(trainer.engine.device) for k, v in probe.items()}).logits.float()
         reloaded = reload_logits(trainer, after, folder, probe)
-        report(rank=trainer.env.rank, method=method, losses=losses, trainable=trainable,
+        report(rank=trainer.env.rank, method=method, losses=losses, trainable=trainable[:4],
+               only_adapter=all(f".{cfg.method.adapter_name}." in n for n in trainable),
                trainable_numel=sum(after[n].numel() for n in trainable),
                total_numel=sum(w.numel() for w in after.values()),
                frozen_moved=moved(before, after, frozen), adapter_moved=moved(before, after, trainable),
