@@ -129,6 +129,15 @@ def set_number(page, elem_id: str, value: str) -> None:
     box.press("Tab")
 
 
+def open_tab(page, name: str) -> None:
+    """A top-level tab (the first tab button of that name: section tabs come later in the page)."""
+    page.get_by_role("tab", name=name, exact=True).first.click()
+
+
+def open_section(page, name: str) -> None:
+    page.locator("#cfg-sections").get_by_role("tab", name=name, exact=True).click()
+
+
 def ask(page, text: str) -> str:
     """Send a chat message; return the answer once it is tagged with its step."""
     before = page.locator("#chat-live .bot").count()
@@ -153,6 +162,7 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     assert start.is_enabled()
 
     # a bad value: its message under its field, Start disabled until it is fixed
+    open_section(page, "Training")
     set_number(page, "cfg-train-micro-batch-size", "0")
     error = page.locator("#err-train-micro-batch-size")
     error.wait_for(state="visible", timeout=60_000)
@@ -162,7 +172,7 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     set_number(page, "cfg-train-micro-batch-size", "16")
     error.wait_for(state="hidden", timeout=60_000)
     set_number(page, "cfg-train-max-steps", str(RUN_STEPS))
-    page.locator("#cfg-group-eval").locator("button").first.click()  # a closed section
+    open_section(page, "Evaluation")
     set_number(page, "cfg-eval-every-n-steps", "0")
     wait_until(start.is_enabled, 30, "Start to be enabled again")
 
@@ -175,7 +185,7 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     assert cfg["train"]["max_steps"] == RUN_STEPS and cfg["train"]["micro_batch_size"] == 16
 
     # chat mid-training: streamed, tagged with the step it came from
-    page.locator("button[role=tab]:has-text('Chat')").first.click()
+    open_tab(page, "Chat")
     page.locator("#chat-settings").click()
     set_number(page, "chat-temperature", "1")
     page.evaluate("""() => { window.chatTexts = [];
@@ -190,16 +200,16 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     assert len(set(texts)) >= 2, texts  # the bubble changed as the answer came in
 
     # pause: the step stands still, the chat still answers (at the paused step), then resume
-    page.locator("button[role=tab]:has-text('Train')").first.click()
+    open_tab(page, "Train")
     page.locator("#train-pause").click()
     wait_until(lambda: state(page) == "paused", 120, "the paused state")
     held = step(page)
     time.sleep(4)
     assert step(page) == held
-    page.locator("button[role=tab]:has-text('Chat')").first.click()
+    open_tab(page, "Chat")
     paused_answer = ask(page, "upper: abc")
     assert f"step {held} · live weights" in paused_answer
-    page.locator("button[role=tab]:has-text('Train')").first.click()
+    open_tab(page, "Train")
     page.locator("#train-resume").click()
     wait_until(lambda: state(page) == "running" and step(page) > held, 120, "training to go on")
 
@@ -263,3 +273,32 @@ def test_gradio_client_start_chat_set_stop(app):
         client.predict(run="api-run", api_name="/pause")
     with pytest.raises(AppError, match="no run 'nope'"):
         client.predict(run="nope", api_name="/status")
+
+
+def test_browser_shows_a_failed_run_with_its_last_log_lines(app, browser, tmp_path):
+    """A model folder that cannot load: the run fails at start-up; the page says so in a
+    banner naming the run and showing the rank's last log lines (no stack trace in a dialog)."""
+    from gradio_client import Client
+    url, runs = app
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    config = {"model": {"path": str(broken)}, "train": {"max_steps": 5}, "logging": {"run_name": "broken"}}
+    Client(url, verbose=False).predict(config=json.dumps(config), preset="", api_name="/start")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url)
+    open_tab(page, "Runs")
+    page.locator("#runs-refresh").click()
+    wait_until(lambda: "broken" in page.locator("#runs-table").inner_text(), 60, "the run in the list")
+    choice = page.locator("#runs-choice input")
+    choice.click()
+    page.get_by_role("option", name=re.compile(r"^broken \(")).click()
+    page.locator("#runs-open").click()
+    open_tab(page, "Train")
+    banner = page.locator("#fail-banner")
+    banner.wait_for(state="visible", timeout=SLOW)
+    text = banner.inner_text()
+    assert "Run broken failed" in text and "no-such-architecture" in text, text
+    assert state(page) == "failed"
+    assert page.locator("#train-pause").is_disabled() and page.locator("#train-stop").is_disabled()
+    page.close()

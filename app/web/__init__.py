@@ -5,8 +5,8 @@ laying out components and wiring their events to the `Backend`; `api` adds the n
     demo = build_app(backend)
     demo.launch(server_name="127.0.0.1", server_port=7860, **launch_options())
 
-Each browser page keeps the run it shows in a `gr.State`; a page that opens (or reloads) shows
-the run going on, rebuilt from its event log.
+Each browser page keeps the run it shows in a `gr.State`; a page that opens (or reloads) while a
+run is going opens on that run's Train tab, its plots rebuilt from the event log.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ def build_app(backend: Backend) -> gr.Blocks:
         gr.Markdown(f"## {TITLE} · fine-tune a language model and talk to it while it trains",
                     elem_id="app-title")
         run_state = gr.State(None)  # the run folder this page shows
+        timer = gr.Timer(train.TICK_S)
         with gr.Tabs(selected="configure", elem_id="tabs") as tabs:
             with gr.Tab("Configure", id="configure", elem_id="tab-configure"):
                 config_tab = configure.build(backend, run_state, tabs)
-            with gr.Tab("Train", id="train", elem_id="tab-train"):
-                train.build(backend, run_state, tabs, config_tab)
+            with gr.Tab("Train", id="train", elem_id="tab-train") as train_tab:
+                train.build(backend, run_state, tabs, config_tab, timer)
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
                 chat_refresh = chat.build(backend, run_state)
             with gr.Tab("Checkpoints", id="checkpoints", elem_id="tab-checkpoints") as ckpt_tab:
@@ -38,21 +39,15 @@ def build_app(backend: Backend) -> gr.Blocks:
             with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
                 runs_refresh = runs.build(backend, run_state, tabs)
         config_tab.validation()
+        # a tab the user picks is noted in the page itself, at once (see train.NAVIGATED_JS);
+        # not Configure's: the page reports selecting it, the opening tab, as it loads
+        for tab in (train_tab, chat_tab, ckpt_tab, runs_tab):
+            tab.select(None, js="() => { window.livetuneNavigated = true; }", api_visibility="private")
         chat_tab.select(**chat_refresh)
         ckpt_tab.select(**ckpt_refresh)
         runs_tab.select(**runs_refresh)
-        demo.load(lambda: _on_load(backend), outputs=[run_state, tabs], api_visibility="private",
-                  show_progress="hidden")
         api.register(backend)
     return demo
-
-
-def _on_load(backend: Backend):
-    """A page that opens while a run is going shows that run's Train tab."""
-    path = backend.default_run()
-    if path and backend.info(path).alive:
-        return path, gr.Tabs(selected="train")
-    return path, gr.skip()
 
 
 def launch_options() -> dict:

@@ -21,7 +21,6 @@ from engine.launch import launch_command
 from engine.presets import PRESETS
 from engine.run_folder import RunFolder
 
-OPEN_GROUPS = ("model", "data", "method", "optim", "train")
 INSPECTED = {"model.path": "model", "data.train": "data", "data.eval": "data"}
 COLUMNS = 3
 
@@ -30,7 +29,6 @@ COLUMNS = 3
 class ConfigureTab:
     inputs: list[gr.components.Component]                 # one per schema field, in schema order
     errors: list[gr.Markdown]
-    accordions: dict[str, gr.Accordion]
     start_buttons: list[gr.Button] = field(default_factory=list)
     validation: Any = None                                 # the "check" outputs wiring, set by wire()
 
@@ -71,6 +69,25 @@ def _step(default: Any) -> float:
     return 0.01
 
 
+def _section(form, fields: list[dict], values: list, first: Checked, inputs: list, errors: list,
+             notes: dict) -> None:
+    """One section's fields, COLUMNS to a row, each with its (hidden) problem line below it."""
+    for row in range(0, len(fields), COLUMNS):
+        chunk = fields[row:row + COLUMNS]
+        with gr.Row():
+            for f in chunk:
+                with gr.Column(min_width=220):
+                    inputs.append(_component(f, values[form.keys.index(f["key"])]))
+                    msgs = first.by_field.get(f["key"], [])
+                    errors.append(gr.Markdown("\n\n".join(msgs), visible=bool(msgs), elem_classes="field-error",
+                                              elem_id=f"err-{slug(f['key'])}"))
+                    if f["key"] in INSPECTED:
+                        notes[f["key"]] = gr.Markdown(_idle_note(f["key"]), elem_classes="inspect-note",
+                                                      elem_id=f"inspect-{slug(f['key'])}")
+            for _ in range(COLUMNS - len(chunk)):  # a short last row keeps the column widths
+                gr.Column(min_width=220)
+
+
 def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
     form = backend.form
     values = form.preset_values(DEFAULT_PRESET)
@@ -81,25 +98,14 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
         load = gr.UploadButton("Load YAML", file_types=[".yaml", ".yml", ".json"], scale=1, elem_id="cfg-load")
         save = gr.DownloadButton("Save YAML", value=_yaml_file(form.to_yaml(values)), scale=1, elem_id="cfg-save")
         start = gr.Button("Start training", variant="primary", interactive=first.ok, scale=2, elem_id="cfg-start")
-    summary = gr.HTML(problems_html(_all_problems(first)), elem_id="cfg-summary")
-    inputs, errors, accordions, notes = [], [], {}, {}
-    for group, title, fields in form.groups():
-        with gr.Accordion(title, open=group in OPEN_GROUPS, elem_id=f"cfg-group-{group}") as acc:
-            accordions[group] = acc
-            for row in range(0, len(fields), COLUMNS):
-                chunk = fields[row:row + COLUMNS]
-                with gr.Row():
-                    for f in chunk:
-                        with gr.Column(min_width=220):
-                            inputs.append(_component(f, values[form.keys.index(f["key"])]))
-                            msgs = first.by_field.get(f["key"], [])
-                            errors.append(gr.Markdown("\n\n".join(msgs), visible=bool(msgs),
-                                                      elem_classes="field-error", elem_id=f"err-{slug(f['key'])}"))
-                            if f["key"] in INSPECTED:
-                                notes[f["key"]] = gr.Markdown(_idle_note(f["key"]), elem_classes="inspect-note",
-                                                              elem_id=f"inspect-{slug(f['key'])}")
-                    for _ in range(COLUMNS - len(chunk)):  # a short last row keeps the column widths
-                        gr.Column(min_width=220)
+    summary = gr.HTML(problems_html(_all_problems(form, first)), elem_id="cfg-summary")
+    inputs, errors, notes = [], [], {}
+    # one sub-tab per section: the browser draws a tab's fields only when it is opened, which
+    # keeps the page quick to load (the summary above names every problem, wherever it is)
+    with gr.Tabs(elem_id="cfg-sections"):
+        for group, title, fields in form.groups():
+            with gr.Tab(title, id=f"cfg-{group}", elem_id=f"cfg-group-{group}"):
+                _section(form, fields, values, first, inputs, errors, notes)
     with gr.Accordion("Preview: resolved run config, DeepSpeed config, launch command", open=False,
                       elem_id="cfg-preview") as preview_acc:
         with gr.Row():
@@ -111,22 +117,19 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
                           interactive=False, elem_id="cfg-command")
         ds_button = gr.Button("Resolve the DeepSpeed config", size="sm", elem_id="cfg-ds-button")
 
-    tab = ConfigureTab(inputs, errors, accordions, [start])
-    group_of = [f["group"] for f in form.fields]
+    tab = ConfigureTab(inputs, errors, [start])
 
     def check(*vals: Any):
         checked = form.check(list(vals))
         errs = [gr.update(value="\n\n".join(checked.by_field.get(k, [])), visible=k in checked.by_field)
                 for k in form.keys]
-        bad_groups = {group_of[form.keys.index(k)] for k in checked.by_field}
-        accs = [gr.update(open=True) if g in bad_groups else gr.skip() for g in accordions]
         start_state = [gr.update(interactive=checked.ok) for _ in tab.start_buttons]
-        return (*errs, *accs, problems_html(_all_problems(checked)), *start_state,
+        return (*errs, problems_html(_all_problems(form, checked)), *start_state,
                 checked.config.to_yaml() if checked.ok else "# fix the problems above first",
                 _command(backend, checked), _yaml_file(form.to_yaml(list(vals))))
 
     def outputs() -> list:
-        return [*errors, *accordions.values(), summary, *tab.start_buttons, resolved, command, save]
+        return [*errors, summary, *tab.start_buttons, resolved, command, save]
 
     def wire_validation() -> None:
         gr.on([c.change for c in inputs], check, inputs=inputs, outputs=outputs(),
@@ -156,15 +159,17 @@ def start_run(backend: Backend, values: list[Any]):
     """Start button: validate, start, then show the Train tab following the new run."""
     checked = backend.form.check(values)
     if not checked.ok:
-        raise gr.Error("The config has problems; fix them first:\n" + "\n".join(_all_problems(checked)),
+        raise gr.Error("The config has problems; fix them first:\n" + "\n".join(_all_problems(backend.form, checked)),
                        print_exception=False)
     info = backend.start(checked.config)
     gr.Info(f"Started {info.name}; the ranks are starting up.")
     return info.path, gr.Tabs(selected="train")
 
 
-def _all_problems(checked: Checked) -> list[str]:
-    return [f"{k}: {m}" for k, m in checked.problems]
+def _all_problems(form, checked: Checked) -> list[str]:
+    """Every problem, with the section (sub-tab) of the field it names."""
+    titles = {f["key"]: title for _, title, fields in form.groups() for f in fields}
+    return [f"{titles.get(form.owner(k) or '', 'Config')} › {k}: {m}" for k, m in checked.problems]
 
 
 def _command(backend: Backend, checked: Checked) -> str:

@@ -14,6 +14,9 @@ from app.web.configure import ConfigureTab, start_run
 from app.web.widgets import Plots, banner_html, make_plots, readable, status_html
 
 TICK_S = 0.5  # how often a page looks for news (a look that finds none sends nothing)
+# Each tick tells the server whether the user has picked a tab yet, read in the page as the tick
+# leaves (a page state updated through the server could arrive after the first tick).
+NAVIGATED_JS = "(path, shown, smooth, navigated) => [path, shown, smooth, !!window.livetuneNavigated]"
 
 # which buttons a run's state allows
 CONTROLS = ("pause", "resume", "stop", "stop_save", "save", "evaluate", "set_lr")
@@ -28,7 +31,11 @@ class TrainTab:
     status: gr.HTML
 
 
-def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: ConfigureTab) -> TrainTab:
+def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: ConfigureTab,
+          timer: gr.Timer) -> TrainTab:
+    """The tab's layout and events. `timer` lives outside the tabs, so it ticks from the moment
+    the page loads; its first tick opens this tab when a run is going, unless the user has
+    picked a tab already (NAVIGATED_JS)."""
     banner = gr.HTML("", elem_id="train-banner", visible=False)
     status = gr.HTML(status_html(None), elem_id="train-status")
     with gr.Row():
@@ -53,14 +60,15 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     with gr.Accordion("Log tail (rank 0)", open=False):
         log = gr.Code("", language="shell", lines=14, interactive=False, elem_id="train-log")
     seen = gr.State(None)  # what this page shows: {"path", "version"} (see refresh)
-    timer = gr.Timer(TICK_S)
+    navigated = gr.Checkbox(False, visible=False)  # filled in by NAVIGATED_JS
     configure.start_buttons.append(start)
 
-    def tick(path: str | None, shown: dict | None, smooth: float):
-        return refresh(backend, path, shown, smooth, plots)
+    def tick(path: str | None, shown: dict | None, smooth: float, navigated: bool):
+        return refresh(backend, path, shown, smooth, plots, open_tab=not navigated)
 
-    outs = [run_state, seen, status, banner, *plots.components(), log, lr, *buttons.values()]
-    timer.tick(tick, inputs=[run_state, seen, smoothing], outputs=outs, show_progress="hidden",
+    outs = [run_state, seen, tabs, status, banner, *plots.components(), log, lr, *buttons.values()]
+    timer.tick(tick, inputs=[run_state, seen, smoothing, navigated], outputs=outs, js=NAVIGATED_JS,
+               show_progress="hidden",
                concurrency_limit=None, api_visibility="private")
     # a new smoothing redraws the loss plot at the next tick
     smoothing.release(lambda shown: {**(shown or {}), "version": -1}, inputs=seen, outputs=seen,
@@ -81,30 +89,34 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     return TrainTab(plots, status)
 
 
-def refresh(backend: Backend, path: str | None, shown: dict | None, smoothing: float, plots: Plots) -> list:
+def refresh(backend: Backend, path: str | None, shown: dict | None, smoothing: float, plots: Plots,
+            open_tab: bool = True) -> list:
     """One look at the run: everything that changed since what the page has `shown`, gr.skip()
-    for the rest. `shown` is {"path", "version" (of the run's view)}."""
+    for the rest. `shown` is {"path", "version" (of the run's view)}; None on the page's first
+    tick, which also opens the Train tab when the run is going."""
+    first_tick = shown is None
     path = path or backend.default_run()
     shown = shown if shown and shown.get("path") == path else {"path": path, "version": -1}
     unchanged = [gr.skip()] * (len(plots.components()) + 2)  # plots, log, lr
     off = [gr.update(interactive=False)] * len(CONTROLS)
     if path is None:
-        return [None, shown, status_html(None), gr.skip(), *unchanged, *off]
+        return [None, shown, gr.skip(), status_html(None), gr.skip(), *unchanged, *off]
     try:
         snap = backend.snapshot(path)
     except BackendError as e:
-        return [path, shown, status_html(None, str(e)), gr.skip(), *unchanged, *off]
+        return [path, shown, gr.skip(), status_html(None, str(e)), gr.skip(), *unchanged, *off]
+    tab = gr.Tabs(selected="train") if first_tick and open_tab and snap.info.alive else gr.skip()
     allowed = ALLOWED.get(snap.info.state, set())
     controls = [gr.update(interactive=name in allowed) for name in CONTROLS]
     text = banner_html(snap.failure, backend.stop_error(path))
     banner = gr.update(value=text, visible=bool(text))
     if snap.version == shown["version"]:
-        return [path, shown, status_html(snap), banner, *unchanged, *controls]
+        return [path, shown, tab, status_html(snap), banner, *unchanged, *controls]
     figures = plots.updates(backend.frames(path, smoothing))
     # the learning-rate box starts at the run's present value when the page first shows the run
-    lr = snap.progress.last.get("lr") if shown["version"] == -1 and "lr" in snap.progress.last else gr.skip()
+    lr = float(f"{snap.progress.last['lr']:.4g}") if shown["version"] == -1 and "lr" in snap.progress.last else gr.skip()
     shown = {"path": path, "version": snap.version}
-    return [path, shown, status_html(snap), banner, *figures, backend.log_tail(path), lr, *controls]
+    return [path, shown, tab, status_html(snap), banner, *figures, backend.log_tail(path), lr, *controls]
 
 
 def _act(backend: Backend, what: str, path: str | None, new_lr: Any = None) -> None:

@@ -88,12 +88,12 @@ class Plots:
 
 
 def _plot(y: str, title: str, y_title: str, elem_id: str, legend: bool = True,
-          y_format: str | None = None) -> gr.LinePlot:
+          x_format: str | None = None, y_format: str | None = None) -> gr.LinePlot:
     # No initial data on purpose: the browser takes the axis types and the color scale from the
     # first data it draws, and an empty table would fix them wrongly (untyped, no series).
     return gr.LinePlot(None, x="step", y=y, color="series", title=title, x_title="step",
                        y_title=y_title, height=240, elem_id=elem_id, show_label=False,
-                       colors_in_legend=None if legend else [], x_axis_format="~g",
+                       colors_in_legend=None if legend else [], x_axis_format=x_format,
                        y_axis_format=y_format,
                        buttons=["fullscreen", "export"])
 
@@ -102,7 +102,8 @@ def make_plots(prefix: str, full: bool = True) -> Plots:
     """The plots of a run: loss and evaluation metrics, with `full` also lr, tokens/s, memory."""
     with gr.Row(equal_height=True):
         loss = _plot("loss", "Loss (raw, smoothed, eval)", "loss", f"{prefix}-plot-loss")
-        ev = _plot("value", "Evaluation metrics", "value", f"{prefix}-plot-eval", y_format=".3~g")
+        ev = _plot("value", "Evaluation metrics", "value", f"{prefix}-plot-eval", x_format="d",
+               y_format=".3~g")
     if not full:
         return Plots(loss, ev)
     with gr.Row(equal_height=True):
