@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine import default_task as dt  # noqa: E402
+from engine.config import OptimConfig  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=rec["lr"])
     p.add_argument("--batch", type=int, default=rec["micro_batch_size"])
     p.add_argument("--steps", type=int, default=rec["max_steps"])
+    p.add_argument("--betas", type=float, nargs=2, default=OptimConfig().betas,
+                   help="AdamW betas (default: the run config's)")
     p.add_argument("--warmup", type=int, default=rec["warmup_steps"])
     p.add_argument("--eval-every", type=int, default=rec["eval_every_n_steps"])
     p.add_argument("--eval-rows", type=int, default=dt.N_EVAL)
@@ -140,7 +143,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.precision == "bf16":  # fp32 master weights in the optimizer, bf16 in the model
         master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
         model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(master, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    opt = torch.optim.AdamW(master, lr=args.lr, weight_decay=0.0, betas=tuple(args.betas))
     data = encode(tokenizer, rows)
     order = batch_order(data, args)
     curve, train_time, summary = [], 0.0, {}
