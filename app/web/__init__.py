@@ -30,8 +30,8 @@ def build_app(backend: Backend) -> gr.Blocks:
         with gr.Tabs(selected="configure", elem_id="tabs") as tabs:
             with gr.Tab("Configure", id="configure", elem_id="tab-configure"):
                 config_tab = configure.build(backend, run_state, tabs)
-            with gr.Tab("Train", id="train", elem_id="tab-train") as train_tab:
-                train.build(backend, run_state, tabs, config_tab, timer)
+            with gr.Tab("Train", id="train", elem_id="tab-train"):
+                train.build(backend, run_state, tabs, config_tab, timer, demo)
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
                 chat_refresh = chat.build(backend, run_state)
             with gr.Tab("Checkpoints", id="checkpoints", elem_id="tab-checkpoints") as ckpt_tab:
@@ -39,10 +39,6 @@ def build_app(backend: Backend) -> gr.Blocks:
             with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
                 runs_refresh = runs.build(backend, run_state, tabs)
         config_tab.validation()
-        # a tab the user picks is noted in the page itself, at once (see train.NAVIGATED_JS);
-        # not Configure's: the page reports selecting it, the opening tab, as it loads
-        for tab in (train_tab, chat_tab, ckpt_tab, runs_tab):
-            tab.select(None, js="() => { window.livetuneNavigated = true; }", api_visibility="private")
         chat_tab.select(**chat_refresh)
         ckpt_tab.select(**ckpt_refresh)
         runs_tab.select(**runs_refresh)
@@ -53,4 +49,4 @@ def build_app(backend: Backend) -> gr.Blocks:
 def launch_options() -> dict:
     """The look of the page (Gradio 6 takes theme and CSS at launch)."""
     theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="slate")
-    return {"theme": theme, "css": CSS, "footer_links": ["api"]}
+    return {"theme": theme, "css": CSS, "footer_links": ["api"], "head": train.NAVIGATION_HEAD}

@@ -28,7 +28,6 @@ COLUMNS = 3
 @dataclass
 class ConfigureTab:
     inputs: list[gr.components.Component]                 # one per schema field, in schema order
-    errors: list[gr.Markdown]
     start_buttons: list[gr.Button] = field(default_factory=list)
     validation: Any = None                                 # the "check" outputs wiring, set by wire()
 
@@ -37,23 +36,35 @@ def slug(key: str) -> str:
     return key.replace(".", "-").replace("_", "-")
 
 
-def _component(f: dict, value: Any) -> gr.components.Component:
+def _help(f: dict, problems: list[str]) -> dict:
+    """The props that show a field's problems: they lead its info line, which turns red (CSS
+    class `invalid`); a JSON field has no info line, so its label carries them."""
+    warn = "⚠ " + "; ".join(problems) + " — " if problems else ""
+    classes = ["cfg-field", "invalid"] if problems else ["cfg-field"]
+    if f["kind"] == "dict":
+        return {"label": f"{warn}{f['key'].rsplit('.', 1)[-1]} (JSON)", "elem_classes": classes}
+    info = f["help"] + _bounds(f) + (" Comma-separated." if f["kind"] == "list" else "")
+    return {"info": warn + info, "elem_classes": classes}
+
+
+def _component(f: dict, value: Any, problems: list[str]) -> gr.components.Component:
     """The widget of one schema field."""
     label, kind, elem_id = f["key"].rsplit(".", 1)[-1], f["kind"], f"cfg-{slug(f['key'])}"
-    info = f["help"] + _bounds(f)
-    if kind == "bool":
-        return gr.Checkbox(value=value, label=label, info=info, elem_id=elem_id)
-    if kind == "choice":
-        return gr.Dropdown(choices=f["choices"], value=value, label=label, info=info, elem_id=elem_id)
-    if kind == "int":
-        return gr.Number(value=value, label=label, info=info, precision=0, elem_id=elem_id)
-    if kind == "float":
-        return gr.Number(value=value, label=label, info=info, step=_step(f["default"]), elem_id=elem_id)
+    shown = _help(f, problems)
+    info, classes = shown.get("info"), shown["elem_classes"]
     if kind == "dict":
-        return gr.Code(value=value, language="json", label=f"{label} (JSON)", lines=3, elem_id=elem_id)
-    if kind == "list":
-        info += " Comma-separated."
-    return gr.Textbox(value=value, label=label, info=info, max_lines=1, elem_id=elem_id)
+        return gr.Code(value=value, language="json", label=shown["label"], lines=3, elem_id=elem_id,
+                       elem_classes=classes)
+    common = dict(label=label, info=info, elem_id=elem_id, elem_classes=classes)
+    if kind == "bool":
+        return gr.Checkbox(value=value, **common)
+    if kind == "choice":
+        return gr.Dropdown(choices=f["choices"], value=value, **common)
+    if kind == "int":
+        return gr.Number(value=value, precision=0, **common)
+    if kind == "float":
+        return gr.Number(value=value, step=_step(f["default"]), **common)
+    return gr.Textbox(value=value, max_lines=1, **common)
 
 
 def _bounds(f: dict) -> str:
@@ -69,23 +80,20 @@ def _step(default: Any) -> float:
     return 0.01
 
 
-def _section(form, fields: list[dict], values: list, first: Checked, inputs: list, errors: list,
-             notes: dict) -> None:
-    """One section's fields, COLUMNS to a row, each with its (hidden) problem line below it."""
+def _section(form, fields: list[dict], values: list, first: Checked, inputs: list, notes: dict) -> None:
+    """One section's fields, COLUMNS to a row (the row is the widgets' only wrapper: fewer
+    components make the page load faster)."""
     for row in range(0, len(fields), COLUMNS):
         chunk = fields[row:row + COLUMNS]
         with gr.Row():
             for f in chunk:
-                with gr.Column(min_width=220):
-                    inputs.append(_component(f, values[form.keys.index(f["key"])]))
-                    msgs = first.by_field.get(f["key"], [])
-                    errors.append(gr.Markdown("\n\n".join(msgs), visible=bool(msgs), elem_classes="field-error",
-                                              elem_id=f"err-{slug(f['key'])}"))
-                    if f["key"] in INSPECTED:
-                        notes[f["key"]] = gr.Markdown(_idle_note(f["key"]), elem_classes="inspect-note",
-                                                      elem_id=f"inspect-{slug(f['key'])}")
+                inputs.append(_component(f, values[form.keys.index(f["key"])], first.by_field.get(f["key"], [])))
             for _ in range(COLUMNS - len(chunk)):  # a short last row keeps the column widths
-                gr.Column(min_width=220)
+                gr.HTML("")
+        for f in chunk:
+            if f["key"] in INSPECTED:
+                notes[f["key"]] = gr.Markdown(_idle_note(f["key"]), elem_classes="inspect-note",
+                                              elem_id=f"inspect-{slug(f['key'])}")
 
 
 def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
@@ -99,13 +107,13 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
         save = gr.DownloadButton("Save YAML", value=_yaml_file(form.to_yaml(values)), scale=1, elem_id="cfg-save")
         start = gr.Button("Start training", variant="primary", interactive=first.ok, scale=2, elem_id="cfg-start")
     summary = gr.HTML(problems_html(_all_problems(form, first)), elem_id="cfg-summary")
-    inputs, errors, notes = [], [], {}
+    inputs, notes = [], {}
     # one sub-tab per section: the browser draws a tab's fields only when it is opened, which
     # keeps the page quick to load (the summary above names every problem, wherever it is)
     with gr.Tabs(elem_id="cfg-sections"):
         for group, title, fields in form.groups():
             with gr.Tab(title, id=f"cfg-{group}", elem_id=f"cfg-group-{group}"):
-                _section(form, fields, values, first, inputs, errors, notes)
+                _section(form, fields, values, first, inputs, notes)
     with gr.Accordion("Preview: resolved run config, DeepSpeed config, launch command", open=False,
                       elem_id="cfg-preview") as preview_acc:
         with gr.Row():
@@ -117,22 +125,25 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
                           interactive=False, elem_id="cfg-command")
         ds_button = gr.Button("Resolve the DeepSpeed config", size="sm", elem_id="cfg-ds-button")
 
-    tab = ConfigureTab(inputs, errors, [start])
+    tab = ConfigureTab(inputs, [start])
+    shown = gr.State(first.by_field)  # the problems this page shows under its fields
 
-    def check(*vals: Any):
+    def check(before: dict, *vals: Any):
         checked = form.check(list(vals))
-        errs = [gr.update(value="\n\n".join(checked.by_field.get(k, [])), visible=k in checked.by_field)
-                for k in form.keys]
+        # only the fields whose problems changed are sent: a field being typed in stays as it is
+        marks = [gr.update(**_help(f, checked.by_field.get(f["key"], [])))
+                 if checked.by_field.get(f["key"]) != before.get(f["key"]) else gr.skip()
+                 for f in form.fields]
         start_state = [gr.update(interactive=checked.ok) for _ in tab.start_buttons]
-        return (*errs, problems_html(_all_problems(form, checked)), *start_state,
+        return (checked.by_field, *marks, problems_html(_all_problems(form, checked)), *start_state,
                 checked.config.to_yaml() if checked.ok else "# fix the problems above first",
                 _command(backend, checked), _yaml_file(form.to_yaml(list(vals))))
 
     def outputs() -> list:
-        return [*errors, summary, *tab.start_buttons, resolved, command, save]
+        return [shown, *inputs, summary, *tab.start_buttons, resolved, command, save]
 
     def wire_validation() -> None:
-        gr.on([c.change for c in inputs], check, inputs=inputs, outputs=outputs(),
+        gr.on([c.change for c in inputs], check, inputs=[shown, *inputs], outputs=outputs(),
               trigger_mode="always_last", show_progress="hidden", api_visibility="private")
 
     tab.validation = wire_validation  # wired by the app once every Start button exists

@@ -14,9 +14,16 @@ from app.web.configure import ConfigureTab, start_run
 from app.web.widgets import Plots, banner_html, make_plots, readable, status_html
 
 TICK_S = 0.5  # how often a page looks for news (a look that finds none sends nothing)
-# Each tick tells the server whether the user has picked a tab yet, read in the page as the tick
-# leaves (a page state updated through the server could arrive after the first tick).
+# Each tick tells the server whether the user has clicked a tab yet, read in the page as the tick
+# leaves (a page state updated through the server could arrive after the first tick); the flag is
+# set by a click listener (NAVIGATION_HEAD, given to launch()).
 NAVIGATED_JS = "(path, shown, smooth, navigated) => [path, shown, smooth, !!window.livetuneNavigated]"
+# opens the Train tab after the page's first look found a run going, unless the user has clicked
+# a tab meanwhile (decided in the page when the answer arrives, however late that is)
+OPEN_TRAIN_JS = ("(go) => { if (go && !window.livetuneNavigated) { const b = Array.from(document.querySelectorAll("
+                 "'button[role=tab]')).find(b => b.innerText.trim() === 'Train'); if (b) b.click(); } }")
+NAVIGATION_HEAD = ("<script>document.addEventListener('click', e => { if (e.target.closest && "
+                   "e.target.closest('button[role=tab]')) window.livetuneNavigated = true; }, true);</script>")
 
 # which buttons a run's state allows
 CONTROLS = ("pause", "resume", "stop", "stop_save", "save", "evaluate", "set_lr")
@@ -32,10 +39,11 @@ class TrainTab:
 
 
 def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: ConfigureTab,
-          timer: gr.Timer) -> TrainTab:
+          timer: gr.Timer, page: gr.Blocks) -> TrainTab:
     """The tab's layout and events. `timer` lives outside the tabs, so it ticks from the moment
-    the page loads; its first tick opens this tab when a run is going, unless the user has
-    picked a tab already (NAVIGATED_JS)."""
+    the page loads. The page's load event does the first look at once (the timer's first tick
+    comes an interval later) and opens this tab when a run is going, unless the user has picked
+    a tab already (NAVIGATED_JS)."""
     banner = gr.HTML("", elem_id="train-banner", visible=False)
     status = gr.HTML(status_html(None), elem_id="train-status")
     with gr.Row():
@@ -61,15 +69,17 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
         log = gr.Code("", language="shell", lines=14, interactive=False, elem_id="train-log")
     seen = gr.State(None)  # what this page shows: {"path", "version"} (see refresh)
     navigated = gr.Checkbox(False, visible=False)  # filled in by NAVIGATED_JS
+    open_train = gr.Checkbox(False, visible=False)  # the first look found a run going
     configure.start_buttons.append(start)
 
     def tick(path: str | None, shown: dict | None, smooth: float, navigated: bool):
         return refresh(backend, path, shown, smooth, plots, open_tab=not navigated)
 
-    outs = [run_state, seen, tabs, status, banner, *plots.components(), log, lr, *buttons.values()]
-    timer.tick(tick, inputs=[run_state, seen, smoothing, navigated], outputs=outs, js=NAVIGATED_JS,
-               show_progress="hidden",
-               concurrency_limit=None, api_visibility="private")
+    outs = [run_state, seen, open_train, status, banner, *plots.components(), log, lr, *buttons.values()]
+    for trigger in (page.load, timer.tick):
+        trigger(tick, inputs=[run_state, seen, smoothing, navigated], outputs=outs, js=NAVIGATED_JS,
+                show_progress="hidden", concurrency_limit=None, api_visibility="private").then(
+            None, inputs=open_train, js=OPEN_TRAIN_JS, api_visibility="private", show_progress="hidden")
     # a new smoothing redraws the loss plot at the next tick
     smoothing.release(lambda shown: {**(shown or {}), "version": -1}, inputs=seen, outputs=seen,
                       api_visibility="private")
@@ -93,19 +103,19 @@ def refresh(backend: Backend, path: str | None, shown: dict | None, smoothing: f
             open_tab: bool = True) -> list:
     """One look at the run: everything that changed since what the page has `shown`, gr.skip()
     for the rest. `shown` is {"path", "version" (of the run's view)}; None on the page's first
-    tick, which also opens the Train tab when the run is going."""
+    tick, which also asks the page to open the Train tab when the run is going."""
     first_tick = shown is None
     path = path or backend.default_run()
     shown = shown if shown and shown.get("path") == path else {"path": path, "version": -1}
     unchanged = [gr.skip()] * (len(plots.components()) + 2)  # plots, log, lr
     off = [gr.update(interactive=False)] * len(CONTROLS)
     if path is None:
-        return [None, shown, gr.skip(), status_html(None), gr.skip(), *unchanged, *off]
+        return [None, shown, False, status_html(None), gr.skip(), *unchanged, *off]
     try:
         snap = backend.snapshot(path)
     except BackendError as e:
-        return [path, shown, gr.skip(), status_html(None, str(e)), gr.skip(), *unchanged, *off]
-    tab = gr.Tabs(selected="train") if first_tick and open_tab and snap.info.alive else gr.skip()
+        return [path, shown, False, status_html(None, str(e)), gr.skip(), *unchanged, *off]
+    tab = first_tick and open_tab and snap.info.alive
     allowed = ALLOWED.get(snap.info.state, set())
     controls = [gr.update(interactive=name in allowed) for name in CONTROLS]
     text = banner_html(snap.failure, backend.stop_error(path))

@@ -19,8 +19,9 @@ STATE_COLORS = {"starting": "#6b7280", "running": "#059669", "paused": "#d97706"
                 "stopping": "#7c3aed", "finished": "#2563eb", "failed": "#dc2626"}
 
 CSS = """
-.field-error p { color: #dc2626 !important; font-size: 0.85em; margin: 2px 0 0 0 !important; }
-.field-error { min-height: 0 !important; }
+.cfg-field.invalid .info-text { color: #dc2626 !important; }
+.cfg-field.invalid { border-color: #fca5a5 !important; box-shadow: 0 0 0 1px #fca5a5 !important; }
+.cfg-field.invalid input, .cfg-field.invalid textarea { border-color: #dc2626 !important; }
 .inspect-note p { font-size: 0.85em; margin: 2px 0 !important; }
 .problems-box { border-left: 4px solid #dc2626; padding: 6px 12px !important; background: #fef2f2; }
 .ok-box { border-left: 4px solid #059669; padding: 6px 12px !important; background: #ecfdf5; }
