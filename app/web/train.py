@@ -76,9 +76,10 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
         return refresh(backend, path, shown, smooth, plots, open_tab=not navigated)
 
     outs = [run_state, seen, open_train, status, banner, *plots.components(), log, lr, *buttons.values()]
-    for trigger in (page.load, timer.tick):
+    # the page's first look skips the queue (one plain request: the page is shown sooner)
+    for trigger, queued in ((page.load, False), (timer.tick, True)):
         trigger(tick, inputs=[run_state, seen, smoothing, navigated], outputs=outs, js=NAVIGATED_JS,
-                show_progress="hidden", concurrency_limit=None, api_visibility="private").then(
+                show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=queued).then(
             None, inputs=open_train, js=OPEN_TRAIN_JS, api_visibility="private", show_progress="hidden")
     # a new smoothing redraws the loss plot at the next tick
     smoothing.release(lambda shown: {**(shown or {}), "version": -1}, inputs=seen, outputs=seen,
