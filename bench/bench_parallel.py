@@ -8,9 +8,10 @@ pipeline engine), and one rank for scale. Every layout trains the same model (a 
 random batching) with the same micro-batch, accumulation and optimizer, through our Trainer
 (`python -m deepspeed.launcher.runner --num_gpus N`, gloo on CPU, nccl on GPU: the same script on
 either). Tokens/s counts the real tokens of every data-parallel replica over the steps after a
-warm-up, wall clock on rank 0. Chat latency: after training, `engine.generation.generate` (the
-chat path) with 16 new tokens, repeated; first-token time is until rank 0's first streamed text,
-per-token time is the rest divided by the tokens that followed (medians).
+warm-up, wall clock on rank 0. Chat latency: `engine.generation.generate` (the chat path, every
+rank, collective) with 16 new tokens on the initial weights, repeated; first-token time is until
+rank 0's first streamed text, per-token time the rest divided by the tokens that followed
+(medians).
 """
 
 from __future__ import annotations
@@ -122,11 +123,13 @@ def worker(a: argparse.Namespace) -> None:
 
     clock = Clock()
     trainer = Trainer(config=cfg, callbacks=[clock])
+    # chat on the saved initial weights: latency does not depend on their values, and an
+    # untrained model rarely ends its answer at once (a trained one may answer with eos alone)
+    firsts, per_token = chat_latency(trainer, generate, a.repeats)
     trainer.train()
     total = torch.tensor([float(clock.tokens)], dtype=torch.float64)
     if trainer.env.world_size > 1:
         dist.all_reduce(total)
-    firsts, per_token = chat_latency(trainer, generate, a.repeats)
     if trainer.env.rank == 0:
         Path(a.out).write_text(json.dumps({
             "tokens_per_s": float(total) / (clock.t1 - clock.t0), "steps_timed": clock.steps - WARMUP,
