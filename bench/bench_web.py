@@ -119,7 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loads", type=int, default=5, help="page loads to time")
     parser.add_argument("--watch", type=float, default=60.0, help="seconds of training to watch")
-    parser.add_argument("--steps", type=int, default=300, help="max_steps of the 2-rank run (< 400)")
+    parser.add_argument("--steps", type=int, default=390,
+                        help="max_steps of the 2-rank run (< 400: every step keeps its own point in the plot)")
     args = parser.parse_args()
     from gradio_client import Client
     from playwright.sync_api import sync_playwright
@@ -146,7 +147,8 @@ def main() -> None:
             latencies = step_latencies(browser, url, events, args.watch)
             browser.close()
         status = client.predict(run="bench", api_name="/status")
-        client.predict(run="bench", save=False, api_name="/stop")
+        if status["alive"]:
+            client.predict(run="bench", save=False, api_name="/stop")
     finally:
         app.send_signal(signal.SIGINT)
         try:
@@ -161,7 +163,7 @@ def main() -> None:
     steps = train_records(events)
     rate = (steps[-1][0] - steps[0][0]) / max(1e-9, steps[-1][1] - steps[0][1]) if len(steps) > 1 else 0
     print(f"\n2-rank run of the embedded default: {rate:.2f} steps/s while measured; "
-          f"stopped at step {status['step']}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
+          f"{status['state']} at step {status['step']}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
     print("| measure | samples | median | p90 | max | target | |")
     print("|---|---|---|---|---|---|---|")
     print(row("page load to interactive", loads, 2.0))
