@@ -22,7 +22,7 @@ def data_files(root: Path) -> str:
 
 def run_layout(layout: str, out: Path, data: str, resume: str = "", cache: str = "") -> list[dict]:
     """The ranks' reports (sorted by rank) of one run of the layout script."""
-    nproc = 1 if layout == "single" else 2
+    nproc = {"single": 1, "dp2_tp2": 4, "dp2_pp2": 4}.get(layout, 2)
     args = ["--layout", layout, "--out", str(out), "--data", data, "--steps", str(STEPS),
             "--chat-step", str(CHAT_STEP), "--ckpt-step", str(CKPT_STEP)]
     if resume:

@@ -130,6 +130,26 @@ def test_tp2_resumes_exactly(runs, task):
     assert [resumed[str(s)] for s in range(CKPT_STEP + 1, STEPS + 1)] == full[CKPT_STEP:]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_dp_times_tp_and_dp_times_pp_on_4_ranks(task):
+    """4 ranks on 2 cores (each start ~30 s here): dp 2 x tp 2 and dp 2 x pp 2 against dp 2."""
+    want = _run(task, "dp2")
+    for layout in ("dp2_tp2", "dp2_pp2"):
+        ranks = _run(task, layout)
+        coords = [(r["dp_rank"], r["tp_rank"], r["stage"]) for r in ranks]
+        if layout == "dp2_tp2":  # tensor ranks adjacent: [0, 1] [2, 3]
+            assert coords == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+        else:  # DeepSpeed's pipe x data topology: rank = stage * dp + data rank
+            assert coords == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
+        assert all(r["dp_size"] == 2 for r in ranks)
+        losses = losses_of(ranks[0])
+        assert all(losses_of(r) == losses for r in ranks)
+        assert_close_losses(losses, losses_of(want[0]))
+        chat = ranks[0]["chat"]
+        assert chat["texts"] == chat["reference"] and chat["sampled"] == chat["reference_sampled"]
+
+
 # -- the control plane ---------------------------------------------------------------------------
 
 @pytest.mark.slow

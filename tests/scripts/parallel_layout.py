@@ -15,7 +15,9 @@ from dist_utils import report  # noqa: E402
 
 PROMPTS = ["reverse: kcodw\n", "sort: abc\n", "upper: hello\n"]
 LAYOUTS = {"tp": ["nproc=2", "tp=2"], "pp": ["nproc=2", "pp=2"], "single": ["nproc=1"],
-           "tp_zero2": ["nproc=2", "tp=2", "zero_stage=2"], "pp_zero1": ["nproc=2", "pp=2", "zero_stage=1"]}
+           "tp_zero2": ["nproc=2", "tp=2", "zero_stage=2"], "pp_zero1": ["nproc=2", "pp=2", "zero_stage=1"],
+           "dp2": ["nproc=2", "zero_stage=1"], "dp2_tp2": ["nproc=4", "tp=2", "zero_stage=1"],
+           "dp2_pp2": ["nproc=4", "pp=2", "zero_stage=1"]}
 
 
 def parse() -> argparse.Namespace:
@@ -98,7 +100,7 @@ def main() -> None:
         loaded = load_halved_weights(trainer, out)
     report(rank=trainer.env.rank, losses=losses, eval=evals, chat=chats, dp_rank=trainer.env.dp_rank,
            dp_size=trainer.env.dp_size, stage=trainer.env.stage, tp_rank=trainer.env.tp_rank,
-           parameters=trainer.engine.module.whole_model_parameters[0] if a.layout != "single" else None,
+           parameters=getattr(trainer.engine.module, "whole_model_parameters", (None,))[0],
            loaded_round_trip=loaded)
     trainer.close()
 
