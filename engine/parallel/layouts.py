@@ -2,20 +2,16 @@
 
     full_state_dict(trainer)            whole-model weights, Hugging Face names, on rank 0
     load_full_state_dict(trainer, sd)   split whole-model weights into this rank's layout
-    save_hf_model(trainer, path)        a from_pretrained-ready folder (weights, config, tokenizer)
+    shape_problems(trainer, shapes)     what keeps a folder's tensors from fitting the whole model
 
-All three are collective (every rank calls them). Under tensor parallelism the shards are
-gathered layer by layer (DeepSpeed's consolidation); under pipeline parallelism the first
-data-parallel replica's stages send their layers to rank 0. Loading refreshes the optimizer's
+engine.checkpoint's save_model / load_model use them under tp or pp (atomic folders, shards,
+fsspec as for every layout). The first two are collective (every rank calls them). Under
+tensor parallelism the shards are gathered layer by layer (DeepSpeed's consolidation); under
+pipeline parallelism the first data-parallel replica's stages send their layers to rank 0. Loading refreshes the optimizer's
 full-precision master weights, so the next step starts from the loaded weights.
 """
 
 from __future__ import annotations
-
-import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -143,32 +139,3 @@ def refresh_master_weights(engine) -> None:
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
         optimizer.refresh_fp32_params()
-
-
-def save_hf_model(trainer, path: str | Path) -> None:
-    """Write the whole model as one ordinary Hugging Face folder (safetensors, config,
-    tokenizer); only rank 0 writes, into a temporary folder renamed into place."""
-    state_dict = full_state_dict(trainer)
-    if trainer.env.rank == 0:
-        _write_folder(Path(path), state_dict, hf_config_of(trainer), trainer.tokenizer)
-    if trainer.env.world_size > 1:
-        dist.barrier()
-
-
-def _write_folder(path: Path, state_dict: dict, config, tokenizer) -> None:
-    from transformers import AutoModelForCausalLM
-
-    dtype = next(v.dtype for v in state_dict.values() if v.is_floating_point())
-    with torch.device("meta"):  # only the class and config are needed; weights come from state_dict
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        skeleton.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
