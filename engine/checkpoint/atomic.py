@@ -13,8 +13,11 @@ folder of that name aside first and deleting it after) and, for training checkpo
 a save killed at any moment leaves the previous checkpoint as it was, and the broken temporary
 folder is deleted by the next save into the same parent.
 
-Data files are not fsync'ed (that would cost as much as the write); after a power loss a file
-whose bytes never reached the disk no longer matches its hash, and loading says so.
+Nothing is fsync'ed (DeepSpeed does not either, and syncing the small marker would, on ext4,
+flush the whole checkpoint first): a killed process loses nothing the page cache holds, and
+after a power loss a file whose bytes never reached the disk no longer matches its hash, so
+loading it says so. The previous checkpoints are still there to resume from because pruning
+calls flush_before_deleting first, paying for the sync only when something is deleted.
 
 On object stores a rename is a copy, so there the marker written last is what makes a folder
 complete; the swap of an existing folder of the same name is not atomic there.
@@ -271,18 +274,16 @@ def _write_marker(folder: Location, marker: dict) -> None:
     data = json.dumps(marker, indent=1).encode()
     path = folder.child(MARKER)
     if folder.is_local:
-        _write_local_durably(Path(path.path), data)
+        _write_local_atomically(Path(path.path), data)
     else:
         folder.fs.pipe_file(path.path, data)
 
 
-def _write_local_durably(path: Path, data: bytes) -> None:
-    """Write a small file in full or not at all (temp + fsync + rename)."""
+def _write_local_atomically(path: Path, data: bytes) -> None:
+    """Write a small file in full or not at all (temp + rename). No fsync: on ext4 it would
+    force the whole checkpoint just written out to disk before returning (see the module doc)."""
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
@@ -303,6 +304,7 @@ def _publish(tmp: Location, target: Location) -> None:
     else:
         fs.mv(tmp.path, target.path, recursive=True)
     if old is not None:
+        flush_before_deleting(target)
         remove(old)
 
 
@@ -310,9 +312,17 @@ def write_pointer(collection: Location, name: str) -> None:
     """Point `<collection>/latest` at the checkpoint `name` (written in one step)."""
     path = collection.child(POINTER)
     if collection.is_local:
-        _write_local_durably(Path(path.path), (name + "\n").encode())
+        _write_local_atomically(Path(path.path), (name + "\n").encode())
     else:
         collection.fs.pipe_file(path.path, (name + "\n").encode())
+
+
+def flush_before_deleting(collection: Location) -> None:
+    """Put what was written on this machine on the disk before older checkpoints are deleted:
+    saves do not fsync (module doc), so without this a power loss just after pruning could
+    leave neither the new checkpoint nor the ones it replaced. Object stores need nothing."""
+    if collection.is_local:
+        os.sync()
 
 
 def remove(folder: Location) -> None:

@@ -130,6 +130,8 @@ class CheckpointCallback(Callback):
         c = trainer.config.checkpoint
         collection = str(trainer.folder.checkpoints)
         doomed = to_delete(atomic.list_checkpoints(collection), c.keep_last, c.keep_best, c.monitor, c.mode)
+        if doomed:
+            atomic.flush_before_deleting(atomic.location(collection))
         for name in doomed:
             atomic.remove(atomic.location(collection).child(name))
         if doomed:
