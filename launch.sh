@@ -4,8 +4,10 @@
 #   ./launch.sh train [CONFIG.yaml] [key=value ...]   train from the terminal (no config: the default)
 #   ./launch.sh test [pytest args]   install what the tests need, then run them
 set -euo pipefail
+CALLER_DIR="$PWD"  # `train` reads its config and data paths relative to where it was typed
 cd "$(dirname "$0")"
-VENV="${LIVETUNE_VENV:-.venv}"
+VENV="$(pwd)/${LIVETUNE_VENV:-.venv}"
+case "${LIVETUNE_VENV:-}" in /*) VENV="$LIVETUNE_VENV" ;; esac
 PY="$VENV/bin/python"
 export GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
@@ -35,6 +37,7 @@ case "$cmd" in
   train)
     shift
     setup test
+    cd "$CALLER_DIR"  # paths are made absolute against it, so the engine (in this folder) finds them
     exec "$PY" -m engine.cli train "$@"
     ;;
   app)

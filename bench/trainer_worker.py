@@ -62,13 +62,16 @@ def ds_config_for(cfg, hidden: int) -> dict:
                                      precision=ds_config.resolve_precision("auto")).config
 
 
+BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def bare(a, cfg, clock):
     import deepspeed
     from transformers import AutoModelForCausalLM
     from engine import ds_config
     from engine.data import build_dataset, build_dataloader
     from engine.model import load_tokenizer
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=BACKEND)
     ds = ds_config_for(cfg, 256)
     tok = load_tokenizer(a.model)
     with ds_config.zero3_init(ds):
@@ -89,6 +92,9 @@ def bare(a, cfg, clock):
 
 
 def hf(a, cfg, clock):
+    import deepspeed
+    # before the model is built: under ZeRO-3, from_pretrained partitions it over the whole group
+    deepspeed.init_distributed(dist_backend=BACKEND)
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
     from engine.data import PaddingCollator, build_dataset
     from engine.model import load_tokenizer

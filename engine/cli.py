@@ -34,7 +34,20 @@ def parse_train_args(argv: list[str]):
     return load_config(config_path, overrides, data=data)
 
 
+TRAIN_HELP = """usage: ./launch.sh train [CONFIG.yaml] [key=value ...]
+
+Train from the terminal. No config: the embedded default task. Overrides are dotted field names
+(optim.lr=1e-4, data.train=my.jsonl) or the short names:
+  {shortcuts}
+Every field, its type and its meaning: README.md, "Run config" (engine/config.py declares them).
+Paths are read relative to the directory the command is typed in."""
+
+
 def train(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        from engine.config import SHORTCUTS
+        print(TRAIN_HELP.format(shortcuts="\n  ".join(f"{k:<11} {v}" for k, v in SHORTCUTS.items())))
+        return 0
     try:
         cfg = parse_train_args(argv)
     except ConfigError as e:

@@ -253,6 +253,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             parsed = value
         _set_dotted(raw, key, parsed)
     config = _build(RunConfig, raw, "", problems)
+    absolute_paths(config)
     problems += validate(config)
     if problems:
         raise ConfigError(problems)
@@ -371,6 +372,26 @@ def _hostfile_nodes(hostfile: str) -> int:
 
 
 # -- validation ---------------------------------------------------------------------------------
+
+def _absolute(value: str) -> str:
+    if not value or "://" in value:  # empty (a default applies) or an fsspec URL
+        return value
+    return str(Path(value).expanduser().resolve())
+
+
+def absolute_paths(c: RunConfig) -> None:
+    """Make every path of the config absolute against the directory it was given in: the engine
+    processes start in the project folder, and the saved config.yaml must mean the same files
+    wherever it is read again (resume, the app)."""
+    c.model.path, c.model.tokenizer = _absolute(c.model.path), _absolute(c.model.tokenizer)
+    c.data.train, c.data.eval = _absolute(c.data.train), _absolute(c.data.eval)
+    c.logging.output_dir = _absolute(c.logging.output_dir)
+    c.parallel.hostfile = _absolute(c.parallel.hostfile)
+    if c.resume != "latest":
+        c.resume = _absolute(c.resume)
+    if isinstance(c.parallel.deepspeed, dict) and isinstance(c.parallel.deepspeed.get("file"), str):
+        c.parallel.deepspeed = {**c.parallel.deepspeed, "file": _absolute(c.parallel.deepspeed["file"])}
+
 
 def validate(c: RunConfig) -> list[tuple[str, str]]:
     """Bounds of single fields, then the combinations that cannot work together."""

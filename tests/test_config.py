@@ -88,3 +88,16 @@ def test_config_layer_does_not_import_torch():
     code = "import engine.config, engine.run_folder, engine.protocol, engine.launch, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_paths_are_made_absolute_against_the_directory_they_were_given_in(tmp_path, monkeypatch):
+    """The engine's processes start in the project folder and config.yaml is read again later
+    (resume, the app): a relative path must keep meaning the file the user named."""
+    (tmp_path / "data.jsonl").write_text('{"text": "hello"}\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(overrides=["data.train=data.jsonl", "output_dir=out", "parallel.deepspeed={file: ds.json}"])
+    assert cfg.data.train == str(tmp_path / "data.jsonl")
+    assert cfg.logging.output_dir == str(tmp_path / "out")
+    assert cfg.parallel.deepspeed == {"file": str(tmp_path / "ds.json")}
+    assert load_config(overrides=["resume=s3://bucket/step-40"]).resume == "s3://bucket/step-40"  # URLs stay
+    assert load_config(overrides=["run_name=x", "resume=latest"]).resume == "latest"

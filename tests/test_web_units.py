@@ -112,7 +112,7 @@ def _log(folder: RunFolder, events: list[dict]) -> None:
 
 def test_run_view_folds_the_event_log(tmp_path):
     folder = RunFolder(tmp_path / "run").create()
-    t0 = time.time() - 100
+    t0 = time.time() - 11  # the last train record (step 5) was written just now
     _log(folder, [{"type": "state", "state": "starting", "method": "lora", "time": t0},
                   {"type": "setup", "total_steps": 10, "time": t0 + 1},
                   {"type": "state", "state": "running", "time": t0 + 1}]
@@ -130,7 +130,7 @@ def test_run_view_folds_the_event_log(tmp_path):
     assert set(frames["eval"].series) == {"exact_match"}  # loss and perplexity go with the loss
     p = view.progress()
     assert (p.state, p.step, p.total, p.method) == ("running", 5, 10, "lora")
-    assert p.eta_s == pytest.approx(10.0)  # 5 steps left x 2 s per step
+    assert p.eta_s == pytest.approx(10.0, abs=1.0)  # 5 steps left x 2 s per step
     assert view.metrics_at(5) == {"loss": pytest.approx(4.5), "eval/loss": 4.0, "eval/perplexity": 54.6,
                                   "eval/exact_match": 0.25}
     with open(folder.events, "a") as f:  # a line being written is left for the next poll
@@ -138,10 +138,10 @@ def test_run_view_folds_the_event_log(tmp_path):
     assert view.poll() == 1
     with open(folder.events, "a") as f:
         f.write(', "time": 1}\n')
-    assert view.poll() == 2 and 6 in view.train
+    assert view.poll() == 2 and view.history.summary.step == 6
     fresh = RunView(folder)  # a page opened later rebuilds the same history
     fresh.poll()
-    assert sorted(fresh.train) == sorted(view.train)
+    assert fresh.history.train == view.history.train
     smoothed = fresh.frames(smoothing=0.9)["loss"]
     assert smoothed[smoothed.series == "smoothed"]["loss"].iloc[0] == pytest.approx(4.9)  # debiased
 

@@ -30,6 +30,7 @@ class RunSummary:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     start_time: float | None = None    # time of the first event
     end_time: float | None = None      # time of the final state event
+    method: str | None = None          # the training method the run's state events name
     error: str | None = None           # the final `failed` event's reason
     error_rank: int | None = None
     final_source: str | None = None    # "manager" when the run manager wrote the final state
@@ -66,6 +67,7 @@ class RunSummary:
         # the last state event wins: a run resumed in its own folder starts over after "finished"
         was_stopping = self.state == "stopping"  # the run ends after a `stop` command
         self.state = state
+        self.method = event.get("method", self.method)
         self.step = _int(event.get("step"), self.step)
         self.end_time, self.error, self.error_rank = None, None, None
         self.final_source, self.stopped_by_user = None, False

@@ -87,6 +87,7 @@ def export(source: str, target: str, merge_lora: bool = False, python: str = sys
     """Export a checkpoint or adapter to a Hugging Face model folder through the engine's
     command line (`python -m engine.checkpoint export SOURCE TARGET [--merge-lora]`); returns
     what it printed. Raises RuntimeError with its last lines when it fails."""
+    target = str(Path(target).expanduser().resolve())  # the subprocess starts in the project folder
     if Path(target).exists() and any(Path(target).iterdir()):
         raise RuntimeError(f"{target} exists and is not empty; choose a new folder")
     cmd = [python, "-m", "engine.checkpoint", "export", source, target] + (["--merge-lora"] if merge_lora else [])
@@ -99,8 +100,7 @@ def export(source: str, target: str, merge_lora: bool = False, python: str = sys
         raise RuntimeError(f"the export did not finish within {EXPORT_TIMEOUT_S:g} s") from None
     output = (done.stdout + done.stderr).strip()
     if done.returncode != 0:
-        if "No module named engine.checkpoint" in output or "engine.checkpoint.__main__" in output:
-            raise RuntimeError("exporting needs the engine's checkpoint command line "
-                               "(`python -m engine.checkpoint export`), which this install does not have yet")
-        raise RuntimeError("the export failed:\n" + "\n".join(output.splitlines()[-12:]))
-    return output.splitlines()[-1] if output else f"exported to {target}"
+        errors = [line[len("error: "):] for line in output.splitlines() if line.startswith("error: ")]
+        raise RuntimeError(errors[-1] if errors else "the export failed:\n" + "\n".join(output.splitlines()[-12:]))
+    said = done.stdout.strip().splitlines()  # the command's last line says what it wrote
+    return said[-1] if said else f"exported to {target}"

@@ -1,0 +1,32 @@
+"""`python -m engine.checkpoint export SOURCE TARGET [--merge-lora]` (engine/checkpoint/export.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.checkpoint",
+                                     description="Export saved weights as a Hugging Face folder.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="a training checkpoint, adapter or model folder to a new "
+                                 "Hugging Face folder")
+    export.add_argument("source", help="a training checkpoint, a PEFT adapter folder or a model folder")
+    export.add_argument("target", help="a new (or empty) folder to write")
+    export.add_argument("--merge-lora", action="store_true",
+                        help="fold the LoRA adapter into the base weights: a plain model")
+    args = parser.parse_args(argv)
+    from engine.checkpoint.atomic import CheckpointError
+    from engine.checkpoint.export import export as run_export
+    from engine.config import ConfigError
+    try:
+        print(run_export(args.source, args.target, merge_lora=args.merge_lora), flush=True)
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
