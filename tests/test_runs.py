@@ -212,6 +212,7 @@ def test_a_killed_rank_is_reported_within_seconds_and_nothing_is_left(tmp_path, 
     assert failure.log.endswith("rank1.log") and failure.lines
     assert_no_process_left(handle.pid)
 
+    handle.wait_cleaned_up()  # the manager records the culprit once the group is ended
     [info] = RunManager(tmp_path / "runs").list_runs()  # recorded for later, too
     assert (info.state, info.failed_rank) == ("failed", 1)
     assert "rank 1" in info.error
