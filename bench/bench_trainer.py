@@ -1,6 +1,6 @@
 """Throughput of this Trainer against a bare DeepSpeed loop and the Hugging Face Trainer.
 
-Run by hand:  .venv/bin/python bench/bench_trainer.py [--steps 30] [--quick]
+Run by hand:  .venv/bin/python bench/bench_trainer.py [--steps 30] [--stages 2,3] [--repeats 3]
 
 Same model (a Llama of hidden 256, 4 layers, saved once with weights), same data, same DeepSpeed
 config, 2 ranks (gloo on CPU, nccl on GPU), ZeRO-2 then ZeRO-3. Tokens/s counts real (non-pad)
@@ -8,6 +8,10 @@ tokens only, over the steps after a warm-up, wall clock on rank 0. Two data sets
 (every sample 128 tokens) and uneven (lognormal lengths, median 60, at most 256). On uneven
 data the Hugging Face Trainer runs twice: its default random sampling and its best setting,
 train_sampling_strategy="group_by_length"; this Trainer runs with group_by_length and packing.
+
+Each variant runs `--repeats` times, the plan's order reversed every other round, and the table
+gives the median: on a shared machine one run of a variant can be 10% off its neighbour's for
+no reason of its own (measured: the same pair of runs gave 0.91 and 1.08 a few minutes apart).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,11 +89,14 @@ def main() -> None:
                     ("uneven", uneven, "bare", "random"), ("uneven", uneven, "hf", "random"),
                     ("uneven", uneven, "hf", "group_by_length"),
                     ("uneven", uneven, "ours", "group_by_length"), ("uneven", uneven, "ours", "packing")]
-            results = {}
-            for data_name, path, variant, batching in plan:
-                r = run_variant(variant, zero, path, model, args.steps, batching, tmp / "r.json")
-                results[(data_name, variant, batching)] = r["tokens_per_s"]
-                print(f"zero{zero} {data_name:8s} {variant:5s} {batching:16s} {r['tokens_per_s']:9.0f} tok/s", flush=True)
+            runs: dict[tuple[str, str, str], list[float]] = {}
+            for rep in range(args.repeats):
+                for data_name, path, variant, batching in (plan if rep % 2 == 0 else plan[::-1]):
+                    r = run_variant(variant, zero, path, model, args.steps, batching, tmp / "r.json")
+                    runs.setdefault((data_name, variant, batching), []).append(r["tokens_per_s"])
+                    print(f"zero{zero} {data_name:8s} {variant:5s} {batching:16s} {r['tokens_per_s']:9.0f} tok/s",
+                          flush=True)
+            results = {key: float(np.median(v)) for key, v in runs.items()}
             for (data_name, variant, batching), tps in results.items():
                 bare = results[(data_name, "bare", "random")]
                 hf_best = max(v for (d, var, _), v in results.items() if d == data_name and var == "hf")
