@@ -110,10 +110,9 @@ def test_several_named_adapters():
 
 # -- 2 ranks, real DeepSpeed, our Trainer ---------------------------------------------------------
 
-# Prompt tuning / P-tuning are not saved under ZeRO-3 here: peft computes the prompt embedding
-# to save with a forward of the prompt encoder, which engine.checkpoint.save_peft runs on rank 0
-# alone, a collective of one rank under ZeRO-3 (they train under ZeRO-3; saving hangs).
-RUNS = {0: "lora,p_tuning", 1: "lora", 2: "lora,prompt_tuning", 3: "lora"}
+# LoRA under every stage; the prompt-learning methods under ZeRO-3 too, where saving them once
+# hung (peft runs their prompt encoder to save them, a collective forward under ZeRO-3).
+RUNS = {0: "lora,p_tuning", 1: "lora", 2: "lora", 3: "lora,prompt_tuning,p_tuning"}
 
 
 @pytest.mark.slow

@@ -16,6 +16,8 @@ through the streaming writer of `models.py`, so nothing is ever merged in place.
 
 from __future__ import annotations
 
+import contextlib
+
 import shutil
 import time
 from pathlib import Path
@@ -69,7 +71,8 @@ def save_peft(trainer, path: str, selected_adapters: list[str] | None = None) ->
     started, comm = time.perf_counter(), Comm.current()
     params = adapter_params(module, names)
     meta = {"step": trainer.state.global_step, "adapters": names}
-    with atomic.writing(path, kind="adapter", meta=meta, comm=comm) as w:
+    prompts = _prompt_embeddings(module, names, params)
+    with atomic.writing(path, kind="adapter", meta=meta, comm=comm) as w, _saving_prompts(module, prompts):
         with GatheredParameters(params, modifier_rank=None):
             if comm.rank == 0:
                 # under ZeRO-3 the module's own state_dict is read inside the gather, where the
@@ -82,6 +85,30 @@ def save_peft(trainer, path: str, selected_adapters: list[str] | None = None) ->
             "seconds": time.perf_counter() - started}
     trainer.emit({"type": "export", "kind": "adapter", "path": str(path), "step": trainer.state.global_step, **info})
     return info
+
+
+def _prompt_embeddings(module, names: list[str], params) -> dict[str, torch.Tensor]:
+    """The virtual-token embeddings of the prompt-learning adapters among `names`, computed on
+    every rank. peft saves such an adapter by running its prompt encoder; under ZeRO-3 that
+    forward is collective, so on rank 0 alone (where peft would run it) it waits forever."""
+    if not _any_partitioned(params):
+        return {}
+    with torch.no_grad():
+        return {n: module.get_prompt_embedding_to_save(adapter_name=n).detach().cpu()
+                for n in names if module.peft_config[n].is_prompt_learning}
+
+
+@contextlib.contextmanager
+def _saving_prompts(module, prompts: dict[str, torch.Tensor]):
+    """peft's save_pretrained takes the embeddings computed by every rank, not a forward of its own."""
+    if not prompts:
+        yield
+        return
+    module.get_prompt_embedding_to_save = lambda adapter_name: prompts[adapter_name]
+    try:
+        yield
+    finally:
+        del module.get_prompt_embedding_to_save  # the class's method again
 
 
 # -- loading -----------------------------------------------------------------------------------
