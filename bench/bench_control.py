@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from app.client import RunClient  # noqa: E402
 from control_runs import events, launch, task_files, wait_exit  # noqa: E402
+from engine.launch import kill_group  # noqa: E402
 from engine.run_folder import EventTail  # noqa: E402
 
 PROMPT = "reverse: planet\n"
@@ -79,7 +79,7 @@ def quiet_run(tmp: Path, task: dict, zero: int, steps: int) -> float:
                  "control.enabled=false")
     reach_step(run, steps)
     tps = throughput(run, WINDOW_SKIP, steps)
-    os.killpg(run.process.pid, signal.SIGTERM)
+    kill_group(run.process.pid)
     run.process.wait(timeout=60)
     return tps
 

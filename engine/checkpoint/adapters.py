@@ -17,7 +17,6 @@ through the streaming writer of `models.py`, so nothing is ever merged in place.
 from __future__ import annotations
 
 import contextlib
-
 import shutil
 import time
 from pathlib import Path

@@ -2,9 +2,9 @@
 
 Saving streams: the tensors are cut into shards of at most `max_shard_size` bytes, and under
 ZeRO-3 each tensor is gathered (deepspeed.zero.GatheredParameters), appended by rank 0 to its
-shard's safetensors file (stream_safetensors.py) and released before the next one is gathered. No
-rank ever holds more than its ZeRO share of the model plus one tensor, and only rank 0 writes. One shard: a single
-`model.safetensors`; several: `model-0000k-of-0000n.safetensors` and the index
+shard's safetensors file (stream_safetensors.py) and released before the next one is gathered.
+No rank ever holds more than its ZeRO share of the model plus one tensor, and only rank 0
+writes. One shard: a single `model.safetensors`; several: `model-0000k-of-0000n.safetensors` and the index
 `model.safetensors.index.json`, as transformers writes them. The model's config (with the saved
 dtype), generation config and the tokenizer go alongside.
 
@@ -125,10 +125,8 @@ def write_weights(entries: list[Entry], folder: Path, comm: Comm,
     names = shard_names(len(shards))
     weight_map = {}
     for shard, name in zip(shards, names):
-        # One tensor gathered at a time (under ZeRO-3 every rank takes part in each gather) and
-        # written by rank 0 at once: no rank holds more than one tensor beyond its ZeRO share.
-        # (Gathering a whole shard held it on every rank plus DeepSpeed's gather buffers, and
-        # save_file copied it once more: about 3 shards per rank, measured by bench_checkpoint.)
+        # Gathering a whole shard held it on every rank, with DeepSpeed's gather buffers, and
+        # save_file copied it once more: about 3 shards per rank (bench_checkpoint).
         layout = [(e.key, e.shape, e.dtype) for e in shard]
         writer = StreamedSafetensors(str(folder / name), layout, {"format": "pt"}) if comm.rank == 0 else None
         with writer or contextlib.nullcontext():

@@ -38,7 +38,7 @@ class StreamedSafetensors:
         for key, shape, dtype in layout:
             if dtype not in DTYPE_NAMES:
                 raise ValueError(f"{key}: safetensors cannot store dtype {dtype}")
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            size = torch.Size(shape).numel() * dtype.itemsize
             header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             self._order.append((key, tuple(shape), dtype))
             offset += size
