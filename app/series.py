@@ -7,7 +7,7 @@
     history.eval["exact_match"] -> [(step, value), ...]    (the `eval/` prefix dropped)
     history.summary.state, history.eta()
 
-The latest state, step and metrics come from `app.runs.summary.RunSummary` (the run manager's
+The latest state, step and metrics come from `supervisor.summary.RunSummary` (the run manager's
 own fold), so every view agrees on them; this module adds the history behind them. Torch-free.
 """
 
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from app.runs.summary import RunSummary
+from supervisor.summary import RunSummary
 
 Point = tuple[int, float]
 

@@ -14,7 +14,7 @@
 
 Both runs of a pair are the tiny default model on a slice of the default task, one after the
 other (never at the same time: they would share the cores), started through the real entry
-point (engine.launch.spawn -> DeepSpeed launcher -> engine.worker).
+point (supervisor.launch.spawn -> DeepSpeed launcher -> engine.worker).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from app.client import RunClient  # noqa: E402
+from supervisor.client import RunClient  # noqa: E402
 from control_runs import events, launch, task_files, wait_exit  # noqa: E402
-from engine.launch import kill_group  # noqa: E402
-from engine.run_folder import EventTail  # noqa: E402
+from supervisor.launch import kill_group  # noqa: E402
+from contract.run_folder import EventTail  # noqa: E402
 
 PROMPT = "reverse: planet\n"
 WINDOW_SKIP = 20  # steps left out at the start of the throughput window (warm-up)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import load_config  # noqa: E402
+from contract.config import load_config  # noqa: E402
 
 WARMUP = 5
 MICRO = 8

@@ -14,10 +14,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from engine import presets
-from engine.config import ConfigError, load_config
-from engine.launch import kill_group, make_run_folder, spawn
-from engine.run_folder import EventTail, tail_lines
+from contract import presets
+from contract.config import ConfigError, load_config
+from supervisor.launch import kill_group, make_run_folder, spawn
+from contract.run_folder import EventTail, tail_lines
 
 console = Console(stderr=True)
 
@@ -39,13 +39,13 @@ TRAIN_HELP = """usage: ./launch.sh train [CONFIG.yaml] [key=value ...]
 Train from the terminal. No config: the embedded default task. Overrides are dotted field names
 (optim.lr=1e-4, data.train=my.jsonl) or the short names:
   {shortcuts}
-Every field, its type and its meaning: README.md, "Run config" (engine/config.py declares them).
+Every field, its type and its meaning: README.md, "Run config" (contract/config.py declares them).
 Paths are read relative to the directory the command is typed in."""
 
 
 def train(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        from engine.config import SHORTCUTS
+        from contract.config import SHORTCUTS
         print(TRAIN_HELP.format(shortcuts="\n  ".join(f"{k:<11} {v}" for k, v in SHORTCUTS.items())))
         return 0
     try:

@@ -44,6 +44,8 @@ import string
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from contract.presets import RECOMMENDED  # the measured hyperparameters live in the contract
 from typing import Callable, Iterable, Sequence
 
 ASSETS_VERSION = "default-v1"
@@ -60,19 +62,8 @@ MIN_WORD, MAX_WORD = 3, 8
 EVAL_FRACTION = 0.02  # share of all possible prompts reserved for the held-out split
 N_TRAIN, N_EVAL = 50_000, 256
 
-# Recommended training hyperparameters for the default task (the run config's defaults when
-# the default task is used). Measured with bench/explore_default.py; see the module docstring.
-RECOMMENDED: dict[str, float | int | str] = {
-    "lr": 3e-3,
-    "micro_batch_size": 64,
-    "max_steps": 1000,
-    "warmup_steps": 50,
-    "max_length": 32,
-    "eval_every_n_steps": 100,
-    # Not group_by_length: a batch's length nearly fixes its instruction and word length here,
-    # and such one-kind batches learn 4x slower (25% exact match after 1000 steps, not 97%).
-    "batching": "random",
-}
+# The recommended training hyperparameters (RECOMMENDED) live in contract/presets.py; measured
+# with bench/explore_default.py, see the module docstring.
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

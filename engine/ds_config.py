@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from engine.config import ConfigError, RunConfig
+from contract.config import ConfigError, RunConfig
 
 AUTO = "auto"
 PRECISIONS = ("bf16", "fp16", "fp32")

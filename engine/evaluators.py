@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine import metrics
-from engine.config import EVALUATORS, RunConfig
+from contract.config import EVALUATORS, RunConfig
 from engine.data.formats import encode_input_output
 from engine.generation import generate
 

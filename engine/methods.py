@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import PEFT_METHODS, RunConfig
+from contract.config import PEFT_METHODS, RunConfig
 
 # Module names LoRA wraps when the config names none: the attention and MLP projections of the
 # Llama / Qwen2 / Mistral family, and the fused ones of GPT-2-like models. Models with none of

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine.run_folder import EventLog
+from contract.run_folder import EventLog
 
 
 @dataclass

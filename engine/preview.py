@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.config import ConfigError, RunConfig, load_config
+from contract.config import ConfigError, RunConfig, load_config
 
 MAX_DATA_ROWS_SHOWN = 2
 

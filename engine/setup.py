@@ -17,13 +17,13 @@ from transformers import get_scheduler
 
 from engine import data as data_layer
 from engine import ds_config, lomo, methods, model as model_layer
-from engine.config import RunConfig
-from engine.launch import free_port, make_run_folder
+from contract.config import RunConfig
+from supervisor.launch import free_port, make_run_folder
 from engine.monitors import open_sinks
 from engine.parallel import tp as tensor_parallel
 from engine.parallel.groups import build_layout
 from engine.rng import seed_everything
-from engine.run_folder import EventLog, RunFolder
+from contract.run_folder import EventLog, RunFolder
 
 
 @dataclass

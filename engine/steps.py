@@ -11,7 +11,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from engine.config import RunConfig
+from contract.config import RunConfig
 from engine.data import count_tokens
 
 

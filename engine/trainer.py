@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from engine import setup
 from engine.callbacks import Callback, CallbackList
-from engine.config import RunConfig
+from contract.config import RunConfig
 from engine.monitors import DEFAULT_MONITORS, Monitor, StepInfo
 from engine.rng import preserved_rng
 from engine.steps import choose_strategy

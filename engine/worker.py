@@ -12,8 +12,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from engine.config import load_config
-from engine.run_folder import EventLog, RunFolder
+from contract.config import load_config
+from contract.run_folder import EventLog, RunFolder
 
 
 def _redirect_output(folder: RunFolder, rank: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import RunConfig
+from contract.config import RunConfig
 
 
 def callbacks_of(cfg: RunConfig) -> list:

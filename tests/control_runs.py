@@ -1,5 +1,5 @@
 """Helpers of the control-plane tests: real runs started through the real entry point
-(`python -m engine.worker` under the DeepSpeed launcher, engine.launch.spawn), and reading their
+(`python -m engine.worker` under the DeepSpeed launcher, supervisor.launch.spawn), and reading their
 run folders. Not a test module."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine import default_task
-from engine.config import load_config
-from engine.launch import LaunchedRun, group_alive, kill_group, make_run_folder, spawn
-from engine.run_folder import read_events, tail_lines
+from contract.config import load_config
+from supervisor.launch import LaunchedRun, group_alive, kill_group, make_run_folder, spawn
+from contract.run_folder import read_events, tail_lines
 
 HEARTBEAT_S = 0.5  # the runs' paused heartbeat, short so a test pause spans many of them
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from engine.config import ConfigError, RunConfig, load_config, schema
+from contract.config import ConfigError, RunConfig, load_config, schema
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -85,7 +85,7 @@ def test_schema_covers_every_field_with_help():
 
 
 def test_config_layer_does_not_import_torch():
-    code = "import engine.config, engine.run_folder, engine.protocol, engine.launch, sys; print('torch' in sys.modules)"
+    code = "import contract.config, contract.run_folder, contract.protocol, supervisor.launch, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

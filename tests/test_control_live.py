@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from app.client import CommandError, RunClient
+from supervisor.client import CommandError, RunClient
 from control_runs import events, launch, logs_of, states, task_files, wait_exit, wait_for_step
 
 HAS_CHECKPOINTS = importlib.util.find_spec("engine.checkpoint") is not None

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from app.client import CommandError, RunClient
+from supervisor.client import CommandError, RunClient
 from control_runs import task_files
-from engine.run_folder import read_events
+from contract.run_folder import read_events
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ SCRIPT = """
 import sys
 import time
 from engine import Trainer
-from engine.config import load_config
+from contract.config import load_config
 cfg = load_config(overrides=sys.argv[2:])
 trainer = Trainer(config=cfg, run_dir=sys.argv[1], server=True)
 trainer.train()

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from app.client import CommandError, RunClient, RunGone
+from supervisor.client import CommandError, RunClient, RunGone
 from engine.control.pending import CommandQueue
 from engine.control.server import ControlServer
-from engine.protocol import MAX_MESSAGE_BYTES
-from engine.run_folder import EventLog, RunFolder
+from contract.protocol import MAX_MESSAGE_BYTES
+from contract.run_folder import EventLog, RunFolder
 
 
 class Served:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from app.client import RunClient
+from supervisor.client import RunClient
 from control_runs import HEARTBEAT_S, launch, logs_of, losses, states, task_files, wait_exit, wait_for_step
 
 HAS_CHECKPOINTS = importlib.util.find_spec("engine.checkpoint") is not None

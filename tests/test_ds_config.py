@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
-from engine.config import ConfigError, load_config
+from contract.config import ConfigError, load_config
 from engine.ds_config import (NO_LOG_STEPS, DeepSpeedConfigError, DsConfig, build_ds_config,
                               inference_config, resolve_precision, transformers_zero3, zero3_init)
 

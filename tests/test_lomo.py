@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
-from engine.config import ConfigError, load_config
+from contract.config import ConfigError, load_config
 from engine.lomo import AdaLomoRule, DynamicLossScaler, FusedOptimizer, LomoRule, scaler_from_ds_config
 
 

@@ -7,9 +7,9 @@ import shutil
 import pytest
 
 from control_runs import launch, logs_of, losses, task_files, wait_exit
-from engine.config import ConfigError, load_config
-from engine.launch import LaunchError, check_launchable, launch_command
-from engine.run_folder import RunFolder
+from contract.config import ConfigError, load_config
+from supervisor.launch import LaunchError, check_launchable, launch_command
+from contract.run_folder import RunFolder
 
 
 def hostfile(tmp_path, *lines: str) -> str:

@@ -7,7 +7,7 @@ import torch
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 from engine import methods
-from engine.config import ConfigError, load_config
+from contract.config import ConfigError, load_config
 
 
 def llama(seed=0):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from app.runs import Failure, RunError, RunManager
-from app.runs.summary import RunSummary
-from engine.config import load_config
+from supervisor import Failure, RunError, RunManager
+from supervisor.summary import RunSummary
+from contract.config import load_config
 
 SHORT = ["data.max_length=32", "batch_size=8", "precision=fp32", "logging.tensorboard=false",
          "checkpoint.save_at_end=false", "eval.at_end=false", "eval.every_n_steps=0"]
@@ -126,7 +126,7 @@ def test_unknown_run_is_named_in_the_error(tmp_path):
 # -- real runs -------------------------------------------------------------------------------
 
 def test_the_manager_imports_neither_torch_nor_deepspeed():
-    code = ("import sys, app, app.runs; heavy = [m for m in ('torch', 'deepspeed', 'gradio') "
+    code = ("import sys, app, supervisor; heavy = [m for m in ('torch', 'deepspeed', 'gradio') "
             "if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 

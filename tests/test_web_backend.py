@@ -9,7 +9,7 @@ import time
 import pytest
 
 from app.web.backend import Backend, BackendError
-from engine.run_folder import read_events
+from contract.run_folder import read_events
 from test_web import end_runs
 
 QUIET = "eval: {every_n_steps: 0, at_end: false}\nlogging: {tensorboard: false}\n"
@@ -78,7 +78,7 @@ def test_reattach_after_the_app_restarted_and_compare_with_the_base_model(runs):
 
     app = Backend(runs)  # a new app over the same output folder
     try:
-        [listed] = app.runs()
+        [listed] = supervisor()
         assert (listed.name, listed.alive, listed.state) == (info.name, True, "running")
         assert app.attach(info.name).path == info.path
         assert app.trains_adapter(None)  # "compare with base model" is offered for this run

@@ -18,9 +18,9 @@ from app.web.backend.forms import DEFAULT_PRESET, Form
 from app.web.backend.preview import PreviewWorker, describe_data, describe_model
 from app.web.backend.store import human_size, list_saved
 from app.web.backend.views import MAX_POINTS, RunView
-from engine.config import load_config, schema
-from engine.presets import PRESETS
-from engine.run_folder import EventLog, RunFolder
+from contract.config import load_config, schema
+from contract.presets import PRESETS
+from contract.run_folder import EventLog, RunFolder
 
 REPO = Path(__file__).resolve().parent.parent
 

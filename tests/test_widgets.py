@@ -14,8 +14,8 @@ import pytest
 
 from app.notebook.form import ConfigForm, flatten
 from app.series import RunHistory, format_seconds
-from engine.config import ConfigError, load_config, schema
-from engine.presets import DEFAULT, PRESETS
+from contract.config import ConfigError, load_config, schema
+from contract.presets import DEFAULT, PRESETS
 from nb_utils import REPO, code_notebook, errors_in, run_notebook, widget_states
 
 

@@ -9,8 +9,8 @@
     run.stop()
     run = attach("run-20250101-120000")         # a run started earlier, from any kernel
 
-Training runs in its own process group started by `app.runs.RunManager`, and every command goes
-through `app.client.RunClient`, the same two pieces the web app uses. Nothing here imports torch.
+Training runs in its own process group started by `supervisor.RunManager`, and every command goes
+through `supervisor.client.RunClient`, the same two pieces the web app uses. Nothing here imports torch.
 Runs land in `$LIVETUNE_OUTPUT_DIR`, else `runs/` under the kernel's working folder.
 """
 
@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from app.client import Generation, RunClient
-from app.runs import RunError, RunHandle, RunInfo, RunManager
+from supervisor.client import Generation, RunClient
+from supervisor import RunError, RunHandle, RunInfo, RunManager
 from app.series import RunHistory
-from engine.config import RunConfig, load_config
-from engine.presets import DEFAULT
-from engine.run_folder import read_events
+from contract.config import RunConfig, load_config
+from contract.presets import DEFAULT
+from contract.run_folder import read_events
 
 FINAL_STATES = ("finished", "failed")
 
@@ -60,7 +60,7 @@ def manager(output_dir: str | Path | None = None) -> RunManager:
 def make_config(config: RunConfig | dict | str | Path | None = None, *overrides: str) -> RunConfig:
     """A validated RunConfig from a RunConfig, a nested dict, a YAML file, or None (the embedded
     default preset), then `key=value` overrides (`max_steps=50`, `optim.lr=1e-4`). Raises
-    engine.config.ConfigError naming every field at fault."""
+    contract.config.ConfigError naming every field at fault."""
     if isinstance(config, RunConfig):
         data = config.to_dict()
         return load_config(data=data, overrides=list(overrides))
@@ -112,7 +112,7 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
 
 class Run:
     """One run, driven from Python. Commands take effect at the run's next step boundary and
-    return its answer; they raise app.client.CommandError when the run refuses them."""
+    return its answer; they raise supervisor.client.CommandError when the run refuses them."""
 
     def __init__(self, handle: RunHandle, run_manager: RunManager):
         self.handle, self.manager = handle, run_manager

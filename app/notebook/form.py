@@ -1,4 +1,4 @@
-"""The run config form, generated from `engine.config.schema()`: one widget per field, one tab
+"""The run config form, generated from `contract.config.schema()`: one widget per field, one tab
 per section, and the very messages `load_config` gives (its ConfigError problems) shown next to
 the fields at fault. A field added to the schema shows up here with no change to this file.
 
@@ -16,8 +16,8 @@ from typing import Any
 import ipywidgets as widgets
 import yaml
 
-from engine.config import ConfigError, RunConfig, load_config, schema
-from engine.presets import PRESETS
+from contract.config import ConfigError, RunConfig, load_config, schema
+from contract.presets import PRESETS
 
 SCHEMA_DEFAULTS = "schema defaults"
 DEFAULT_PRESET = "embedded default"

@@ -27,9 +27,9 @@ from app.notebook.chat import ChatBox
 from app.notebook.form import ConfigForm
 from app.notebook.plots import render_png
 from app.notebook.watch import Watcher
-from app.runs import RunInfo
+from supervisor import RunInfo
 from app.series import RunHistory, format_seconds
-from engine.config import ConfigError
+from contract.config import ConfigError
 
 LIVE_STATES = ("starting", "running", "paused", "stopping")
 _MESSAGES_SHOWN = 6

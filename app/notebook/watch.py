@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from app.series import RunHistory
-from engine.run_folder import EventTail, RunFolder
+from contract.run_folder import EventTail, RunFolder
 
 # how long a finished run's log is still followed after its processes are gone: the manager may
 # write the final state of a run it stopped by signal a moment later

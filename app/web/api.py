@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import gradio as gr
 
-from app.runs import RunInfo
+from supervisor import RunInfo
 from app.web.backend import Backend, BackendError
 from app.web.backend.forms import DEFAULT_PRESET
 

@@ -17,9 +17,9 @@ from app.web.backend import Backend
 from app.web.backend.forms import DEFAULT_PRESET, Checked
 from app.web.backend.preview import describe_data, describe_model
 from app.web.widgets import problems_html, readable
-from engine.launch import launch_command
-from engine.presets import PRESETS
-from engine.run_folder import RunFolder
+from supervisor.launch import launch_command
+from contract.presets import PRESETS
+from contract.run_folder import RunFolder
 
 INSPECTED = {"model.path": "model", "data.train": "data", "data.eval": "data"}
 COLUMNS = 3

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import gradio as gr
 
-from app.runs import Failure
+from supervisor import Failure
 from app.web.backend import BackendError, Snapshot
 
 STATE_COLORS = {"starting": "#6b7280", "running": "#059669", "paused": "#d97706",

@@ -26,7 +26,7 @@ from typing import Any
 
 from engine.callbacks import Callback
 from engine.checkpoint import atomic, state
-from engine.config import RunConfig
+from contract.config import RunConfig
 
 SCHEDULE = "schedule"
 

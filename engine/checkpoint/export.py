@@ -73,7 +73,7 @@ def export(source: str, target: str, merge_lora: bool = False,
 # -- sources ----------------------------------------------------------------------------------------
 def _from_training_checkpoint(src: Path, say):
     from engine import setup
-    from engine.config import load_config
+    from contract.config import load_config
     from engine.methods import prepare_model
     from engine.model import build_model
 

@@ -5,7 +5,7 @@
 
 Two ways in: `attach(trainer)` on a built Trainer (what `Trainer(server=True)` does, with the
 chat page), or `ControlCallback()` in the callbacks a run is built with (what the worker does
-when `control.enabled`). Protocol: engine.protocol; client: app.client.RunClient.
+when `control.enabled`). Protocol: contract.protocol; client: supervisor.client.RunClient.
 
 Behaviour a user can count on:
 - Every accepted command is answered: `done` with its result, or `error` with the reason

@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from engine.control.server import ControlServer
-from engine.protocol import MAX_MESSAGE_BYTES, ProtocolError, check_command
+from contract.protocol import MAX_MESSAGE_BYTES, ProtocolError, check_command
 
 ANSWER_TIMEOUT_S = 3600.0  # a paused-then-resumed run can take long to reach a boundary
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from engine.control.pending import Reply
 from engine.generation import generate as generate_text
-from engine.protocol import GENERATION_PARAMS
+from contract.protocol import GENERATION_PARAMS
 
 if TYPE_CHECKING:
     from engine.control.plane import Control

@@ -1,6 +1,6 @@
 """The control server: rank 0's socket thread. Torch-free; it never touches the model.
 
-Each client connection gets a thread that reads newline-delimited JSON (engine.protocol), checks
+Each client connection gets a thread that reads newline-delimited JSON (contract.protocol), checks
 the run token (constant-time), validates the command and then either answers at once (`status`,
 `subscribe`) or queues it for the next step boundary, where the training thread executes it on
 every rank. Whatever the training thread sends back (acks, streamed tokens, results) goes through
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
-from engine.protocol import MAX_MESSAGE_BYTES, ProtocolError, check_command, decode, encode
-from engine.run_folder import RunFolder, write_private_json
+from contract.protocol import MAX_MESSAGE_BYTES, ProtocolError, check_command, decode, encode
+from contract.run_folder import RunFolder, write_private_json
 
 
 class Connection:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import FUSED_METHODS, RunConfig
+from contract.config import FUSED_METHODS, RunConfig
 from engine.data import count_tokens
 from engine.lomo.fused import FusedOptimizer
 from engine.lomo.rules import AdaLomoRule, LomoRule, UpdateRule

@@ -1,6 +1,5 @@
 """Parallel layouts beyond data parallelism: tensor (AutoTP) and pipeline parallelism.
 
-    checks.py    torch-free: which layouts a run config and its model allow, and why not
     groups.py    the process groups of a layout (data, tensor, pipeline) -> a `Layout`
     tp.py        DeepSpeed AutoTP: the engine's model-parallel unit, whole weights from shards
     pipeline.py  a Hugging Face Llama-family model split into a DeepSpeed PipelineModule,
@@ -8,6 +7,5 @@
                  evaluation and generation
     layouts.py   one ordinary Hugging Face state dict from any layout, and back
 
-This package file stays torch-free (the config validation imports `engine.parallel.checks`);
-the other modules import torch and deepspeed.
+Which layouts a run config allows is checked torch-free in `contract.layout_checks`.
 """

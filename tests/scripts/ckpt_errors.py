@@ -30,7 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    from engine.config import load_config
+    from contract.config import load_config
     from engine.trainer import Trainer
 
     out = Path(a.out)

@@ -18,7 +18,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import report  # noqa: E402
 
-from engine.config import load_config  # noqa: E402
+from contract.config import load_config  # noqa: E402
 from engine.ds_config import build_ds_config, zero3_init  # noqa: E402
 
 HIDDEN, VOCAB, SEQ, STEPS = 64, 128, 32, 6

@@ -6,8 +6,8 @@
         ...
     backend.command(info.path, "pause")
 
-It runs the runs through the shared `app.runs.RunManager` and talks to them through the shared
-`app.client.RunClient`, reads their history from their event logs (`views.RunView`), and asks a
+It runs the runs through the shared `supervisor.RunManager` and talks to them through the shared
+`supervisor.client.RunClient`, reads their history from their event logs (`views.RunView`), and asks a
 child process for anything that needs torch (`preview`, `store.export`). The tab modules in
 `app.web` only lay out components and call this object. Every failure is raised as
 `BackendError` with a sentence a user can act on.
@@ -23,15 +23,15 @@ from typing import Any, Iterator
 
 import pandas as pd
 
-from app.client import CommandError, RunClient, RunGone
-from app.runs import Failure, RunError, RunInfo, RunManager
+from supervisor.client import CommandError, RunClient, RunGone
+from supervisor import Failure, RunError, RunInfo, RunManager
 from app.web.backend import store
 from app.web.backend.forms import DEFAULT_PRESET, Form
 from app.web.backend.preview import PreviewError, PreviewWorker
 from app.web.backend.views import Progress, RunView
-from engine.config import ConfigError, RunConfig, load_config
-from engine.presets import PRESETS
-from engine.run_folder import RunFolder
+from contract.config import ConfigError, RunConfig, load_config
+from contract.presets import PRESETS
+from contract.run_folder import RunFolder
 
 COMMAND_TIMEOUT_S = 120.0  # a command waits for the next step boundary (an evaluation may be running)
 INFO_TTL_S = 0.5           # several pages polling one run share one look at its processes

@@ -1,4 +1,4 @@
-"""The Configure form as data: one entry per run config field, taken from `engine.config.schema()`,
+"""The Configure form as data: one entry per run config field, taken from `contract.config.schema()`,
 so the form cannot drift from the schema. Converts between the values the form widgets hold
 (numbers, text, check boxes) and the nested config dict, and validates through `load_config`,
 keeping each problem next to the field it names. Knows nothing of layout."""
@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from engine.config import ConfigError, RunConfig, load_config, schema
-from engine.presets import PRESETS
+from contract.config import ConfigError, RunConfig, load_config, schema
+from contract.presets import PRESETS
 
 DEFAULT_PRESET = "embedded default"
 

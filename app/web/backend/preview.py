@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any
 
-from engine.launch import REPO_ROOT
+from supervisor.launch import REPO_ROOT
 
 TIMEOUT_S = 180.0  # the first answer pays for importing torch and transformers
 

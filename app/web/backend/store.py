@@ -11,9 +11,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import RunConfig, load_config
-from engine.launch import REPO_ROOT
-from engine.run_folder import RunFolder
+from contract.config import RunConfig, load_config
+from supervisor.launch import REPO_ROOT
+from contract.run_folder import RunFolder
 
 EXPORT_TIMEOUT_S = 900.0
 # engine/checkpoint/atomic.py's names (not imported: that package loads torch): a save writes

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from app.series import RunHistory
-from engine.run_folder import EventTail, RunFolder, tail_lines
+from contract.run_folder import EventTail, RunFolder, tail_lines
 
 # the most points a series sends to the browser; longer runs are thinned evenly (last kept)
 MAX_POINTS = 400

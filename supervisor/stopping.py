@@ -6,11 +6,11 @@ from __future__ import annotations
 import signal
 import time
 
-from engine.launch import group_alive, kill_group
-from engine.run_folder import RunFolder
+from supervisor.launch import group_alive, kill_group
+from contract.run_folder import RunFolder
 
-from app.runs import procs
-from app.runs.records import reap
+from supervisor import procs
+from supervisor.records import reap
 
 
 def ask_to_stop(folder: RunFolder, save: bool, timeout: float) -> bool:
@@ -18,7 +18,7 @@ def ask_to_stop(folder: RunFolder, save: bool, timeout: float) -> bool:
     step boundary); False when there is no server to ask or it did not answer in time."""
     if not folder.control.exists():
         return False
-    from app.client import RunClient  # imported late: only a stop needs the client
+    from supervisor.client import RunClient  # imported late: only a stop needs the client
     try:
         with RunClient.connect(folder.root, timeout=min(5.0, timeout)) as client:
             client.command("stop", timeout=timeout, save=save)

@@ -19,13 +19,13 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engine.config import RunConfig
-from engine.launch import make_run_folder, spawn
-from engine.run_folder import EventLog, RunFolder
+from contract.config import RunConfig
+from supervisor.launch import make_run_folder, spawn
+from contract.run_folder import EventLog, RunFolder
 
-from app.runs import procs
-from app.runs.handle import RunHandle
-from app.runs.records import Failure, RunInfo, adopt_child
+from supervisor import procs
+from supervisor.handle import RunHandle
+from supervisor.records import Failure, RunInfo, adopt_child
 
 
 class RunError(RuntimeError):

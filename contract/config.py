@@ -455,7 +455,7 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
             problems.append((key, f"no such file or folder: {data_path}"))
     if p.hostfile and not Path(p.hostfile).is_file():
         problems.append(("parallel.hostfile", f"no such file: {p.hostfile}"))
-    from engine.parallel.checks import layout_problems  # torch-free: model config.json, hostfile
+    from contract.layout_checks import layout_problems  # torch-free: model config.json, hostfile
     problems += layout_problems(c)
     return problems
 

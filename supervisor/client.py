@@ -7,7 +7,7 @@
     for event in client.events(from_line=0):  # history from events.jsonl, then the live stream
         ...
 
-It speaks engine.protocol (newline-delimited JSON, the run's token from control.json) over one
+It speaks contract.protocol (newline-delimited JSON, the run's token from control.json) over one
 connection for commands and one per `events()` stream. A lost connection is reopened on the next
 call; an events stream resumes at the line after the last one it yielded, so a reconnect loses
 no event and repeats none. When the run has ended, `events()` yields the rest of events.jsonl
@@ -27,8 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from engine.protocol import encode
-from engine.run_folder import RunFolder, read_events
+from contract.protocol import encode
+from contract.run_folder import RunFolder, read_events
 
 TERMINAL_STATES = ("finished", "failed")
 

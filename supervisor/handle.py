@@ -12,13 +12,13 @@ import fcntl
 import threading
 import time
 
-from engine.run_folder import EventLog, EventTail, RunFolder
+from contract.run_folder import EventLog, EventTail, RunFolder
 
-from app.runs import procs, stopping
-from app.runs.records import (Failure, RankExit, RunInfo, child_running, last_exception,
+from supervisor import procs, stopping
+from supervisor.records import (Failure, RankExit, RunInfo, child_running, last_exception,
                               launcher_reported_success, log_tail, mark_stopping, read_pid, reap,
                               stop_in_progress)
-from app.runs.summary import RunSummary
+from supervisor.summary import RunSummary
 
 # A rank that vanished unseen (exit status unknown) while the others go on is called dead after
 # this long, unless the launcher logged it as a clean exit: a clean early exit of one rank is

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.run_folder import RunFolder, tail_lines
+from contract.run_folder import RunFolder, tail_lines
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class RankExit:
 
 
 def read_pid(folder: RunFolder) -> int | None:
-    """The launcher's pid from launcher.pid (written by engine.launch.spawn)."""
+    """The launcher's pid from launcher.pid (written by supervisor.launch.spawn)."""
     try:
         return int((folder.root / "launcher.pid").read_text().strip())
     except (OSError, ValueError):

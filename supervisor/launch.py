@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from engine.config import RunConfig
-from engine.parallel.checks import is_local_only, parse_hostfile
-from engine.run_folder import RunFolder
+from contract.config import RunConfig
+from contract.layout_checks import is_local_only, parse_hostfile
+from contract.run_folder import RunFolder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
