@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from enum import Enum
 from typing import Any
 
 MAX_MESSAGE_BYTES = 1 << 20  # a longer line is refused, never buffered without bound
@@ -49,8 +50,42 @@ COMMANDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 # commands answered by rank 0 at once, without waiting for a step boundary
 IMMEDIATE = {"status", "subscribe"}
 
-# run states, as written in `state` events
-STATES = ("starting", "running", "paused", "stopping", "finished", "failed")
+class RunState(str, Enum):
+    """A run's state, as written in `state` events; the one definition every part uses."""
+    STARTING = "starting"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPING = "stopping"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        """The run is over; nothing can be asked of it any more."""
+        return self in (RunState.FINISHED, RunState.FAILED)
+
+    @property
+    def live(self) -> bool:
+        return not self.final
+
+
+STATES = tuple(s.value for s in RunState)
+
+# The commands a front end may send in each state (status and subscribe are always answered while
+# the run is live). `stop` while stopping ends the process group without waiting for the save.
+ALLOWED_COMMANDS: dict[RunState, frozenset[str]] = {
+    RunState.STARTING: frozenset({"status", "stop"}),
+    RunState.RUNNING: frozenset({"generate", "pause", "stop", "save", "evaluate", "set", "status"}),
+    RunState.PAUSED: frozenset({"generate", "resume", "stop", "save", "evaluate", "set", "status"}),
+    RunState.STOPPING: frozenset({"status", "stop"}),
+    RunState.FINISHED: frozenset(),
+    RunState.FAILED: frozenset(),
+}
+
+
+def allowed_commands(state: RunState | str) -> frozenset[str]:
+    """The commands allowed in `state` (a RunState or its string value)."""
+    return ALLOWED_COMMANDS[RunState(state)]
 
 # bounds of numeric arguments: name -> (lowest, highest, whether the lowest is allowed)
 _BOUNDS: dict[str, tuple[float, float, bool]] = {
