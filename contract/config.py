@@ -300,7 +300,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[tuple[str, str]]) ->
         if name not in raw:
             continue
         tp, key = hints[name], f"{prefix}{name}"
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             values[name] = _build(tp, raw[name], key + ".", problems)
         else:
             ok, value = _coerce(raw[name], tp)

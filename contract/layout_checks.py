@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from contract.presets import MODEL_SIZE
+
 # Decoder stacks whose layers share the call signature the pipeline split relies on
 # (hidden, attention_mask, position_ids, cache, position_embeddings) and a rotary embedding.
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -47,7 +49,6 @@ def model_config(cfg: Any) -> dict | None:
     """The model's config.json as a dict (its text part for multimodal configs); None when
     there is no readable one (the model.path check reports a missing folder)."""
     if not cfg.model.path:
-        from engine.default_task import MODEL_SIZE  # torch-free; the default is a tiny Llama
         return {"model_type": "llama", "num_attention_heads": MODEL_SIZE["heads"],
                 "num_key_value_heads": MODEL_SIZE["heads"], "num_hidden_layers": MODEL_SIZE["layers"]}
     path = Path(cfg.model.path) / "config.json"
@@ -67,7 +68,7 @@ def _model_problems(model: dict, tp: int, pp: int) -> list[tuple[str, str]]:
         if not isinstance(heads, int):
             problems.append(("parallel.tp_size", "the model's config.json gives no num_attention_heads, "
                              "so the attention cannot be split by heads"))
-        elif heads % tp or kv_heads % tp:
+        elif heads % tp or (isinstance(kv_heads, int) and kv_heads % tp):
             problems.append(("parallel.tp_size", f"tp_size {tp} must divide the model's attention heads "
                              f"({heads}) and key/value heads ({kv_heads}): each rank holds whole heads"))
     if pp > 1:

@@ -17,6 +17,10 @@ RECOMMENDED: dict[str, float | int | str] = {
 }
 _R = RECOMMENDED
 
+# The embedded default model's size (a tiny Llama; engine/default_task.py builds it from this):
+# kept here so that layout checks need no engine import.
+MODEL_SIZE: dict[str, int] = {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 384}
+
 # The embedded default: a tiny Llama learning the synthetic task with the hyperparameters
 # measured for it (engine/default_task.py); exact-match is measured during the run so the user
 # sees it climb.

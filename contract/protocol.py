@@ -13,42 +13,35 @@ Server -> client, one object per line, each tagged with the request id it belong
     {"type": "error", "id": ..., "message": "..."}              refused or failed; nothing changed
     {"type": "event", "line": N, "event": {...}}                an events.jsonl record (subscribers)
 
+Each command is one frozen dataclass below (:class:`Generate`, :class:`Pause`, :class:`Resume`,
+:class:`Stop`, :class:`Save`, :class:`Evaluate`, :class:`Set`, :class:`Status`, and the
+:class:`Subscribe` request). Its fields are its arguments; their types, defaults, documentation
+and bounds are declared there once, and validation, the wire form and every front end's
+defaults (`Stop.save` is True everywhere) come from that declaration. Constructing a command
+validates it; :func:`parse_command` turns a decoded message into one, `command.to_wire()` back.
+
 Commands are applied in order at the next step boundary, by every rank. `status` is answered at
 once by rank 0 (rank 0's memory only); `status` with `ranks: true` waits for the boundary and
 gathers every rank's memory. `subscribe` streams events.jsonl from line `from_line` (0-based),
-then every new line as it is written: no gap, no duplicate.
+then every new line as it is written: no gap, no duplicate. The events themselves are declared
+in contract.events.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import types
+import typing
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar, Union
 
 MAX_MESSAGE_BYTES = 1 << 20  # a longer line is refused, never buffered without bound
 MAX_NEW_TOKENS = 4096
+_ROLES = ("system", "user", "assistant")
 
-# the generation parameters a request (or the `set generation` defaults) may give
-GENERATION_PARAMS: dict[str, type | tuple[type, ...]] = {
-    "max_new_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int,
-    "repetition_penalty": (int, float), "stop": list, "seed": int}
-
-# command -> the arguments it accepts (name -> type), checked before a command is queued
-COMMANDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "generate": {"prompt": str, "messages": list, **GENERATION_PARAMS, "compare_base": bool},
-    "pause": {},
-    "resume": {},
-    "stop": {"save": bool},
-    "save": {},
-    "evaluate": {},
-    "set": {"lr": (int, float), "lr_scale": (int, float), "grad_clip": (int, float),
-            "eval_every_n_steps": int, "save_every_n_steps": int, "generation": dict},
-    "status": {"ranks": bool},
-}
-
-# commands answered by rank 0 at once, without waiting for a step boundary
-IMMEDIATE = {"status", "subscribe"}
 
 class RunState(str, Enum):
     """A run's state, as written in `state` events; the one definition every part uses."""
@@ -87,57 +80,111 @@ def allowed_commands(state: RunState | str) -> frozenset[str]:
     """The commands allowed in `state` (a RunState or its string value)."""
     return ALLOWED_COMMANDS[RunState(state)]
 
-# bounds of numeric arguments: name -> (lowest, highest, whether the lowest is allowed)
-_BOUNDS: dict[str, tuple[float, float, bool]] = {
-    "max_new_tokens": (1, MAX_NEW_TOKENS, True), "temperature": (0.0, 100.0, True),
-    "top_p": (0.0, 1.0, False), "top_k": (0, 1 << 20, True),
-    "repetition_penalty": (0.0, 100.0, False), "seed": (0, 2**63 - 1, True),
-    "lr": (0.0, 10.0, True), "lr_scale": (0.0, 1e6, False), "grad_clip": (0.0, 1e9, True),
-    "eval_every_n_steps": (0, 2**31, True), "save_every_n_steps": (0, 2**31, True),
-    "from_line": (0, 2**63 - 1, True)}
-_ROLES = ("system", "user", "assistant")
-
 
 class ProtocolError(ValueError):
-    pass
+    """A message or command that breaks the protocol; the text names the field at fault."""
 
 
-def check_command(msg: Any) -> tuple[str, str, dict]:
-    """Validate a decoded client message (token checked elsewhere); returns (id, cmd, args)."""
-    if not isinstance(msg, dict):
-        raise ProtocolError("a message must be a JSON object")
-    req_id, cmd, args = msg.get("id"), msg.get("cmd"), msg.get("args", {})
-    if not isinstance(req_id, (str, int)) or isinstance(req_id, bool):
-        raise ProtocolError("field `id` must be a string or integer")
-    if not isinstance(args, dict):
-        raise ProtocolError("field `args` must be an object")
-    if cmd == "subscribe":
-        _check_types("subscribe", args, {"from_line": int})
-        _check_bounds("subscribe", args)
-        return str(req_id), cmd, args
-    if not isinstance(cmd, str) or cmd not in COMMANDS:
-        raise ProtocolError(f"unknown command {cmd!r}; allowed: {', '.join(sorted(COMMANDS))}, subscribe")
-    _check_types(cmd, args, COMMANDS[cmd])
-    _check_bounds(cmd, args)
-    if cmd == "generate":
-        if not (("prompt" in args) ^ ("messages" in args)):
-            raise ProtocolError("generate: give exactly one of `prompt` or `messages`")
-        if "messages" in args:
-            check_messages(args["messages"])
-        _check_stop(cmd, args)
-    if cmd == "set":
-        if not args:
-            raise ProtocolError(f"set: name at least one of {', '.join(COMMANDS['set'])}")
-        if "generation" in args:
-            check_generation_defaults(args["generation"])
-    return str(req_id), cmd, args
+def _arg(default: Any, help: str, **meta: Any) -> Any:
+    """A command argument: its default, its documentation and its bounds (minimum, maximum,
+    exclusive_minimum) in one declaration. `base`: the run's own default where the argument's
+    default is None (\"the run's setting\")."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
-def check_generation_defaults(values: dict) -> None:
-    """The `set generation={...}` defaults: generation parameters only, each of its type."""
-    _check_types("set generation", values, GENERATION_PARAMS)
-    _check_bounds("set generation", values)
-    _check_stop("set generation", values)
+# -- validation, driven by the dataclass declarations ------------------------------------------
+class _Checked:
+    """Validates a dataclass's fields against their declared types and bounds on construction."""
+
+    label: ClassVar[str] = ""  # how errors name the thing (the command's name)
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue  # not given: the run's setting applies
+            value = _checked_type(self.label, f.name, value, hints[f.name])
+            object.__setattr__(self, f.name, value)
+            _check_bounds(self.label, f.name, value, f.metadata)
+        self._check()
+
+    def _check(self) -> None:
+        """Rules between fields (a subclass adds them)."""
+
+    @classmethod
+    def from_args(cls, args: Any, label: str | None = None) -> Any:
+        """Build from a wire `args` object: unknown names and explicit nulls are refused."""
+        label = label or cls.label
+        if not isinstance(args, dict):
+            raise ProtocolError(f"{label}: the arguments must be an object")
+        hints, names = _hints(cls), [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        values = {}
+        for key, value in args.items():
+            if key not in names:
+                raise ProtocolError(f"{label}: unknown argument {key!r}; allowed: {', '.join(names) or 'none'}")
+            nested = _nested(hints[key])
+            if nested is not None and isinstance(value, dict):
+                value = nested.from_args(value, f"{label} {key}")
+            elif value is None:
+                raise ProtocolError(f"{label}: argument {key!r} has the wrong type (NoneType)")
+            values[key] = value
+        return cls(**values)
+
+    def given(self) -> dict[str, Any]:
+        """The arguments that were given (not None), nested ones as plain dicts: the wire form."""
+        out = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value.given() if isinstance(value, _Checked) else value
+        return out
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _nested(hint: Any) -> Any:
+    """The dataclass a field holds (`Set.generation`), if it holds one."""
+    for t in typing.get_args(hint) or (hint,):
+        if isinstance(t, type) and not typing.get_args(t) and issubclass(t, _Checked):
+            return t
+    return None
+
+
+def _checked_type(label: str, name: str, value: Any, hint: Any) -> Any:
+    """`value` if it has the declared type (an int given for a float becomes a float)."""
+    kinds = [t for t in (typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,))
+             if t is not type(None)]
+    for kind in kinds:
+        base = typing.get_origin(kind) or kind
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if base is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if base is not int and base is not float and isinstance(value, base):
+            return value
+    raise ProtocolError(f"{label}: argument {name!r} has the wrong type ({type(value).__name__})")
+
+
+def _check_bounds(label: str, name: str, value: Any, meta: Any) -> None:
+    if "minimum" not in meta or isinstance(value, bool):
+        return
+    lo, hi, lo_ok = meta["minimum"], meta["maximum"], not meta.get("exclusive_minimum", False)
+    if not math.isfinite(value) or value > hi or value < lo or (value == lo and not lo_ok):
+        low = f">= {lo}" if lo_ok else f"> {lo}"
+        raise ProtocolError(f"{label}: argument {name!r} must be {low} and <= {hi}, got {value}")
+
+
+def _check_stop_strings(label: str, stop: list | None) -> None:
+    if stop is not None and not all(isinstance(s, str) and s for s in stop):
+        raise ProtocolError(f"{label}: argument 'stop' must be a list of non-empty strings")
 
 
 def check_messages(messages: list) -> None:
@@ -151,30 +198,202 @@ def check_messages(messages: list) -> None:
                                 f"\"content\": a string}}")
 
 
-def _check_types(cmd: str, args: dict, allowed: dict) -> None:
-    for key, value in args.items():
-        if key not in allowed:
-            raise ProtocolError(f"{cmd}: unknown argument {key!r}; allowed: {', '.join(allowed) or 'none'}")
-        if not isinstance(value, allowed[key]) or isinstance(value, bool) and allowed[key] is not bool:
-            raise ProtocolError(f"{cmd}: argument {key!r} has the wrong type ({type(value).__name__})")
+# -- the commands ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Command(_Checked):
+    """A request to the run. `name` is its wire name; `to_wire()` its {"cmd", "args"} form."""
+
+    name: ClassVar[str] = ""
+    # answered by rank 0 at once, without waiting for a step boundary
+    immediate: ClassVar[bool] = False
+
+    def args(self) -> dict[str, Any]:
+        """The wire arguments: every argument that was given (None ones are left out)."""
+        return self.given()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"cmd": self.name, "args": self.args()}
+
+    @property
+    def answered_at_once(self) -> bool:
+        """Rank 0 answers it from its server thread, without a step boundary."""
+        return self.immediate
 
 
-def _check_bounds(cmd: str, args: dict) -> None:
-    for key, value in args.items():
-        if key not in _BOUNDS or isinstance(value, bool):
-            continue
-        lo, hi, lo_ok = _BOUNDS[key]
-        if not math.isfinite(value) or value > hi or value < lo or (value == lo and not lo_ok):
-            low = f">= {lo}" if lo_ok else f"> {lo}"
-            raise ProtocolError(f"{cmd}: argument {key!r} must be {low} and <= {hi}, got {value}")
+@dataclass(frozen=True)
+class GenerationParams(_Checked):
+    """Sampling parameters. None: the run's default, which `set generation={...}` changes and
+    which starts at each field's `base` (GENERATION_DEFAULTS)."""
+
+    label: ClassVar[str] = "set generation"
+    max_new_tokens: int | None = _arg(None, "Most tokens to generate.", base=64,
+                                      minimum=1, maximum=MAX_NEW_TOKENS)
+    temperature: float | None = _arg(None, "Sampling temperature; 0 is greedy.", base=0.0,
+                                     minimum=0.0, maximum=100.0)
+    top_p: float | None = _arg(None, "Nucleus sampling: keep the most likely tokens up to this "
+                               "probability mass.", base=1.0, minimum=0.0, maximum=1.0,
+                               exclusive_minimum=True)
+    top_k: int | None = _arg(None, "Keep only the k most likely tokens; 0: all.", base=0,
+                             minimum=0, maximum=1 << 20)
+    repetition_penalty: float | None = _arg(None, "Penalty on tokens already generated; 1: none.",
+                                            base=1.0, minimum=0.0, maximum=100.0, exclusive_minimum=True)
+    stop: list[str] | None = _arg(None, "Strings that end the answer.", base=())
+    seed: int | None = _arg(None, "Sampling seed.", base=0, minimum=0, maximum=2**63 - 1)
+
+    def _check(self) -> None:
+        _check_stop_strings(self.label, self.stop)
+
+    def sampling(self) -> dict[str, Any]:
+        """The generation parameters given here (not None), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(GenerationParams)
+                if getattr(self, f.name) is not None}
 
 
-def _check_stop(cmd: str, args: dict) -> None:
-    stop = args.get("stop")
-    if stop is not None and not all(isinstance(s, str) and s for s in stop):
-        raise ProtocolError(f"{cmd}: argument 'stop' must be a list of non-empty strings")
+GENERATION_PARAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationParams))
+# what a chat request gets when neither it nor `set generation` says otherwise
+GENERATION_DEFAULTS: dict[str, Any] = {
+    f.name: list(f.metadata["base"]) if isinstance(f.metadata["base"], tuple) else f.metadata["base"]
+    for f in dataclasses.fields(GenerationParams)}
 
 
+@dataclass(frozen=True)
+class Generate(GenerationParams, Command):
+    """Answer `prompt` (continued as is) or chat `messages` (through the model's chat template)
+    with the live weights, streamed token by token."""
+
+    name: ClassVar[str] = "generate"
+    label: ClassVar[str] = "generate"
+    prompt: str | None = _arg(None, "Text the model continues (give this or `messages`).")
+    messages: list[dict[str, str]] | None = _arg(
+        None, "A chat: [{role: system|user|assistant, content}] (give this or `prompt`).")
+    compare_base: bool = _arg(False, "Also answer with the PEFT adapter disabled (the base model).")
+
+    def _check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("generate: give exactly one of `prompt` or `messages`")
+        if self.messages is not None:
+            check_messages(self.messages)
+        super()._check()
+
+
+@dataclass(frozen=True)
+class Pause(Command):
+    """Hold training at the next step boundary; everything stays in memory."""
+    name: ClassVar[str] = "pause"
+    label: ClassVar[str] = "pause"
+
+
+@dataclass(frozen=True)
+class Resume(Command):
+    """Go on training after a pause."""
+    name: ClassVar[str] = "resume"
+    label: ClassVar[str] = "resume"
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    """End the run at the next step boundary."""
+    name: ClassVar[str] = "stop"
+    label: ClassVar[str] = "stop"
+    save: bool = _arg(True, "Save a training checkpoint now and the final model at the end; "
+                      "false: neither (whatever checkpoint.save_at_end says).")
+
+
+@dataclass(frozen=True)
+class Save(Command):
+    """Write a training checkpoint of the present step."""
+    name: ClassVar[str] = "save"
+    label: ClassVar[str] = "save"
+
+
+@dataclass(frozen=True)
+class Evaluate(Command):
+    """Run the evaluation now."""
+    name: ClassVar[str] = "evaluate"
+    label: ClassVar[str] = "evaluate"
+
+
+@dataclass(frozen=True)
+class Set(Command):
+    """Change live settings; all or nothing, recorded as a `set` event and in checkpoints."""
+    name: ClassVar[str] = "set"
+    label: ClassVar[str] = "set"
+    lr: float | None = _arg(None, "Learning rate from the next step on (the schedule goes on, scaled).",
+                            minimum=0.0, maximum=10.0)
+    lr_scale: float | None = _arg(None, "Factor on the configured schedule's learning rate.",
+                                  minimum=0.0, maximum=1e6, exclusive_minimum=True)
+    grad_clip: float | None = _arg(None, "Gradient clipping norm; 0: off.", minimum=0.0, maximum=1e9)
+    eval_every_n_steps: int | None = _arg(None, "Evaluate every n steps; 0: off.", minimum=0, maximum=2**31)
+    save_every_n_steps: int | None = _arg(None, "Checkpoint every n steps; 0: off.", minimum=0, maximum=2**31)
+    generation: GenerationParams | None = _arg(None, "New defaults of chat requests.")
+
+    def _check(self) -> None:
+        if not self.given():
+            names = ", ".join(f.name for f in dataclasses.fields(self))
+            raise ProtocolError(f"set: name at least one of {names}")
+
+
+@dataclass(frozen=True)
+class Status(Command):
+    """The run now: step, state, last metrics, queue, settings and memory."""
+    name: ClassVar[str] = "status"
+    label: ClassVar[str] = "status"
+    ranks: bool = _arg(False, "Gather every rank's memory at the next boundary (else rank 0's, at once).")
+
+    @property
+    def answered_at_once(self) -> bool:
+        return not self.ranks
+
+
+@dataclass(frozen=True)
+class Subscribe(Command):
+    """Stream events.jsonl from line `from_line` on, then each new line (answered at once)."""
+    name: ClassVar[str] = "subscribe"
+    label: ClassVar[str] = "subscribe"
+    immediate: ClassVar[bool] = True
+    from_line: int = _arg(0, "First line (0-based) of events.jsonl to send.", minimum=0, maximum=2**63 - 1)
+
+
+# the commands a run executes, by wire name (subscribe is a request for events, not a command)
+COMMANDS: dict[str, type[Command]] = {c.name: c for c in (
+    Generate, Pause, Resume, Stop, Save, Evaluate, Set, Status)}
+REQUESTS: dict[str, type[Command]] = {**COMMANDS, Subscribe.name: Subscribe}
+IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate or c is Status)
+
+
+def command_from_wire(cmd: Any, args: Any) -> Command:
+    """The command named `cmd` with wire arguments `args`, validated."""
+    if not isinstance(cmd, str) or cmd not in REQUESTS:
+        raise ProtocolError(f"unknown command {cmd!r}; allowed: {', '.join(sorted(COMMANDS))}, subscribe")
+    return REQUESTS[cmd].from_args(args)
+
+
+def parse_command(msg: Any) -> tuple[str, Command]:
+    """Validate a decoded client message (the token is checked elsewhere); returns
+    (request id, command)."""
+    if not isinstance(msg, dict):
+        raise ProtocolError("a message must be a JSON object")
+    req_id, args = msg.get("id"), msg.get("args", {})
+    if not isinstance(req_id, (str, int)) or isinstance(req_id, bool):
+        raise ProtocolError("field `id` must be a string or integer")
+    if not isinstance(args, dict):
+        raise ProtocolError("field `args` must be an object")
+    return str(req_id), command_from_wire(msg.get("cmd"), args)
+
+
+def check_command(msg: Any) -> tuple[str, str, dict]:
+    """The older form of :func:`parse_command`: (id, command name, wire arguments).
+    Kept until the control server has moved to parse_command."""
+    req_id, command = parse_command(msg)
+    return req_id, command.name, command.args()
+
+
+def check_generation_defaults(values: dict) -> None:
+    """The `set generation={...}` defaults: generation parameters only, each of its type."""
+    GenerationParams.from_args(values)
+
+
+# -- bytes on the wire ---------------------------------------------------------------------------
 def encode(obj: dict) -> bytes:
     return (json.dumps(obj, default=_plain) + "\n").encode()
 

@@ -45,7 +45,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.presets import RECOMMENDED  # the measured hyperparameters live in the contract
+from contract.presets import MODEL_SIZE, RECOMMENDED  # measured values and the model size live in the contract
 from typing import Callable, Iterable, Sequence
 
 ASSETS_VERSION = "default-v1"
@@ -146,7 +146,7 @@ def build_tokenizer(texts: Iterable[str]):
 
 # -- model --------------------------------------------------------------------------------------
 
-MODEL_SIZE = {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 384}
+# the default model's size lives in the contract (the layout checks need it without torch)
 
 
 def default_model_config(vocab_size: int, hidden: int = MODEL_SIZE["hidden"],
