@@ -395,10 +395,10 @@ def check_generation_defaults(values: dict) -> None:
 
 # -- bytes on the wire ---------------------------------------------------------------------------
 def encode(obj: dict) -> bytes:
-    return (json.dumps(obj, default=_plain) + "\n").encode()
+    return (json.dumps(obj, default=jsonable) + "\n").encode()
 
 
-def _plain(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Numbers from numpy / torch as plain numbers, anything else JSON cannot hold as text."""
     if hasattr(value, "item"):
         return value.item()

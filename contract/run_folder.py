@@ -20,7 +20,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from contract.protocol import jsonable
 
 
 @dataclass(frozen=True)
@@ -72,11 +74,11 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
         self._lock = threading.Lock()
-        self._listeners: list = []
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def emit(self, event: dict[str, Any]) -> dict[str, Any]:
         event.setdefault("time", time.time())
-        line = json.dumps(event, default=_jsonable)
+        line = json.dumps(event, default=jsonable)
         with self._lock:
             self._file.write(line + "\n")
             listeners = list(self._listeners)
@@ -84,7 +86,7 @@ class EventLog:
             listener(event)
         return event
 
-    def subscribe(self, listener) -> None:
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call `listener(event)` for every event emitted from now on (the control server)."""
         with self._lock:
             self._listeners.append(listener)
@@ -94,27 +96,9 @@ class EventLog:
             self._file.close()
 
 
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
-
-
 def read_events(path: Path, start_line: int = 0) -> Iterator[dict[str, Any]]:
     """Events from line `start_line` on; a partly written last line is left for the next read."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i < start_line:
-                    continue
-                if not line.endswith("\n"):
-                    return
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-    except FileNotFoundError:
-        return
+    yield from EventTail(path, start_line).poll()
 
 
 def write_private_json(path: Path, data: dict) -> None:
@@ -127,12 +111,21 @@ def write_private_json(path: Path, data: dict) -> None:
 
 
 class EventTail:
-    """Follows a growing events.jsonl: each `poll()` returns the complete new lines since the last."""
+    """Follows a growing events.jsonl from line `start_line` (0-based) on: each poll returns the
+    complete lines written since the last one. The one reader of the event log: front ends
+    rebuilding plots, the terminal's progress bar, and the control server feeding subscribers.
 
-    def __init__(self, path: Path):
-        self.path, self.offset, self.line = Path(path), 0, 0
+    Line numbers are the file's own: a line that is not valid JSON is skipped but still counted,
+    so a reader that resumes at a line number gets no gap and no duplicate. A partly written last
+    line waits for the next poll."""
 
-    def poll(self) -> list[dict[str, Any]]:
+    def __init__(self, path: Path, start_line: int = 0):
+        self.path, self.start_line = Path(path), start_line
+        self.offset = 0  # bytes of the file consumed (complete lines only)
+        self.line = 0    # lines consumed, skipped ones included
+
+    def poll_numbered(self) -> list[tuple[int, dict[str, Any]]]:
+        """The new events as (line number, event)."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -140,15 +133,21 @@ class EventTail:
         except FileNotFoundError:
             return []
         end = chunk.rfind(b"\n") + 1  # leave a partly written last line for the next poll
-        events = []
+        out = []
         for raw in chunk[:end].splitlines():
-            self.line += 1
+            n, self.line = self.line, self.line + 1
+            if n < self.start_line:
+                continue
             try:
-                events.append(json.loads(raw))
-            except json.JSONDecodeError:
+                out.append((n, json.loads(raw)))
+            except json.JSONDecodeError:  # keep the numbering; a broken line is just not returned
                 continue
         self.offset += end
-        return events
+        return out
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The new events."""
+        return [event for _, event in self.poll_numbered()]
 
 
 def tail_lines(path: Path, n: int = 20) -> list[str]:

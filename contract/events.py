@@ -1,0 +1,160 @@
+"""The events a run writes to events.jsonl: one JSON object per line, each with a `type`.
+
+events.jsonl is the durable record of a run: front ends rebuild plots and history from it, and
+subscribers of the control socket receive its lines as they are written (contract.protocol).
+Every event carries `type` and `time` (seconds since the epoch, added by the writer,
+contract.run_folder.EventLog); the rest of its fields are declared below, one TypedDict per
+type, so that writers and readers agree on names. They are plain dicts at run time; the types
+are for the reader and the type checker. A reader should ignore fields and types it does not
+know: later versions may add some.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Literal, TypedDict
+
+from contract.protocol import RunState
+
+
+class EventType(str, Enum):
+    """The `type` of an event, and who writes it."""
+    STATE = "state"              # the run changed state (manager, trainer, control plane, worker)
+    SETUP = "setup"              # the engine is built: sizes and data summary (trainer)
+    TRAIN = "train"              # metrics of one logged optimizer step (trainer's monitors)
+    EVAL = "eval"                # evaluation results (trainer)
+    COMMAND = "command"          # a control command was queued, done or failed (control plane)
+    SET = "set"                  # live settings changed (control plane)
+    CHAT_PAGE = "chat_page"      # the built-in chat page is served (control plane)
+    CHECKPOINT = "checkpoint"    # a training checkpoint was written (checkpoint layer)
+    CHECKPOINT_DELETED = "checkpoint_deleted"  # old checkpoints removed by the keep rule
+    RESUME = "resume"            # training state restored from a checkpoint
+    EXPORT = "export"            # a model / adapter exported in Hugging Face / PEFT format
+    BEST_MODEL = "best_model"    # the best checkpoint's weights loaded at the end
+    WARNING = "warning"          # something the user should know; the run goes on
+
+
+class _Event(TypedDict):
+    type: str
+    time: float
+
+
+class StateEvent(_Event, total=False):
+    """`state`: one of RunState's values. `error` (failed), `source` ("manager" when the run
+    manager, not the engine, recorded it), `rank` (the rank that failed), `stopped_by_user`,
+    `nproc` / `method` / `model` (starting)."""
+    state: str
+    step: int
+    error: str
+    source: str
+    rank: int
+    stopped_by_user: bool
+    nproc: int
+    method: str
+    model: str
+
+
+class SetupEvent(_Event, total=False):
+    world_size: int
+    dp_size: int
+    precision: str
+    total_steps: int
+    parameters: int
+    trainable_parameters: int
+    train_samples: int
+    eval_samples: int
+    data: dict[str, Any]       # per split: the data report's summary
+    warnings: list[str]        # DeepSpeed config warnings
+
+
+class TrainEvent(_Event, total=False):
+    """One logged step. The monitors add the rest: loss, lr, step_time, tokens, tokens_per_s,
+    mem_mb (and any custom monitor's numbers)."""
+    step: int
+    epoch: int
+    total_steps: int
+    loss: float
+    lr: float
+    step_time: float
+    tokens: int
+    tokens_per_s: float
+    mem_mb: float
+
+
+class EvalEvent(_Event, total=False):
+    """Evaluation results, each metric as `eval/<name>` (eval/loss, eval/perplexity, ...)."""
+    step: int
+    epoch: int
+
+
+class CommandEvent(_Event, total=False):
+    """A control command's life: `queued` (with its wire `args`), then `done` (with `result`
+    and `seconds`) or `failed` (with `error`). `status` reads are not recorded."""
+    id: str
+    cmd: str
+    status: Literal["queued", "done", "failed"]
+    step: int
+    args: dict[str, Any]
+    result: dict[str, Any]
+    seconds: float
+    error: str
+
+
+class SetEvent(_Event, total=False):
+    """The settings a `set` changed, with their values after and before."""
+    step: int
+    changes: dict[str, Any]
+    before: dict[str, Any]
+
+
+class ChatPageEvent(_Event, total=False):
+    url: str    # without the token (control.json has the full URL)
+    note: str
+
+
+class CheckpointEvent(_Event, total=False):
+    step: int
+    epoch: int
+    path: str
+    saved_by: str
+    seconds: float
+
+
+class ResumeEvent(_Event, total=False):
+    checkpoint: str
+    step: int
+    epoch: int
+    batch_in_epoch: int
+    config_changes: dict[str, Any]
+    seconds: float
+
+
+class ExportEvent(_Event, total=False):
+    kind: str   # "model" or "adapter"
+    path: str
+    step: int
+    seconds: float
+
+
+class WarningEvent(_Event, total=False):
+    message: str
+
+
+COMMAND_STATUSES = ("queued", "done", "failed")
+
+
+def state_event(state: RunState | str, **fields: Any) -> dict[str, Any]:
+    """A `state` event for `state` (checked against RunState), with `fields` (step, error, ...)."""
+    return {"type": EventType.STATE.value, "state": RunState(state).value, **fields}
+
+
+def run_state(events: Any, default: RunState | None = None) -> RunState | None:
+    """The state the last `state` event among `events` names (None or `default` without one)."""
+    state = default
+    for event in events:
+        if event.get("type") == EventType.STATE.value and event.get("state") in _STATE_VALUES:
+            state = RunState(event["state"])
+    return state
+
+
+_STATE_VALUES = frozenset(s.value for s in RunState)
