@@ -1,0 +1,114 @@
+"""Golden losses: a short fp32 run of the embedded default, through the real entry point, must give
+the very loss at every step that the code gave before the redesign (issue 11).
+
+The run is the one a user gets from `./launch.sh train` with the embedded default preset, made
+short: the worker (`python -m engine.worker --run-dir RUN`) under DeepSpeed's launcher, reading
+the run folder's config.yaml, writing events.jsonl. The expected values were recorded once, from
+commit d50c699 (before any engine refactor), by running this file as a script in a worktree of
+that commit:
+
+    git worktree add /tmp/golden d50c699 && cp tests/test_golden_losses.py /tmp/golden/tests/
+    cd /tmp/golden && /path/to/.venv/bin/python tests/test_golden_losses.py
+
+They are compared with ==: fp32 on CPU with a fixed seed, thread count and data order is bitwise
+deterministic (two recordings in a row gave the same bits, 1 rank and 2 ranks), so any difference means the computation
+changed (the model, its init, the data order, the loss, the optimizer or the schedule). Change
+the numbers only for a deliberate change of the training maths, and say so in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contract.config import load_config
+from contract.presets import DEFAULT
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 16
+
+# The short run: the embedded default preset with fewer, smaller steps and nothing but training.
+OVERRIDES = [f"max_steps={STEPS}", "batch_size=16", "precision=fp32", "seed=1234",
+             "optim.warmup_steps=4", "eval.every_n_steps=0", "eval.at_end=false",
+             "checkpoint.save_at_end=false", "logging.tensorboard=false",
+             "logging.progress_bar=false", "control.enabled=false"]
+
+# Recorded from d50c699 (see the module docstring); float repr round-trips exactly.
+GOLDEN_1_RANK: list[float] = [
+    4.620299816131592, 4.569674491882324, 4.351891040802002, 4.236917495727539,
+    4.000974178314209, 3.9026613235473633, 3.7495338916778564, 3.604919672012329,
+    3.6788547039031982, 3.6079399585723877, 3.544457197189331, 3.4653611183166504,
+    3.4425861835479736, 3.6172454357147217, 3.363109588623047, 3.434185743331909]
+GOLDEN_2_RANKS_ZERO2: list[float] = [
+    4.5954673290252686, 4.609912633895874, 4.298072576522827, 4.111181020736694,
+    4.045067310333252, 4.0310959815979, 3.823759078979492, 3.59753155708313,
+    3.5441356897354126, 3.538621425628662, 3.453018069267273, 3.41089129447937,
+    3.423117756843567, 3.3880865573883057, 3.409363865852356, 3.3869518041610718]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_short_default(root: Path, cache: Path, nproc: int, zero_stage: int = 0) -> list[float]:
+    """Run the short default on `nproc` ranks with the real worker; the per-step train losses."""
+    cfg = load_config(data=json.loads(json.dumps(DEFAULT)), overrides=[
+        *OVERRIDES, f"nproc={nproc}", f"zero_stage={zero_stage}",
+        f"output_dir={root}", "run_name=golden"])
+    run_dir = root / "golden"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "--num_gpus", str(nproc),
+           "--module", "engine.worker", "--run-dir", str(run_dir)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": "1",  # the thread count changes fp32 reduction order: fix it
+           "LIVETUNE_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300, start_new_session=True)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((run_dir / "logs").glob("*.log")))
+    assert proc.returncode == 0, f"the run failed ({proc.returncode})\n{proc.stdout[-3000:]}\n{logs}"
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    train = [e for e in events if e.get("type") == "train"]
+    assert [e["step"] for e in train] == list(range(1, STEPS + 1)), train
+    return [e["loss"] for e in train]
+
+
+def _compare(got: list[float], golden: list[float]) -> None:
+    diffs = [f"  step {i}: got {g!r}, golden {w!r} (diff {g - w:+.3e})"
+             for i, (g, w) in enumerate(zip(got, golden), start=1) if g != w]
+    assert len(got) == len(golden) and not diffs, (
+        "the fp32 losses of the short default run changed:\n" + "\n".join(diffs))
+    assert got[-1] < got[0]  # it also learns
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("livetune-cache")  # the default assets, built fresh
+
+
+def test_one_rank_fp32_losses_are_golden(tmp_path, cache):
+    _compare(run_short_default(tmp_path, cache, nproc=1), GOLDEN_1_RANK)
+
+
+@pytest.mark.slow
+def test_two_ranks_zero2_fp32_losses_are_golden(tmp_path, cache):
+    _compare(run_short_default(tmp_path, cache, nproc=2, zero_stage=2), GOLDEN_2_RANKS_ZERO2)
+
+
+if __name__ == "__main__":  # record the values: prints both lists, twice each, to show determinism
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        for name, nproc, stage in (("GOLDEN_1_RANK", 1, 0), ("GOLDEN_2_RANKS_ZERO2", 2, 2)):
+            runs = [run_short_default(base / f"{name}-{i}", base / "cache", nproc, stage) for i in range(2)]
+            print(f"{name} = {runs[0]!r}")
+            print(f"# repeat identical: {runs[0] == runs[1]}")
