@@ -481,3 +481,43 @@ def zero3_init(ds_config: dict) -> Iterator[None]:
 
 
 zero3_from_pretrained_context = zero3_init  # the name transformers users look for
+
+
+# -- the running engine's internals (only this layer and engine setup touch them) -----------------
+
+def refresh_master_weights(engine) -> None:
+    """Make the optimizer's fp32 master copy follow weights changed in the module (bf16 / fp16 /
+    ZeRO wrappers keep their own)."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
+        optimizer.refresh_fp32_params()
+
+
+def consolidated_state_dict(engine) -> dict | None:
+    """The whole model's 16-bit weights gathered from AutoTP / ZeRO-3 shards (collective): a
+    state dict with the model's own names on global rank 0, None elsewhere."""
+    return engine._consolidated_16bit_state_dict()
+
+
+def universal_checkpoint_info() -> dict:
+    """The client state DeepSpeed's universal checkpoint conversion asks for when no tensor needs
+    merge patterns (plain data parallelism): only the format version."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+
+
+def backward_leftovers_release(engine):
+    """Under ZeRO-3 without a DeepSpeed optimizer: the engine's release of parameters no module
+    hook released in backward (DeepSpeed's own optimizer calls it at the end of backward); None
+    otherwise."""
+    return getattr(engine.optimizer, "release_backward_leftovers", None)
+
+
+def set_gradient_clipping(engine, value: float) -> None:
+    """Change a running engine's gradient clipping norm (0: off). DeepSpeed reads it from its
+    config (ZeRO 0) or from its optimizer wrapper (ZeRO, bf16 / fp16 wrappers), both set once at
+    start: change both. The control plane's `set grad_clip` comes through here."""
+    engine._config.gradient_clipping = value
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = value
