@@ -7,6 +7,10 @@
     for event in client.events(from_line=0):  # history from events.jsonl, then the live stream
         ...
 
+Commands are contract.protocol's dataclasses: each method builds one (so its defaults, e.g.
+`stop(save=True)`, and its validation are the contract's, and a bad argument is refused here
+with the server's message), `send(command)` sends one already built.
+
 It speaks contract.protocol (newline-delimited JSON, the run's token from control.json) over one
 connection for commands and one per `events()` stream. A lost connection is reopened on the next
 call; an events stream resumes at the line after the last one it yielded, so a reconnect loses
@@ -25,12 +29,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
-from contract.protocol import encode
+from contract.events import run_state
+from contract.protocol import (Command, Evaluate, Generate, Pause, ProtocolError, Resume, RunState, Save,
+                               Set, Status, Stop, Subscribe, command_from_wire, encode)
 from contract.run_folder import RunFolder, read_events
 
-TERMINAL_STATES = ("finished", "failed")
+TERMINAL_STATES = tuple(s.value for s in RunState if s.final)
 
 
 class CommandError(RuntimeError):
@@ -75,6 +81,7 @@ class Generation:
     def wait(self) -> dict:
         for _ in self:
             pass
+        assert self.result is not None  # the loop ends only with a result (or raises)
         return self.result
 
     @property
@@ -104,7 +111,7 @@ class RunClient:
         self.folder = RunFolder(Path(run_dir))
         self.connect_timeout = connect_timeout
         self._lock = threading.Lock()
-        self._waiting: dict[str, tuple[socket.socket, queue.Queue]] = {}
+        self._waiting: dict[str, tuple[socket.socket, queue.Queue[dict]]] = {}
         self._sock: socket.socket | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -119,8 +126,13 @@ class RunClient:
 
     # -- commands ----------------------------------------------------------------------------------
     def command(self, cmd: str, timeout: float | None = None, **args: Any) -> dict:
-        """Send a command and wait for its result (it takes effect at the next step boundary)."""
-        answers = self._request(cmd, args)
+        """Send the command named `cmd` with wire arguments `args` and wait for its result (it
+        takes effect at the next step boundary)."""
+        return self.send(_build(lambda: command_from_wire(cmd, args)), timeout)
+
+    def send(self, command: Command, timeout: float | None = None) -> dict:
+        """Send a contract.protocol command and wait for its result."""
+        answers = self._request(command)
         while True:
             message = _next_answer(answers, timeout)
             if message["type"] == "done":
@@ -138,37 +150,39 @@ class RunClient:
             args["prompt"] = prompt
         if messages is not None:
             args["messages"] = messages
-        return Generation(self._request("generate", args), timeout)
+        command = _build(lambda: Generate.from_args(args))
+        return Generation(self._request(command), timeout)
 
     def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> str:
         """The whole answer at once."""
         return self.generate(prompt, messages=messages, **params).text
 
     def pause(self) -> dict:
-        return self.command("pause")
+        return self.send(Pause())
 
     def resume(self) -> dict:
-        return self.command("resume")
+        return self.send(Resume())
 
-    def stop(self, save: bool = True) -> dict:
-        """Stop at the next boundary; `save`: a checkpoint now and the final model at the end."""
-        return self.command("stop", save=save)
+    def stop(self, save: bool = Stop.save) -> dict:
+        """Stop at the next boundary; `save` (contract.protocol.Stop's default, true): a
+        checkpoint now and the final model at the end."""
+        return self.send(_build(lambda: Stop(save=save)))
 
     def save(self) -> dict:
-        return self.command("save")
+        return self.send(Save())
 
     def evaluate(self) -> dict:
-        return self.command("evaluate")
+        return self.send(Evaluate())
 
     def set(self, **changes: Any) -> dict:
         """Live settings: lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps,
         generation (a dict of generation defaults)."""
-        return self.command("set", **changes)
+        return self.send(_build(lambda: Set.from_args(changes)))
 
     def status(self, ranks: bool = False) -> dict:
         """Step, epoch, state, last metrics, queue length and memory (rank 0's at once; with
         `ranks`, every rank's, gathered at the next boundary)."""
-        return self.command("status", **({"ranks": True} if ranks else {}))
+        return self.send(_build(lambda: Status(ranks=ranks)))
 
     # -- events -------------------------------------------------------------------------------------
     def events(self, from_line: int = 0, follow: bool = True,
@@ -183,7 +197,7 @@ class RunClient:
             except RunGone:
                 break
             try:
-                sock.sendall(encode(self._message("subscribe", {"from_line": next_line})))
+                sock.sendall(encode(self._message(Subscribe(from_line=next_line))))
                 for message in _lines(sock):
                     if message.get("type") == "event" and message["line"] >= next_line:
                         next_line = message["line"] + 1
@@ -198,31 +212,32 @@ class RunClient:
             yield {**event, "line": n}
 
     # -- plumbing -----------------------------------------------------------------------------------
-    def _message(self, cmd: str, args: dict) -> dict:
+    def _message(self, command: Command) -> dict:
         return {"token": self._address()["token"], "id": f"{self._prefix}-{next(self._ids)}",
-                "cmd": cmd, "args": args}
+                **command.to_wire()}
 
-    def _request(self, cmd: str, args: dict) -> "queue.Queue[dict]":
+    def _request(self, command: Command) -> "queue.Queue[dict]":
         answers: queue.Queue[dict] = queue.Queue()
         with self._lock:
-            self._ensure_connected()
-            message = self._message(cmd, args)
+            sock = self._ensure_connected()
+            message = self._message(command)
             try:
-                self._waiting[message["id"]] = (self._sock, answers)
-                self._sock.sendall(encode(message))
+                self._waiting[message["id"]] = (sock, answers)
+                sock.sendall(encode(message))
             except OSError:  # the run went away since the last call: one fresh try
                 self._drop_connection()
-                self._ensure_connected()
+                sock = self._ensure_connected()
                 message["token"] = self._address()["token"]
-                self._waiting[message["id"]] = (self._sock, answers)
-                self._sock.sendall(encode(message))
+                self._waiting[message["id"]] = (sock, answers)
+                sock.sendall(encode(message))
         return answers
 
-    def _ensure_connected(self) -> None:
+    def _ensure_connected(self) -> socket.socket:
         if self._sock is None:
             self._sock = self._open(self.connect_timeout)
             threading.Thread(target=self._read_loop, args=(self._sock,), name="run-client-reader",
                              daemon=True).start()
+        return self._sock
 
     def _drop_connection(self) -> None:
         if self._sock is not None:
@@ -236,19 +251,20 @@ class RunClient:
         """Route each answer to the queue of the request it belongs to."""
         try:
             for message in _lines(sock):
+                req_id = str(message.get("id"))
                 with self._lock:
-                    sent_on, answers = self._waiting.get(message.get("id"), (None, None))
+                    waiting = self._waiting.get(req_id)
                     if message.get("type") in ("done", "error"):
-                        self._waiting.pop(message.get("id"), None)
-                if answers is not None:
-                    answers.put(message)
+                        self._waiting.pop(req_id, None)
+                if waiting is not None:
+                    waiting[1].put(message)
         except (OSError, ValueError):
             pass
         with self._lock:  # every request sent on this connection learns its answer will not come
             if self._sock is sock:
                 self._sock = None
-            lost = [k for k, (s, _) in self._waiting.items() if s is sock]
-            lost = [self._waiting.pop(k)[1] for k in lost]
+            ids = [k for k, (s, _) in self._waiting.items() if s is sock]
+            lost = [self._waiting.pop(k)[1] for k in ids]
         for answers in lost:
             answers.put({"type": "error", "message": "the connection to the run was lost before the answer came"})
 
@@ -292,11 +308,8 @@ class RunClient:
         return unknown and not traces and self._run_state() not in TERMINAL_STATES
 
     def _run_state(self) -> str:
-        state = "not started"
-        for event in read_events(self.folder.events):
-            if event.get("type") == "state":
-                state = event.get("state", state)
-        return state
+        state = run_state(read_events(self.folder.events))
+        return "not started" if state is None else state.value
 
     def close(self) -> None:
         with self._lock:
@@ -307,6 +320,17 @@ class RunClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+C = TypeVar("C", bound=Command)
+
+
+def _build(make: Callable[[], C]) -> C:
+    """`make()`'s command; a bad argument is refused like the run would refuse it."""
+    try:
+        return make()
+    except ProtocolError as e:
+        raise CommandError(str(e)) from None
 
 
 def _lines(sock: socket.socket) -> Iterator[dict]:

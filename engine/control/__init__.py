@@ -21,8 +21,12 @@ Behaviour a user can count on:
   `stop(save=false)` saves neither. A failed save fails the stop, so nothing is lost.
 - `status` is answered at once with rank 0's memory; `status(ranks=true)` waits for the
   boundary and gathers every rank's.
-- `set` changes are kept in `trainer.live_settings`, recorded as `set` events, stored in every
-  training checkpoint (this callback's state) and applied again on resume.
+- `set` changes are kept in one `LiveSettings` object (engine.control.settings; also
+  `trainer.live_settings`), never in the run config; recorded as `set` events, stored in every
+  training checkpoint (this callback's state) and applied again on resume. The loop reads its
+  eval / checkpoint schedule and the final save from it: `live_settings(trainer).eval_every(cfg)`.
+- Commands are contract.protocol dataclasses from the socket to the handler: each handler
+  receives its typed command (engine.control.handlers.HANDLERS, keyed by command type).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from typing import Any
 
 from engine.callbacks import Callback
 from engine.control.plane import HEARTBEAT_S, Control
+from engine.control.settings import LiveSettings, live_settings
 
-__all__ = ["attach", "Control", "ControlCallback", "HEARTBEAT_S"]
+__all__ = ["attach", "Control", "ControlCallback", "HEARTBEAT_S", "LiveSettings", "live_settings"]
 
 
 def attach(trainer, chat_page: bool = False) -> Control:

@@ -2,7 +2,8 @@
 
 One small collective per boundary when idle: the payload length as one int64, broadcast from
 rank 0. Only when it is above zero does a second broadcast follow, the commands as JSON bytes in
-a uint8 tensor. Every rank then holds the same list in the same order and executes it.
+a uint8 tensor (each command in its contract.protocol wire form). Every rank then holds the same
+list of typed commands in the same order and executes it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.control.pending import NO_REPLY, CommandQueue, Pending
+from engine.control.pending import CommandQueue, Pending
 
 
 class Boundary:
@@ -60,4 +61,4 @@ class Boundary:
         if self.rank == 0:
             return items
         wire = json.loads(bytes(buf.cpu().numpy().tobytes()))
-        return [Pending(d["seq"], d["id"], d["cmd"], d["args"], NO_REPLY) for d in wire]
+        return [Pending.from_wire(d) for d in wire]

@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from engine.control.server import ControlServer
-from contract.protocol import MAX_MESSAGE_BYTES, ProtocolError, check_command
+from contract.protocol import MAX_MESSAGE_BYTES, ProtocolError, parse_command
 
 ANSWER_TIMEOUT_S = 3600.0  # a paused-then-resumed run can take long to reach a boundary
 
@@ -128,8 +128,8 @@ class _PageHandler(BaseHTTPRequestHandler):
 
     def _submit(self, cmd: str, args: dict) -> "queue.Queue[dict]":
         answers: queue.Queue[dict] = queue.Queue()
-        req_id, cmd, args = check_command({"id": f"page-{next(self.server.ids)}", "cmd": cmd, "args": args})
-        self.server.control.submit(req_id, cmd, args, answers.put)
+        req_id, command = parse_command({"id": f"page-{next(self.server.ids)}", "cmd": cmd, "args": args})
+        self.server.control.submit(req_id, command.name, command.args(), answers.put)
         return answers
 
     def _generate(self, args: dict) -> None:

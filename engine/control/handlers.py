@@ -1,10 +1,13 @@
 """The command handlers, run at a step boundary by every rank in the same order.
 
-A handler gets the control plane, the command's (already validated) arguments and the reply to
-its sender (a silent one on ranks other than 0) and returns the result sent back as `done`.
-It raises :class:`CommandRefused` when the command cannot apply in the run's present state;
-every rank refuses alike, because every rank sees the same state and arguments, so collective
-work is never entered by some ranks only.
+A handler gets the control plane, the command (a contract.protocol dataclass, already
+validated) and the reply to its sender (a silent one on ranks other than 0) and returns the
+result sent back as `done`. It raises :class:`CommandRefused` when the command cannot apply in
+the run's present state; every rank refuses alike, because every rank sees the same state and
+command, so collective work is never entered by some ranks only.
+
+Live settings go into `control.settings` (engine.control.settings.LiveSettings), never into the
+run config; the DeepSpeed engine is changed only through engine.ds_config.
 """
 
 from __future__ import annotations
@@ -16,37 +19,34 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from contract.protocol import (Command, Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status,
+                               Stop)
 from engine.control.pending import Reply
+from engine.ds_config import set_gradient_clipping
 from engine.generation import generate as generate_text
-from contract.protocol import GENERATION_PARAMS
 
 if TYPE_CHECKING:
     from engine.control.plane import Control
-
-# what a chat request gets when neither it nor `set generation` says otherwise
-GENERATION_DEFAULTS: dict[str, Any] = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0,
-                                       "top_k": 0, "repetition_penalty": 1.0, "seed": 0, "stop": []}
 
 
 class CommandRefused(RuntimeError):
     """The command does not apply now (same on every rank); nothing was changed."""
 
 
-Handler = Callable[["Control", dict, Reply], dict]
+Handler = Callable[["Control", Any, Reply], dict]
 
 
 # -- generate -------------------------------------------------------------------------------------
-def generate(control: "Control", args: dict, reply: Reply) -> dict:
+def generate(control: "Control", cmd: Generate, reply: Reply) -> dict:
     trainer = control.trainer
-    params = {**GENERATION_DEFAULTS, **control.settings["generation"],
-              **{k: v for k, v in args.items() if k in GENERATION_PARAMS}}
-    prompt = prompt_text(trainer.tokenizer, args)
+    params = control.settings.generation_params(cmd.sampling())
+    prompt = prompt_text(trainer.tokenizer, cmd)
     step = trainer.state.global_step
     streams = control.rank == 0
     text = generate_text(trainer, [prompt], **params,
                          on_text=(lambda t: reply.token(t, "current")) if streams else None)[0]
     result: dict[str, Any] = {"text": text, "step": step, "model": "current"}
-    if args.get("compare_base"):
+    if cmd.compare_base:
         if has_adapter(trainer):
             result["base"] = generate_text(trainer, [prompt], **params, use_base=True,
                                            on_text=(lambda t: reply.token(t, "base")) if streams else None)[0]
@@ -60,14 +60,14 @@ def has_adapter(trainer) -> bool:
     return hasattr(trainer.engine.module, "disable_adapter") and hasattr(trainer.engine.module, "peft_config")
 
 
-def prompt_text(tokenizer, args: dict) -> str:
+def prompt_text(tokenizer, cmd: Generate) -> str:
     """The text the model continues: the chat template applied to `messages`, or `prompt` with
     the BOS token the tokenizer puts in front of every training sample."""
-    if "messages" in args:
+    if cmd.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise CommandRefused("generate: this model's tokenizer has no chat template; send `prompt`")
-        return tokenizer.apply_chat_template(args["messages"], tokenize=False, add_generation_prompt=True)
-    prompt = args["prompt"]
+        return tokenizer.apply_chat_template(cmd.messages, tokenize=False, add_generation_prompt=True)
+    prompt = cmd.prompt or ""
     bos = tokenizer.bos_token
     if bos and _adds_bos(tokenizer) and not prompt.startswith(bos):
         prompt = bos + prompt
@@ -82,41 +82,42 @@ def _adds_bos(tokenizer) -> bool:
 
 
 # -- run state --------------------------------------------------------------------------------------
-def pause(control: "Control", args: dict, reply: Reply) -> dict:
+def pause(control: "Control", cmd: Pause, reply: Reply) -> dict:
     trainer = control.trainer
     if control.ended:
         raise CommandRefused("pause: training has ended; there is nothing left to pause")
     if not trainer.paused:
         trainer.paused = True
-        control.emit_state("paused")
-    return {"state": "paused", "step": trainer.state.global_step}
+        control.emit_state(RunState.PAUSED)
+    return {"state": RunState.PAUSED.value, "step": trainer.state.global_step}
 
 
-def resume(control: "Control", args: dict, reply: Reply) -> dict:
+def resume(control: "Control", cmd: Resume, reply: Reply) -> dict:
     trainer = control.trainer
     if trainer.paused:
         trainer.paused = False
-        control.emit_state("running")
-    return {"state": "running", "step": trainer.state.global_step}
+        control.emit_state(RunState.RUNNING)
+    return {"state": RunState.RUNNING.value, "step": trainer.state.global_step}
 
 
-def stop(control: "Control", args: dict, reply: Reply) -> dict:
-    """Stop after this boundary. `save` (default true): a training checkpoint now and the final
-    model when the run ends; false: neither (whatever checkpoint.save_at_end says)."""
-    trainer, save = control.trainer, args.get("save", True)
-    path = control.save_checkpoint() if save else None  # a failed save fails the stop: nothing lost
-    control.emit_state("stopping")
-    trainer.config.checkpoint.save_at_end = save
+def stop(control: "Control", cmd: Stop, reply: Reply) -> dict:
+    """Stop after this boundary. `save` (default true, contract.protocol.Stop): a training
+    checkpoint now and the final model when the run ends; false: neither (whatever
+    checkpoint.save_at_end says)."""
+    trainer = control.trainer
+    path = control.save_checkpoint() if cmd.save else None  # a failed save fails the stop: nothing lost
+    control.emit_state(RunState.STOPPING)
+    control.settings.final_save = cmd.save
     trainer.should_stop, trainer.paused = True, False
-    return {"state": "stopping", "step": trainer.state.global_step, "checkpoint": path,
-            "final_model": save}
+    return {"state": RunState.STOPPING.value, "step": trainer.state.global_step, "checkpoint": path,
+            "final_model": cmd.save}
 
 
-def save(control: "Control", args: dict, reply: Reply) -> dict:
+def save(control: "Control", cmd: Save, reply: Reply) -> dict:
     return {"checkpoint": control.save_checkpoint(), "step": control.trainer.state.global_step}
 
 
-def evaluate(control: "Control", args: dict, reply: Reply) -> dict:
+def evaluate(control: "Control", cmd: Evaluate, reply: Reply) -> dict:
     trainer = control.trainer
     if trainer.eval_dataset is None:
         raise CommandRefused("evaluate: this run has no evaluation data (data.eval is empty)")
@@ -124,78 +125,66 @@ def evaluate(control: "Control", args: dict, reply: Reply) -> dict:
 
 
 # -- live settings --------------------------------------------------------------------------------
-def set_values(control: "Control", args: dict, reply: Reply) -> dict:
+def set_values(control: "Control", cmd: Set, reply: Reply) -> dict:
     """Check every change first, then apply them all (all or nothing), record them as an event."""
-    trainer, settings = control.trainer, control.settings
-    _check_settable(control, args)
+    trainer, live = control.trainer, control.settings
+    _check_settable(control, cmd)
     before = current_settings(control)
-    if "lr" in args:
+    if cmd.lr is not None:
         old = trainer.current_lr()
-        trainer.set_lr(float(args["lr"]))
+        trainer.set_lr(cmd.lr)
         base = trainer.config.optim.lr
-        settings["lr_scale"] = settings["lr_scale"] * args["lr"] / old if old > 0 else \
-            (args["lr"] / base if base > 0 else 1.0)
-    if "lr_scale" in args:
-        trainer.scale_lr(args["lr_scale"] / settings["lr_scale"])
-        settings["lr_scale"] = float(args["lr_scale"])
+        live.lr_scale = live.lr_scale * cmd.lr / old if old > 0 else (cmd.lr / base if base > 0 else 1.0)
+    if cmd.lr_scale is not None:
+        trainer.scale_lr(cmd.lr_scale / live.lr_scale)
+        live.lr_scale = cmd.lr_scale
     for key in ("grad_clip", "eval_every_n_steps", "save_every_n_steps"):
-        if key in args:
-            settings[key] = args[key]
-    settings["generation"].update(args.get("generation", {}))
+        if getattr(cmd, key) is not None:
+            setattr(live, key, getattr(cmd, key))
+    if cmd.generation is not None:
+        live.generation.update(cmd.generation.sampling())
     apply_settings(control)
     after = current_settings(control)
-    changes = {k: after[k] for k in args}
+    names = list(cmd.given())
+    changes = {k: after[k] for k in names}
     trainer.emit({"type": "set", "step": trainer.state.global_step, "changes": changes,
-                  "before": {k: before[k] for k in args}})
+                  "before": {k: before[k] for k in names}})
     return {"step": trainer.state.global_step, "changes": changes}
 
 
-def _check_settable(control: "Control", args: dict) -> None:
+def _check_settable(control: "Control", cmd: Set) -> None:
     trainer = control.trainer
     # trainer.optimizer: the engine's, or the fused LOMO one the engine does not know about
-    if ("lr" in args or "lr_scale" in args) and getattr(trainer, "optimizer", None) is None:
+    if (cmd.lr is not None or cmd.lr_scale is not None) and getattr(trainer, "optimizer", None) is None:
         raise CommandRefused("set: this run has no optimizer whose learning rate could change")
-    if "lr_scale" in args and control.settings["lr_scale"] == 0:
+    if cmd.lr_scale is not None and control.settings.lr_scale == 0:
         raise CommandRefused("set: the learning rate is 0, so it cannot be scaled; set `lr` instead")
-    if args.get("grad_clip", 0) > 0 and getattr(trainer.engine.optimizer, "compute_grad_norm", True) is False:
+    if (cmd.grad_clip or 0) > 0 and getattr(trainer.engine.optimizer, "compute_grad_norm", True) is False:
         raise CommandRefused("set: grad_clip needs zero_optimization.compute_grad_norm=true")
-    if args.get("eval_every_n_steps", 0) > 0 and trainer.eval_dataset is None:
+    if (cmd.eval_every_n_steps or 0) > 0 and trainer.eval_dataset is None:
         raise CommandRefused("set: eval_every_n_steps needs evaluation data, and this run has none")
 
 
 def apply_settings(control: "Control") -> None:
-    """Put the kept settings into the engine and the config the loop reads (also on resume)."""
-    trainer, settings = control.trainer, control.settings
-    if "grad_clip" in settings:
-        set_grad_clip(trainer.engine, float(settings["grad_clip"]))
-    if "eval_every_n_steps" in settings:
-        trainer.config.eval.every_n_steps = settings["eval_every_n_steps"]
-    if "save_every_n_steps" in settings:
-        trainer.config.checkpoint.every_n_steps = settings["save_every_n_steps"]
-
-
-def set_grad_clip(engine, value: float) -> None:
-    """DeepSpeed reads the clip value from its config (ZeRO 0) or its optimizer wrapper (ZeRO,
-    bf16 / fp16 wrappers), both set once at start; change both."""
-    engine._config.gradient_clipping = value
-    if hasattr(engine.optimizer, "clip_grad"):
-        engine.optimizer.clip_grad = value
+    """Put the kept settings that live in the engine into it (after `set`, and on resume)."""
+    if control.settings.grad_clip is not None:
+        set_gradient_clipping(control.trainer.engine, float(control.settings.grad_clip))
 
 
 def current_settings(control: "Control") -> dict:
-    trainer = control.trainer
-    return {"lr": trainer.current_lr(), "lr_scale": control.settings["lr_scale"],
+    trainer, live = control.trainer, control.settings
+    return {"lr": trainer.current_lr(), "lr_scale": live.lr_scale,
             "grad_clip": float(trainer.engine.gradient_clipping() or 0.0),
-            "eval_every_n_steps": trainer.config.eval.every_n_steps,
-            "save_every_n_steps": trainer.config.checkpoint.every_n_steps,
-            "generation": {**GENERATION_DEFAULTS, **control.settings["generation"]}}
+            "eval_every_n_steps": live.eval_every(trainer.config),
+            "save_every_n_steps": live.save_every(trainer.config),
+            "generation": live.generation_params()}
 
 
 # -- status -----------------------------------------------------------------------------------------
-def status(control: "Control", args: dict, reply: Reply) -> dict:
+def status(control: "Control", cmd: Status, reply: Reply) -> dict:
     """Queued `status` with `ranks`: every rank's memory, gathered here (collective)."""
     mine = memory_mb()
-    everyone = [mine]
+    everyone: list[Any] = [mine]
     if control.world_size > 1:
         everyone = [None] * control.world_size
         dist.all_gather_object(everyone, mine)
@@ -212,7 +201,8 @@ def memory_mb() -> dict[str, float]:
     return mem
 
 
-HANDLERS: dict[str, Handler] = {
-    "generate": generate, "pause": pause, "resume": resume, "stop": stop, "save": save,
-    "evaluate": evaluate, "set": set_values, "status": status,
+# one handler per command type (the dataclass, not its name, picks it)
+HANDLERS: dict[type[Command], Handler] = {
+    Generate: generate, Pause: pause, Resume: resume, Stop: stop, Save: save,
+    Evaluate: evaluate, Set: set_values, Status: status,
 }

@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from contract.protocol import Command, command_from_wire
+
 Sink = Callable[[dict], None]
 
 
@@ -51,15 +53,30 @@ NO_REPLY = Reply("", None)  # the other ranks execute commands but answer nobody
 
 @dataclass
 class Pending:
+    """A queued command: its place in the queue, its request id, the command, its reply."""
     seq: int
     id: str
-    cmd: str
-    args: dict
+    command: Command
     reply: Reply = field(repr=False)
+
+    @property
+    def cmd(self) -> str:
+        """The command's wire name."""
+        return self.command.name
+
+    @property
+    def args(self) -> dict[str, Any]:
+        """The command's wire arguments (what the event log records)."""
+        return self.command.args()
 
     def wire(self) -> dict[str, Any]:
         """What is broadcast to the other ranks (JSON: plain values only)."""
-        return {"seq": self.seq, "id": self.id, "cmd": self.cmd, "args": self.args}
+        return {"seq": self.seq, "id": self.id, **self.command.to_wire()}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Pending":
+        """A command broadcast by rank 0, on another rank (which answers nobody)."""
+        return cls(data["seq"], data["id"], command_from_wire(data["cmd"], data["args"]), NO_REPLY)
 
 
 class QueueClosed(RuntimeError):
@@ -75,12 +92,19 @@ class CommandQueue:
         self._seq = itertools.count()
         self._closed: str | None = None
 
-    def put(self, req_id: str, cmd: str, args: dict, reply: Reply) -> Pending:
-        """Queue a command and acknowledge it (under the lock, so acks count in order)."""
+    def put(self, req_id: str, command: Command | str, *rest: Any) -> Pending:
+        """Queue a command and acknowledge it (under the lock, so acks count in order):
+        `put(req_id, command, reply)`. The older `put(req_id, name, wire_args, reply)` is still
+        taken (the command is built from its wire form) until every caller sends commands."""
+        if isinstance(command, str):
+            args, reply = rest
+            command = command_from_wire(command, args)
+        else:
+            (reply,) = rest
         with self._cond:
             if self._closed is not None:
                 raise QueueClosed(self._closed)
-            item = Pending(next(self._seq), req_id, cmd, args, reply)
+            item = Pending(next(self._seq), req_id, command, reply)
             self._items.append(item)
             reply.ack(len(self._items))
             self._cond.notify_all()

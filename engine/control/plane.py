@@ -18,11 +18,15 @@ import os
 import time
 from typing import Any
 
+from contract.events import EventType, state_event
+from contract.protocol import STATES, RunState, Status
 from engine.control import handlers
 from engine.control.boundary import Boundary
+from engine.control.chat_page import ChatPage
 from engine.control.handlers import CommandRefused, HANDLERS
 from engine.control.pending import CommandQueue, Pending
 from engine.control.server import ControlServer
+from engine.control.settings import LiveSettings
 
 # while paused: the longest the other ranks wait in one broadcast (far below any gloo / nccl
 # timeout); tests shorten it to exercise many heartbeats
@@ -36,13 +40,16 @@ class Control:
         self.rank, self.world_size = env.rank, env.world_size
         self.commands = CommandQueue() if self.rank == 0 else None
         self.boundary = Boundary(self.rank, self.world_size, env.device, self.commands)
-        # the live settings `set` changed: recorded in every checkpoint, re-applied on resume
-        self.settings: dict[str, Any] = {"lr_scale": 1.0, "generation": {}}
+        # the live settings `set` changed: recorded in every checkpoint, re-applied on resume;
+        # the loop reads its schedule from them (engine.control.settings.live_settings)
+        self.settings = LiveSettings()
         trainer.live_settings = self.settings
         self.ended = False
-        self.state, self.last_train, self.last_eval = "starting", None, None
+        self.state: RunState = RunState.STARTING
+        self.last_train: dict | None = None
+        self.last_eval: dict | None = None
         self.server: ControlServer | None = None
-        self.page = None
+        self.page: ChatPage | None = None
         if self.rank == 0:
             cfg = trainer.config.control
             self.server = ControlServer(trainer.folder, self.commands, self.status_snapshot,
@@ -51,11 +58,10 @@ class Control:
                 trainer.events.subscribe(self._on_event)
             self.server.start()
             if chat_page:
-                from engine.control.chat_page import ChatPage
                 self.page = ChatPage(self.server, host=cfg.host).start()
                 # the token stays out of events.jsonl (readable by others): control.json has it
                 self.server.write_control_file(chat_page=self.page.url)
-                trainer.emit({"type": "chat_page", "url": self.page.url.split("?")[0],
+                trainer.emit({"type": EventType.CHAT_PAGE.value, "url": self.page.url.split("?")[0],
                               "note": "open the URL printed by rank 0, or chat_page in control.json"})
                 print(f"chat with the model being trained: {self.page.url}", flush=True)
 
@@ -79,7 +85,7 @@ class Control:
         for item in items:
             started = time.perf_counter()
             try:
-                result = HANDLERS[item.cmd](self, item.args, item.reply)
+                result = HANDLERS[type(item.command)](self, item.command, item.reply)
             except CommandRefused as e:
                 self._answer_error(item, str(e))
             except Exception as e:  # noqa: BLE001 - a failed command is answered; training goes on
@@ -93,27 +99,28 @@ class Control:
         item.reply.error(message)
 
     # -- events and status -------------------------------------------------------------------------
-    def emit_state(self, state: str) -> None:
-        self.trainer.emit({"type": "state", "state": state, "step": self.trainer.state.global_step})
+    def emit_state(self, state: RunState) -> None:
+        self.trainer.emit(state_event(state, step=self.trainer.state.global_step))
 
     def _record(self, item: Pending, status: str, **fields: Any) -> None:
-        if item.cmd == "status" or self.trainer.events is None:  # reads change nothing
+        if isinstance(item.command, Status) or self.trainer.events is None:  # reads change nothing
             return
-        self.trainer.emit({"type": "command", "id": item.id, "cmd": item.cmd, "status": status,
-                           "step": self.trainer.state.global_step, **fields})
+        self.trainer.emit({"type": EventType.COMMAND.value, "id": item.id, "cmd": item.cmd,
+                           "status": status, "step": self.trainer.state.global_step, **fields})
 
     def _on_queued(self, item: Pending) -> None:
-        if item.cmd != "status":
-            self.trainer.emit({"type": "command", "id": item.id, "cmd": item.cmd, "status": "queued",
-                               "args": item.args, "step": self.trainer.state.global_step})
+        if not isinstance(item.command, Status):
+            self.trainer.emit({"type": EventType.COMMAND.value, "id": item.id, "cmd": item.cmd,
+                               "status": "queued", "args": item.args, "step": self.trainer.state.global_step})
 
     def _on_event(self, event: dict) -> None:
         kind = event.get("type")
-        if kind == "state":
-            self.state = event.get("state", self.state)
-        elif kind == "train":
+        if kind == EventType.STATE.value:
+            if event.get("state") in STATES:  # a state this version does not know leaves it be
+                self.state = RunState(event["state"])
+        elif kind == EventType.TRAIN.value:
             self.last_train = event
-        elif kind == "eval":
+        elif kind == EventType.EVAL.value:
             self.last_eval = event
         if self.server is not None:
             self.server.notify(event)
@@ -122,7 +129,7 @@ class Control:
         """The run as rank 0 sees it now (read from the server thread: plain values only)."""
         t = self.trainer
         return {"step": t.state.global_step, "epoch": t.state.epoch, "total_steps": t.state.total_steps,
-                "state": self.state, "paused": t.paused, "queue": len(self.commands or ()),
+                "state": self.state.value, "paused": t.paused, "queue": len(self.commands or ()),
                 "accepting": self.commands.closed is None if self.commands is not None else False,
                 "last_train": self.last_train, "last_eval": self.last_eval,
                 "settings": handlers.current_settings(self), "world_size": self.world_size,
@@ -138,11 +145,11 @@ class Control:
         return str(path)
 
     def state_dict(self) -> dict:
-        return {"settings": _copy(self.settings)}
+        """What training checkpoints record of the control plane: the live settings."""
+        return {"settings": self.settings.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.settings.clear()
-        self.settings.update({"lr_scale": 1.0, "generation": {}, **_copy(state.get("settings", {}))})
+        self.settings.load_state_dict(state.get("settings", {}))
         handlers.apply_settings(self)
 
     # -- the end -------------------------------------------------------------------------------------
@@ -151,7 +158,7 @@ class Control:
         it; only rank 0 has anything to close)."""
         if self.commands is None:
             return
-        reason = reason or f"the run has ended ({self.state}); the command was not executed"
+        reason = reason or f"the run has ended ({self.state.value}); the command was not executed"
         self.commands.close(reason)
         for item in self.commands.drain():
             self._answer_error(item, reason)
@@ -161,10 +168,3 @@ class Control:
             self.server.close()
             self.server = None
 
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
