@@ -1,0 +1,214 @@
+"""contract.protocol, contract.events and the event-log tailer: pure and fast (no engine, no socket).
+
+Each command's defaults and bounds come from its dataclass; these tests pin the values a user
+relies on (literals, not read back from the declaration) and check that every declared bound is
+enforced at both ends, on the wire and when a command is built in Python.
+"""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from contract import protocol as P
+from contract.events import EventType, run_state, state_event
+from contract.protocol import (ALLOWED_COMMANDS, COMMANDS, GENERATION_DEFAULTS, Generate, GenerationParams,
+                               Pause, ProtocolError, RunState, Set, Status, Stop, Subscribe, allowed_commands,
+                               check_command, parse_command)
+from contract.run_folder import EventLog, EventTail, read_events
+from supervisor.client import CommandError, RunClient
+
+
+def _parse(cmd, args=None, id="r1"):
+    return parse_command({"id": id, "cmd": cmd, "args": {} if args is None else args})
+
+
+# -- defaults --------------------------------------------------------------------------------------
+def test_the_defaults_a_user_relies_on():
+    assert Stop().save is True and Stop.save is True  # stop saves, in every front end
+    assert _parse("stop")[1] == Stop(save=True)
+    assert Status().ranks is False and Subscribe().from_line == 0
+    g = Generate(prompt="hi")
+    assert g.compare_base is False and g.sampling() == {}  # nothing given: the run's defaults apply
+    assert GENERATION_DEFAULTS == {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                                   "repetition_penalty": 1.0, "seed": 0, "stop": []}
+    assert P.GENERATION_PARAMS == tuple(GENERATION_DEFAULTS)
+    assert sorted(COMMANDS) == ["evaluate", "generate", "pause", "resume", "save", "set", "status", "stop"]
+    assert P.IMMEDIATE == {"status", "subscribe"}
+    assert Status().answered_at_once and not Status(ranks=True).answered_at_once
+    assert not Stop().answered_at_once and Subscribe().answered_at_once
+
+
+def test_every_field_is_documented_where_it_is_declared():
+    for cls in [*COMMANDS.values(), Subscribe, GenerationParams]:
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+
+
+# -- validation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cmd, args, message", [
+    ("rm -rf", {}, "unknown command 'rm -rf'; allowed: evaluate, generate, pause, resume, save, set, "
+                   "status, stop, subscribe"),
+    ("stop", {"save": "yes"}, "stop: argument 'save' has the wrong type (str)"),
+    ("stop", {"save": None}, "stop: argument 'save' has the wrong type (NoneType)"),
+    ("set", {"lr": -1}, "set: argument 'lr' must be >= 0.0 and <= 10.0, got -1"),
+    ("set", {"lr": "fast"}, "set: argument 'lr' has the wrong type (str)"),
+    ("set", {"lr": True}, "set: argument 'lr' has the wrong type (bool)"),
+    ("set", {"lr": math.inf}, "set: argument 'lr' must be"),
+    ("set", {"momentum": 1}, "set: unknown argument 'momentum'; allowed: lr, lr_scale, grad_clip, "
+                             "eval_every_n_steps, save_every_n_steps, generation"),
+    ("set", {}, "set: name at least one of"),
+    ("set", {"lr_scale": 0}, "set: argument 'lr_scale' must be > 0.0"),
+    ("set", {"eval_every_n_steps": 2.5}, "set: argument 'eval_every_n_steps' has the wrong type (float)"),
+    ("set", {"generation": {"beams": 4}}, "set generation: unknown argument 'beams'"),
+    ("set", {"generation": {"top_k": True}}, "set generation: argument 'top_k' has the wrong type (bool)"),
+    ("set", {"generation": {"stop": ["", "x"]}}, "set generation: argument 'stop' must be a list of non-empty"),
+    ("set", {"generation": [1]}, "set: argument 'generation' has the wrong type (list)"),
+    ("generate", {}, "generate: give exactly one of `prompt` or `messages`"),
+    ("generate", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "generate: give exactly one"),
+    ("generate", {"messages": []}, "generate: `messages` must not be empty"),
+    ("generate", {"messages": [{"role": "x", "content": "a"}]}, "generate: messages[0] must be"),
+    ("generate", {"prompt": "a", "top_p": 0}, "generate: argument 'top_p' must be > 0.0 and <= 1.0, got 0"),
+    ("generate", {"prompt": "a", "max_new_tokens": 4097}, "generate: argument 'max_new_tokens' must be"),
+    ("generate", {"prompt": "a", "max_new_tokens": 0}, "generate: argument 'max_new_tokens' must be >= 1"),
+    ("generate", {"prompt": "a", "stop": "x"}, "generate: argument 'stop' has the wrong type (str)"),
+    ("generate", {"prompt": 3}, "generate: argument 'prompt' has the wrong type (int)"),
+    ("pause", {"now": True}, "pause: unknown argument 'now'; allowed: none"),
+    ("subscribe", {"from_line": -1}, "subscribe: argument 'from_line' must be >= 0"),
+])
+def test_bad_commands_are_refused_with_a_message_naming_the_field(cmd, args, message):
+    with pytest.raises(ProtocolError) as refused:
+        _parse(cmd, args)
+    assert str(refused.value).startswith(message)
+
+
+def test_bad_messages_are_refused():
+    for msg, message in [([1], "a message must be a JSON object"),
+                         ({"id": True, "cmd": "pause"}, "field `id` must be a string or integer"),
+                         ({"cmd": "pause"}, "field `id` must be a string or integer"),
+                         ({"id": 1, "cmd": "pause", "args": []}, "field `args` must be an object")]:
+        with pytest.raises(ProtocolError, match=message.replace("`", ".")):
+            parse_command(msg)
+    with pytest.raises(ProtocolError, match="malformed JSON"):
+        P.decode(b"{nope")
+    with pytest.raises(ProtocolError, match="larger than"):
+        P.decode(b"1" * (P.MAX_MESSAGE_BYTES + 1))
+
+
+def _bounded_fields():
+    for cls in [*COMMANDS.values(), Subscribe]:
+        for f in dataclasses.fields(cls):
+            if "minimum" in f.metadata:
+                yield cls, f
+
+
+def _valid_base(cls):
+    return {"prompt": "x"} if cls is Generate else {}
+
+
+@pytest.mark.parametrize("cls, f", list(_bounded_fields()), ids=lambda x: getattr(x, "name", str(x)))
+def test_every_declared_bound_holds_on_the_wire_and_in_python(cls, f):
+    lo, hi, exclusive = f.metadata["minimum"], f.metadata["maximum"], f.metadata.get("exclusive_minimum", False)
+    is_int = isinstance(lo, int) and isinstance(hi, int) and f.name not in ("lr", "grad_clip")
+    below = lo - 1 if is_int else lo - 1e-9
+    above = hi + 1 if is_int else hi * 1.0001
+    base = _valid_base(cls)
+    for bad in ([below, above] + ([lo] if exclusive else [])):
+        with pytest.raises(ProtocolError, match=f"argument '{f.name}' must be"):
+            _parse(cls.name, {**base, f.name: bad})
+        with pytest.raises(ProtocolError, match=f"argument '{f.name}' must be"):
+            cls(**{**base, f.name: bad})
+    for good in ([hi] + ([] if exclusive else [lo])):
+        assert getattr(_parse(cls.name, {**base, f.name: good})[1], f.name) == good
+
+
+def test_numbers_are_normalised_to_their_declared_type():
+    cmd = _parse("set", {"lr": 1, "grad_clip": 0})[1]
+    assert isinstance(cmd.lr, float) and isinstance(cmd.grad_clip, float)
+    assert Generate(prompt="x", temperature=1).temperature == 1.0
+
+
+# -- the wire form ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [
+    Generate(prompt="reverse: ab\n", max_new_tokens=5, temperature=0.7, stop=["\n"], seed=3),
+    Generate(messages=[{"role": "user", "content": "hi"}], compare_base=True),
+    Pause(), Stop(), Stop(save=False), Status(ranks=True), Subscribe(from_line=12),
+    Set(lr=1e-4, grad_clip=0.5, generation=GenerationParams(max_new_tokens=5, top_p=0.9)),
+    Set(eval_every_n_steps=0),
+])
+def test_a_command_survives_the_wire(command):
+    line = P.encode({"token": "t", "id": 7, **command.to_wire()})
+    req_id, back = parse_command(P.decode(line))
+    assert req_id == "7" and back == command and type(back) is type(command)
+    # the older entry point gives the same command, by name and wire arguments
+    assert check_command(P.decode(line)) == ("7", command.name, command.args())
+
+
+def test_the_wire_form_leaves_out_what_was_not_given():
+    assert Stop().to_wire() == {"cmd": "stop", "args": {"save": True}}
+    assert Set(generation=GenerationParams(seed=1)).to_wire() == {"cmd": "set", "args": {"generation": {"seed": 1}}}
+    assert Generate(prompt="p").args() == {"prompt": "p", "compare_base": False}
+
+
+def test_the_client_refuses_a_bad_command_before_sending_it(tmp_path):
+    client = RunClient(tmp_path / "no-run")  # nothing listens: a refusal cannot come from a server
+    with pytest.raises(CommandError, match="set: argument 'lr' has the wrong type"):
+        client.set(lr="fast")
+    with pytest.raises(CommandError, match="generate: give exactly one"):
+        client.generate()
+    with pytest.raises(CommandError, match="unknown argument 'beams'"):
+        client.generate("x", beams=2)
+    with pytest.raises(CommandError, match="unknown command"):
+        client.command("explode")
+
+
+# -- states ----------------------------------------------------------------------------------------
+def test_the_commands_allowed_in_each_state():
+    everything = {"generate", "stop", "save", "evaluate", "set", "status"}
+    assert allowed_commands("running") == everything | {"pause"}
+    assert allowed_commands(RunState.PAUSED) == everything | {"resume"}
+    assert allowed_commands("starting") == {"status", "stop"}
+    assert allowed_commands("stopping") == {"status", "stop"}  # a second stop ends the group at once
+    assert allowed_commands("finished") == allowed_commands("failed") == frozenset()
+    assert set(ALLOWED_COMMANDS) == set(RunState)
+    assert all(names <= set(COMMANDS) for names in ALLOWED_COMMANDS.values())
+    assert [s.value for s in RunState if s.final] == ["finished", "failed"]
+    with pytest.raises(ValueError):
+        allowed_commands("exploded")
+
+
+def test_state_events_name_only_run_states():
+    assert state_event(RunState.PAUSED, step=3) == {"type": "state", "state": "paused", "step": 3}
+    assert state_event("running")["state"] == "running"
+    with pytest.raises(ValueError):
+        state_event("sleeping")
+    log = [state_event("starting"), {"type": "train", "step": 1}, state_event("running"),
+           {"type": "state", "state": "from-the-future"}]
+    assert run_state(log) is RunState.RUNNING and run_state([]) is None
+    assert EventType("checkpoint") is EventType.CHECKPOINT
+
+
+# -- the event log's one tailer --------------------------------------------------------------------
+def test_the_tailer_numbers_lines_like_the_file_and_waits_for_whole_lines(tmp_path):
+    path = tmp_path / "events.jsonl"
+    tail, late = EventTail(path), EventTail(path, start_line=2)
+    assert tail.poll() == [] and late.poll_numbered() == []  # no file yet
+    log = EventLog(path)
+    log.emit({"type": "train", "step": 1})
+    with open(path, "a") as f:
+        f.write("{broken\n")  # skipped, but it keeps its line number
+    log.emit({"type": "train", "step": 2})
+    with open(path, "a") as f:
+        f.write('{"type": "train", "step": 3')  # half written
+    assert [e["step"] for e in tail.poll()] == [1, 2]
+    assert [(n, e["step"]) for n, e in late.poll_numbered()] == [(2, 2)]
+    assert [e["step"] for e in read_events(path)] == [1, 2]
+    with open(path, "a") as f:
+        f.write("}\n")
+    assert [e["step"] for e in tail.poll()] == [3] and tail.poll() == []
+    assert [(n, e["step"]) for n, e in late.poll_numbered()] == [(3, 3)]
+    assert [e["step"] for e in read_events(path, 2)] == [2, 3]
+    log.close()
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0])["time"] > 0 and len(lines) == 4
