@@ -36,7 +36,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Self, Union
 
 MAX_MESSAGE_BYTES = 1 << 20  # a longer line is refused, never buffered without bound
 MAX_NEW_TOKENS = 4096
@@ -113,7 +113,7 @@ class _Checked:
         """Rules between fields (a subclass adds them)."""
 
     @classmethod
-    def from_args(cls, args: Any, label: str | None = None) -> Any:
+    def from_args(cls, args: Any, label: str | None = None) -> Self:
         """Build from a wire `args` object: unknown names and explicit nulls are refused."""
         label = label or cls.label
         if not isinstance(args, dict):

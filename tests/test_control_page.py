@@ -23,12 +23,14 @@ SCRIPT = """
 import sys
 import time
 from engine import Trainer
+from engine.control import live_settings
 from contract.config import load_config
 cfg = load_config(overrides=sys.argv[2:])
 trainer = Trainer(config=cfg, run_dir=sys.argv[1], server=True)
 trainer.train()
 print("trained to step", trainer.state.global_step, flush=True)
-print("final save:", trainer.config.checkpoint.save_at_end, flush=True)
+print("final save:", live_settings(trainer).save_at_end(trainer.config), flush=True)
+print("config save_at_end:", trainer.config.checkpoint.save_at_end, flush=True)
 time.sleep(4)  # the script goes on after training: its run still answers, and refuses clearly
 """
 
@@ -119,6 +121,8 @@ def test_chat_page_of_a_script_trainer(tmp_path):
         assert proc.returncode == 0, out
         assert "trained to step" in out and int(out.split("trained to step")[1].split()[0]) < 5000
         assert "final save: False" in out  # stop without save also cancels the final save
+        assert "config save_at_end: True" in out  # decided in the live settings, not the config
+        assert not any(e["type"] == "export" for e in _events(run_dir)) and not (run_dir / "model").exists()
     finally:
         if proc.poll() is None:
             proc.kill()
