@@ -1,36 +1,50 @@
-"""The Configure form as data: one entry per run config field, taken from `contract.config.schema()`,
-so the form cannot drift from the schema. Converts between the values the form widgets hold
-(numbers, text, check boxes) and the nested config dict, and validates through `load_config`,
-keeping each problem next to the field it names. Knows nothing of layout."""
+"""The run config form as data, shared by the web app and the notebook: one entry per run config
+field, taken from `contract.config.schema()`, so no front end can drift from the schema or from
+the other. Knows nothing of layout: a front end keeps one widget per field key and hands this
+module the widgets' values keyed by field (`{"train.max_steps": 50, ...}`).
+
+    form = Form(output_dir="runs")
+    values = form.preset_values("embedded default")   # {field key: widget value}
+    values["train.max_steps"] = 50
+    checked = form.check(values)                       # a RunConfig, or every problem by field
+
+Also the two ways a config is given as text or data: `make_config` (a RunConfig, a dict, a YAML
+file or None, then `key=value` overrides) and `config_from_text` (YAML laid over a preset).
+Paths are made absolute by `contract.config.load_config` itself (fsspec URLs stay URLs).
+"""
 
 from __future__ import annotations
 
 import copy
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import yaml
 
 from contract.config import ConfigError, RunConfig, load_config, schema
-from contract.presets import PRESETS
+from contract.presets import DEFAULT, PRESETS
 
 DEFAULT_PRESET = "embedded default"
+SCHEMA_DEFAULTS = "schema defaults"  # the "preset" of no preset: every field at its default
 
-# Section titles as the page shows them; a section the schema gains later gets its own name.
+# Section titles as the pages show them; a section the schema gains later gets its own name.
 GROUP_TITLES = {"model": "Model", "data": "Data", "method": "Method", "optim": "Optimization",
                 "train": "Training", "parallel": "Parallelism and DeepSpeed", "eval": "Evaluation",
                 "checkpoint": "Checkpoints", "logging": "Logging", "control": "Control socket",
                 "run": "Resume"}
+
+_MISSING = object()
 
 
 @dataclass
 class Checked:
     """The outcome of validating the form: a config when there is no problem."""
     config: RunConfig | None
-    problems: list[tuple[str, str]]                          # every problem, as load_config names it
+    problems: list[tuple[str, str]]                               # every problem, as load_config names it
     by_field: dict[str, list[str]] = field(default_factory=dict)  # field key -> its messages
-    general: list[str] = field(default_factory=list)          # problems naming no field of the form
+    general: list[str] = field(default_factory=list)              # problems naming no field of the form
 
     @property
     def ok(self) -> bool:
@@ -38,13 +52,15 @@ class Checked:
 
 
 class Form:
-    """The run config's fields in schema order; `output_dir` is the app's runs folder."""
+    """The run config's fields in schema order; `output_dir` (if given) is the default of
+    `logging.output_dir`, the folder the front end keeps its runs in."""
 
-    def __init__(self, output_dir: str):
+    def __init__(self, output_dir: str | None = None):
         self.fields = schema()
-        for f in self.fields:
-            if f["key"] == "logging.output_dir":
-                f["default"] = output_dir
+        if output_dir is not None:
+            for f in self.fields:
+                if f["key"] == "logging.output_dir":
+                    f["default"] = output_dir
         self.keys = [f["key"] for f in self.fields]
         self._by_key = {f["key"]: f for f in self.fields}
 
@@ -55,33 +71,57 @@ class Form:
                  [f for f in self.fields if f["group"] == g]) for g in order]
 
     def field(self, key: str) -> dict:
+        """The schema entry of field `key`; KeyError naming the fields when there is none."""
+        if key not in self._by_key:
+            raise KeyError(f"no field {key!r} in the run config; fields: {', '.join(self.keys)}")
         return self._by_key[key]
 
     # -- values <-> config dict -------------------------------------------------------------------
-    def values_for(self, data: dict | None = None) -> list[Any]:
-        """Widget values (in `keys` order) of the schema defaults with `data` (nested) on top."""
-        return [self.display(f, _dotted_get(data or {}, f["key"], f["default"])) for f in self.fields]
+    def values_for(self, data: dict | None = None) -> dict[str, Any]:
+        """Widget values of the schema defaults with `data` (a nested config dict) on top."""
+        return {f["key"]: self.display(f, _dotted_get(data or {}, f["key"], copy.deepcopy(f["default"])))
+                for f in self.fields}
 
-    def preset_values(self, name: str) -> list[Any]:
+    def preset_values(self, name: str) -> dict[str, Any]:
+        """Widget values of preset `name` (SCHEMA_DEFAULTS or "": no preset)."""
+        if not name or name == SCHEMA_DEFAULTS:
+            return self.values_for()
         if name not in PRESETS:
             raise KeyError(f"no preset {name!r}; presets: {', '.join(PRESETS)}")
         return self.values_for(copy.deepcopy(PRESETS[name]))
 
+    def flat(self, data: dict) -> dict[str, Any]:
+        """Widget values of only the fields `data` (nested) names: {"train": {"max_steps": 5}}
+        -> {"train.max_steps": 5}; a mapping field (parallel.deepspeed) stays whole."""
+        found = {}
+        for f in self.fields:
+            value = _dotted_get(data, f["key"], _MISSING)
+            if value is not _MISSING:
+                found[f["key"]] = self.display(f, value)
+        return found
+
     @staticmethod
     def display(f: dict, value: Any) -> Any:
-        """A config value as its widget holds it."""
+        """A config value as its widget holds it: lists as comma-separated text, mappings as
+        JSON text (which is YAML too); text given for such a field is kept as it is."""
+        if isinstance(value, str) and f["kind"] in ("list", "dict"):
+            return value
         if f["kind"] == "list":
             return ", ".join(str(v) for v in value) if isinstance(value, list) else str(value)
         if f["kind"] == "dict":
             return json.dumps(value, indent=2) if value else ""
         return value
 
-    def to_data(self, values: list[Any]) -> tuple[dict, list[tuple[str, str]]]:
-        """The nested config dict the widget values say, and the values that cannot be read."""
+    def to_data(self, values: Mapping[str, Any]) -> tuple[dict, list[tuple[str, str]]]:
+        """The nested config dict the widget values say (fields missing from `values` keep their
+        defaults), and the problems of values that cannot be read at all."""
         data: dict = {}
         problems: list[tuple[str, str]] = []
-        for f, value in zip(self.fields, values):
+        for f in self.fields:
             key, kind = f["key"], f["kind"]
+            if key not in values:
+                continue
+            value = values[key]
             if kind in ("int", "float") and (value is None or value == ""):
                 problems.append((key, "needs a value"))
                 continue
@@ -94,7 +134,7 @@ class Form:
             _dotted_set(data, key, value)
         return data, problems
 
-    def check(self, values: list[Any]) -> Checked:
+    def check(self, values: Mapping[str, Any]) -> Checked:
         """Validate the widget values: every problem, each kept next to the field it names."""
         data, problems = self.to_data(values)
         config = None
@@ -105,6 +145,13 @@ class Form:
         if problems:
             config = None
         return self._sort(config, problems)
+
+    def config(self, values: Mapping[str, Any]) -> RunConfig:
+        """The validated RunConfig; ConfigError naming every problem if there is any."""
+        checked = self.check(values)
+        if checked.config is None:
+            raise ConfigError(checked.problems)
+        return checked.config
 
     def _sort(self, config: RunConfig | None, problems: list[tuple[str, str]]) -> Checked:
         checked = Checked(config, problems)
@@ -127,14 +174,9 @@ class Form:
         return None
 
     # -- YAML -------------------------------------------------------------------------------------
-    def load_yaml(self, text: str) -> tuple[list[Any], list[str]]:
+    def load_yaml(self, text: str) -> tuple[dict[str, Any], list[str]]:
         """Widget values from a YAML config, and notes on what the form could not take."""
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"a run config is a mapping of sections, not {type(raw).__name__}")
+        raw = _mapping(text)
         notes = []
         try:
             load_config(data=copy.deepcopy(raw))
@@ -142,12 +184,52 @@ class Form:
             notes = [f"{k}: {m}" for k, m in e.problems if self.owner(k) is None]
         return self.values_for(raw), notes
 
-    def to_yaml(self, values: list[Any]) -> str:
+    def to_yaml(self, values: Mapping[str, Any]) -> str:
         """The form as a YAML run config (resolved when valid, else as typed)."""
         checked = self.check(values)
-        if checked.ok:
+        if checked.config is not None:
             return checked.config.to_yaml()
         return yaml.safe_dump(self.to_data(values)[0], sort_keys=False)
+
+
+# -- configs from code and text -------------------------------------------------------------------
+
+def make_config(config: RunConfig | dict | str | Path | None = None, *overrides: str) -> RunConfig:
+    """A validated RunConfig from a RunConfig, a nested dict, a YAML file, or None (the embedded
+    default preset), then `key=value` overrides (`max_steps=50`, `optim.lr=1e-4`). Raises
+    ConfigError naming every field at fault."""
+    if isinstance(config, RunConfig):
+        return load_config(data=config.to_dict(), overrides=list(overrides))
+    if config is None:
+        return load_config(data=copy.deepcopy(DEFAULT), overrides=list(overrides))
+    if isinstance(config, dict):
+        return load_config(data=copy.deepcopy(config), overrides=list(overrides))
+    return load_config(config, list(overrides))
+
+
+def config_from_text(text: str = "", preset: str = DEFAULT_PRESET, output_dir: str | None = None) -> RunConfig:
+    """A RunConfig from YAML (or JSON) text, a partial run config laid over `preset` ("" for the
+    schema defaults). Raises ConfigError naming every problem (a bad preset or text included)."""
+    if preset and preset != SCHEMA_DEFAULTS and preset not in PRESETS:
+        raise ConfigError([("preset", f"no preset {preset!r}; presets: {', '.join(PRESETS)}")])
+    try:
+        data = _mapping(text)
+    except ValueError as e:
+        raise ConfigError([("config", str(e))]) from None
+    form = Form(output_dir)
+    base = form.to_data(form.preset_values(preset))[0]
+    _merge(base, data)
+    return load_config(data=base)
+
+
+def _mapping(text: str) -> dict:
+    try:
+        raw = yaml.safe_load(text) if text and text.strip() else {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"not valid YAML or JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"a run config is a mapping of sections, not {type(raw).__name__}")
+    return raw
 
 
 def _parse_mapping(key: str, text: Any, problems: list[tuple[str, str]]) -> dict | None:
@@ -158,12 +240,20 @@ def _parse_mapping(key: str, text: Any, problems: list[tuple[str, str]]) -> dict
     try:
         value = yaml.safe_load(str(text))  # JSON is YAML too
     except yaml.YAMLError as e:
-        problems.append((key, f"not valid JSON or YAML: {str(e).splitlines()[0]}"))
+        problems.append((key, f"not valid YAML or JSON: {str(e).splitlines()[0]}"))
         return None
     if not isinstance(value, dict):
         problems.append((key, f"expected a mapping (a JSON object), got {value!r}"))
         return None
     return value
+
+
+def _merge(dst: dict, src: dict) -> None:
+    for key, value in src.items():
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _merge(dst[key], value)
+        else:
+            dst[key] = value
 
 
 def _dotted_get(data: dict, key: str, default: Any) -> Any:

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from app.web.backend import Backend, BackendError
+from app.form import config_from_text
+from app.session import SessionError
+from app.web.backend import Backend
 from contract.run_folder import read_events
 from test_web import end_runs
 
@@ -18,17 +20,17 @@ QUIET = "eval: {every_n_steps: 0, at_end: false}\nlogging: {tensorboard: false}\
 def wait_state(backend: Backend, path: str, states: tuple[str, ...], timeout: float = 300.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        info = backend.info(path, fresh=True)
+        info = backend.session.info(path, fresh=True)
         if info.state in states:
             return info
-        assert info.state != "failed", backend.handle(path).failure()
+        assert info.state != "failed", backend.session.failure(path)
         time.sleep(0.5)
-    pytest.fail(f"run {path} not {states} within {timeout} s: {backend.info(path, fresh=True)}")
+    pytest.fail(f"run {path} not {states} within {timeout} s: {backend.session.info(path, fresh=True)}")
 
 
 def wait_step(backend: Backend, path: str, step: int, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
-    while backend.info(path, fresh=True).step < step:
+    while backend.session.info(path, fresh=True).step < step:
         assert time.monotonic() < deadline, f"run {path} did not reach step {step}"
         time.sleep(0.5)
 
@@ -48,18 +50,19 @@ def runs(tmp_path):
 def test_resume_a_new_run_from_a_listed_checkpoint(runs):
     backend = Backend(runs)
     try:
-        first = backend.start_text(QUIET + "train: {max_steps: 30}\n"
-                                   "checkpoint: {every_n_steps: 10, keep_last: 0, save_at_end: false}\n")
+        first = backend.session.start(config_from_text(
+            QUIET + "train: {max_steps: 30}\ncheckpoint: {every_n_steps: 10, keep_last: 0, save_at_end: false}\n",
+            output_dir=str(runs)))
         wait_state(backend, first.path, ("finished",))
-        saved = backend.saved(first.path)
+        saved = backend.store.saved(first.path)
         checkpoints = {s.step: (s, metrics) for s, metrics in saved if s.kind == "checkpoint"}
         assert sorted(checkpoints) == [10, 20, 30] and all(s.complete for s, _ in checkpoints.values())
         at_10, metrics = checkpoints[10]
         assert metrics["loss"] == losses(first.path)[10]  # each listed with the metrics of its step
 
-        with pytest.raises(BackendError, match="pick a training checkpoint"):
-            backend.resume_from(first.path, "")
-        second = backend.resume_from(first.path, at_10.path)
+        with pytest.raises(SessionError, match="pick a training checkpoint"):
+            backend.store.resume_from(first.path, "")
+        second = backend.store.resume_from(first.path, at_10.path)
         assert second.name == f"{first.name}-resumed" and second.path != first.path
         wait_state(backend, second.path, ("finished",))
         before, after = losses(first.path), losses(second.path)
@@ -72,23 +75,24 @@ def test_resume_a_new_run_from_a_listed_checkpoint(runs):
 @pytest.mark.slow
 def test_reattach_after_the_app_restarted_and_compare_with_the_base_model(runs):
     first_app = Backend(runs)
-    info = first_app.start_text(QUIET + "method: {name: lora}\noptim: {lr: 0.01}\ntrain: {max_steps: 5000}\n")
+    info = first_app.session.start(config_from_text(
+        QUIET + "method: {name: lora}\noptim: {lr: 0.01}\ntrain: {max_steps: 5000}\n", output_dir=str(runs)))
     wait_step(first_app, info.path, 3)
     first_app.close()  # the app goes away; the run goes on
 
     app = Backend(runs)  # a new app over the same output folder
     try:
-        [listed] = supervisor()
+        [listed] = app.session.runs()
         assert (listed.name, listed.alive, listed.state) == (info.name, True, "running")
-        assert app.attach(info.name).path == info.path
-        assert app.trains_adapter(None)  # "compare with base model" is offered for this run
-        status = app.status(None)
+        assert app.session.attach(info.name).path == info.path
+        assert app.watch.trains_adapter(None)  # "compare with base model" is offered for this run
+        status = app.watch.status(None)
         assert status["run"] == info.name and status["settings"]["lr"] > 0
 
         chat = [{"role": "user", "content": "reverse: cat"}]
         answers = []
         for _ in range(2):
-            *_, last = app.chat(None, chat, compare_base=True, max_new_tokens=8, temperature=1.0, seed=5)
+            *_, last = app.session.chat(None, chat, compare_base=True, max_new_tokens=8, temperature=1.0, seed=5)
             assert last.done and isinstance(last.base, str)
             answers.append(last)
             wait_step(app, info.path, last.step + 5)
@@ -96,7 +100,7 @@ def test_reattach_after_the_app_restarted_and_compare_with_the_base_model(runs):
         # base answer whatever the adapter has learnt since
         assert answers[1].step > answers[0].step and answers[1].base == answers[0].base
 
-        final = app.stop(None, wait=True)
+        final = app.session.stop(None, save=False, wait=True)
         assert not final.alive and final.stopped_by_user
     finally:
         app.close()

@@ -1,5 +1,6 @@
-"""The web app's backend pieces without a browser: the form built from the schema, the run view
-folded from a real event log, the saved-things listing, the command line, the preview worker."""
+"""The web app's backend pieces without a browser: the shared form built from the schema
+(app.form, which the notebook uses too), the run view folded from a real event log, the
+saved-things listing, the session's errors, the command line, the preview worker."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.web.backend import Backend, BackendError
-from app.web.backend.forms import DEFAULT_PRESET, Form
+from app.form import DEFAULT_PRESET, Form, config_from_text
+from app.session import Session, SessionError, allowed
 from app.web.backend.preview import PreviewWorker, describe_data, describe_model
 from app.web.backend.store import human_size, list_saved
 from app.web.backend.views import MAX_POINTS, RunView
-from contract.config import load_config, schema
+from contract.config import ConfigError, load_config, schema
+from contract.protocol import RunState, allowed_commands
 from contract.presets import PRESETS
 from contract.run_folder import EventLog, RunFolder
 
@@ -34,7 +36,7 @@ def form(tmp_path) -> Form:
 
 def test_form_has_every_schema_field_once_in_groups(form):
     keys = [f["key"] for f in schema()]
-    assert form.keys == keys
+    assert form.keys == keys and list(form.values_for()) == keys
     grouped = [f["key"] for _, _, fields in form.groups() for f in fields]
     assert sorted(grouped) == sorted(keys) and len(grouped) == len(set(grouped))
     titles = [title for _, title, _ in form.groups()]
@@ -54,17 +56,17 @@ def test_preset_values_load_to_the_preset(form, preset):
 
 def test_bad_values_are_kept_next_to_their_fields(form):
     values = form.preset_values(DEFAULT_PRESET)
-    values[form.keys.index("train.micro_batch_size")] = 0
-    values[form.keys.index("parallel.nproc")] = 3
-    values[form.keys.index("parallel.tp_size")] = 2
-    values[form.keys.index("optim.lr")] = None
-    values[form.keys.index("parallel.deepspeed")] = "{not json"
+    values["train.micro_batch_size"] = 0
+    values["parallel.nproc"] = 3
+    values["parallel.tp_size"] = 2
+    values["optim.lr"] = None
+    values["parallel.deepspeed"] = "{not json"
     checked = form.check(values)
     assert not checked.ok
     assert checked.by_field["train.micro_batch_size"] == ["must be at least 1, got 0"]
     assert "multiple of 2" in checked.by_field["parallel.nproc"][0]
     assert checked.by_field["optim.lr"] == ["needs a value"]
-    assert "not valid JSON or YAML" in checked.by_field["parallel.deepspeed"][0]
+    assert "not valid YAML or JSON" in checked.by_field["parallel.deepspeed"][0]
     assert not checked.general
 
 
@@ -76,16 +78,16 @@ def test_problem_owner_is_the_nearest_field(form):
 
 def test_lists_and_mappings_round_trip(form):
     values = form.preset_values(DEFAULT_PRESET)
-    values[form.keys.index("optim.betas")] = "0.8, 0.95"
-    values[form.keys.index("eval.evaluators")] = "perplexity"
-    values[form.keys.index("parallel.deepspeed")] = '{"gradient_clipping": "auto"}'
+    values["optim.betas"] = "0.8, 0.95"
+    values["eval.evaluators"] = "perplexity"
+    values["parallel.deepspeed"] = '{"gradient_clipping": "auto"}'
     cfg = form.check(values).config
     assert cfg.optim.betas == [0.8, 0.95]
     assert cfg.eval.evaluators == ["perplexity"]
     assert cfg.parallel.deepspeed == {"gradient_clipping": "auto"}
     again = form.values_for(cfg.to_dict())
-    assert again[form.keys.index("optim.betas")] == "0.8, 0.95"
-    assert json.loads(again[form.keys.index("parallel.deepspeed")]) == {"gradient_clipping": "auto"}
+    assert again["optim.betas"] == "0.8, 0.95"
+    assert json.loads(again["parallel.deepspeed"]) == {"gradient_clipping": "auto"}
 
 
 def test_yaml_save_and_load(form):
@@ -95,7 +97,7 @@ def test_yaml_save_and_load(form):
     loaded, notes = form.load_yaml(text)
     assert loaded == values and notes == []
     loaded, notes = form.load_yaml("train: {max_steps: 7}\nbogus: 1\n")
-    assert loaded[form.keys.index("train.max_steps")] == 7
+    assert loaded["train.max_steps"] == 7
     assert any(n.startswith("bogus:") for n in notes)
     with pytest.raises(ValueError, match="mapping"):
         form.load_yaml("- 1\n- 2\n")
@@ -175,19 +177,36 @@ def test_list_saved(tmp_path):
     assert human_size(512) == "512 B" and human_size(5 * 2**30) == "5.0 GiB"
 
 
-def test_backend_names_unknown_runs(tmp_path):
-    backend = Backend(tmp_path / "runs")
+def test_the_session_names_unknown_runs_and_bad_configs(tmp_path):
+    session = Session(tmp_path / "runs")
     try:
-        with pytest.raises(BackendError, match="there is no run yet"):
-            backend.resolve("")
-        with pytest.raises(BackendError, match="no run 'nope'"):
-            backend.resolve("nope")
-        with pytest.raises(BackendError, match="no preset"):
-            backend.start_text("", preset="bogus")
-        with pytest.raises(BackendError, match="train.max_steps"):
-            backend.start_text("train: {max_steps: -1}")
+        with pytest.raises(SessionError, match="there is no run yet"):
+            session.resolve("")
+        with pytest.raises(SessionError, match="no run 'nope'"):
+            session.resolve("nope")
+        with pytest.raises(SessionError, match="unknown command 'jump'"):
+            session.command(None, "jump")
+        with pytest.raises(SessionError, match="set: name at least one of lr"):
+            session.command(None, "set")
     finally:
-        backend.close()
+        session.close()
+    with pytest.raises(ConfigError, match="no preset 'bogus'"):
+        config_from_text("", preset="bogus")
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        config_from_text("train: {max_steps: -1}")
+    with pytest.raises(ConfigError, match="a run config is a mapping"):
+        config_from_text("- 1\n")
+    cfg = config_from_text("train: {max_steps: 7}", output_dir=str(tmp_path / "elsewhere"))
+    assert cfg.train.max_steps == 7 and cfg.optim.lr == PRESETS[DEFAULT_PRESET]["optim"]["lr"]
+    assert cfg.logging.output_dir == str(tmp_path / "elsewhere")
+
+
+def test_the_buttons_follow_the_contracts_table_of_allowed_commands():
+    for state in RunState:
+        assert allowed(state.value) == allowed_commands(state)
+    assert allowed(None) == frozenset() and allowed("no-such-state") == frozenset()
+    assert "stop" in allowed("stopping") and "pause" not in allowed("paused")
+    assert allowed("finished") == allowed("failed") == frozenset()
 
 
 def _app(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

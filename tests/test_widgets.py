@@ -12,7 +12,8 @@ import textwrap
 import ipywidgets as widgets
 import pytest
 
-from app.notebook.form import ConfigForm, flatten
+from app.form import Form
+from app.notebook.form import ConfigForm
 from app.series import RunHistory, format_seconds
 from contract.config import ConfigError, load_config, schema
 from contract.presets import DEFAULT, PRESETS
@@ -93,19 +94,40 @@ def test_a_mapping_field_that_is_not_yaml_is_named():
     form.set("parallel.deepspeed", "zero_optimization: {stage: [")
     [(key, message)] = form.problems
     assert key == "parallel.deepspeed" and message.startswith("not valid YAML or JSON")
+    assert "not valid YAML or JSON" in form.errors["parallel.deepspeed"].value
     with pytest.raises(KeyError, match="no field 'train.nope'"):
         form.set("train.nope", 1)
 
 
-def test_flatten_keeps_the_deepspeed_mapping_whole():
-    assert flatten({"train": {"max_steps": 5}, "parallel": {"deepspeed": {"a": {"b": 1}}}}) == \
-        {"train.max_steps": 5, "parallel.deepspeed": {"a": {"b": 1}}}
+def test_flat_keeps_the_deepspeed_mapping_whole():
+    flat = Form().flat({"train": {"max_steps": 5}, "parallel": {"deepspeed": {"a": {"b": 1}}}})
+    assert list(flat) == ["train.max_steps", "parallel.deepspeed"] and flat["train.max_steps"] == 5
+    assert json.loads(flat["parallel.deepspeed"]) == {"a": {"b": 1}}
+
+
+def test_the_notebook_form_is_the_web_apps_form(tmp_path):
+    """One layout-free form behind both front ends: the same fields, the same values for a
+    preset, the same config and the same problems for the same values."""
+    from app.web.backend import Backend
+    widgets_form = ConfigForm(preset="LoRA on a local model folder", output_dir="/tmp/runs-x")
+    web_form = Form(output_dir="/tmp/runs-x")
+    assert isinstance(widgets_form.form, Form) and widgets_form.form.keys == web_form.keys
+    assert widgets_form.values() == web_form.preset_values("LoRA on a local model folder")
+    widgets_form.set("train.micro_batch_size", 0)
+    values = widgets_form.values()
+    assert widgets_form.problems == web_form.check(values).problems == \
+        [("train.micro_batch_size", "must be at least 1, got 0")]
+    backend = Backend(tmp_path / "runs")
+    try:
+        assert type(backend.form) is Form and backend.form.keys == web_form.keys
+    finally:
+        backend.close()
 
 
 # -- the plain calls' config handling ----------------------------------------------------------
 
 def test_make_config_takes_every_kind_of_config_and_paths_become_absolute(tmp_path, monkeypatch):
-    from app.notebook.api import absolute_paths, make_config
+    from app.notebook.api import make_config
 
     assert make_config().to_dict() == load_config(data=copy.deepcopy(DEFAULT)).to_dict()
     assert make_config(None, "max_steps=7").train.max_steps == 7
@@ -118,11 +140,14 @@ def test_make_config_takes_every_kind_of_config_and_paths_become_absolute(tmp_pa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
     (tmp_path / "train.jsonl").write_text("{}\n")
-    cfg = absolute_paths(make_config({"model": {"path": "model"}, "data": {"train": "train.jsonl"},
-                                      "parallel": {"deepspeed": {"file": "ds.json"}}}))
+    cfg = make_config({"model": {"path": "model"}, "data": {"train": "train.jsonl"},
+                       "parallel": {"deepspeed": {"file": "ds.json"}}})
     assert (cfg.model.path, cfg.data.train) == (str(tmp_path / "model"), str(tmp_path / "train.jsonl"))
     assert cfg.parallel.deepspeed == {"file": str(tmp_path / "ds.json")}
     assert cfg.data.eval == "" and cfg.resume == ""  # empty stays empty
+    # an fsspec URL stays a URL (the notebook once made s3://... a local path)
+    for url in ("s3://bucket/run/checkpoints/step-40", "memory://ckpt/run/checkpoints/step-40"):
+        assert make_config(None, f"resume={url}").resume == url
 
 
 # -- the series -------------------------------------------------------------------------------

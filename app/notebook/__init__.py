@@ -4,14 +4,15 @@
     RunPanel()                        # form, controls, live plots, chat, run picker
     run = start(None, "max_steps=50") # or drive a run from code
 
-Torch-free, like all of app/: training runs in its own process group, never in the kernel.
+Torch-free, like all of app/: training runs in its own process group, never in the kernel. The
+form (`app.form`) and the session (`app.session`) are the web app's own, so both behave alike.
 """
 
-from app.notebook.api import (Run, RunFailed, absolute_paths, attach, default_output_dir,
-                              make_config, manager, runs, start)
+from app.notebook.api import (Run, RunFailed, attach, default_output_dir, make_config, manager, runs,
+                              session, start)
 from app.notebook.chat import ChatBox
 from app.notebook.form import ConfigForm
 from app.notebook.panel import RunPanel
 
 __all__ = ["Run", "RunFailed", "RunPanel", "ConfigForm", "ChatBox", "start", "attach", "runs",
-           "manager", "make_config", "absolute_paths", "default_output_dir"]
+           "manager", "session", "make_config", "default_output_dir"]

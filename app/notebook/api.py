@@ -6,34 +6,36 @@
     print(run.chat("reverse: hello"))           # the live weights answer
     run.pause(); run.set(lr=1e-4); run.resume()
     for event in run.events(follow=False): ...  # the history in events.jsonl
-    run.stop()
+    run.stop()                                  # saves first: Stop()'s default, as everywhere
     run = attach("run-20250101-120000")         # a run started earlier, from any kernel
 
-Training runs in its own process group started by `supervisor.RunManager`, and every command goes
-through `supervisor.client.RunClient`, the same two pieces the web app uses. Nothing here imports torch.
-Runs land in `$LIVETUNE_OUTPUT_DIR`, else `runs/` under the kernel's working folder.
+Every call goes through the kernel's one `app.session.Session`, the very object the web app's
+backend drives (on `supervisor.RunManager` and `supervisor.client.RunClient`), so a command, the
+commands a state allows and what stop means are the same in both. Nothing here imports torch.
+Runs land in `$LIVETUNE_OUTPUT_DIR`, else `runs/` under the kernel's working folder, unless the
+config's logging.output_dir says otherwise.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from supervisor.client import Generation, RunClient
-from supervisor import RunError, RunHandle, RunInfo, RunManager
+from app.form import make_config
 from app.series import RunHistory
+from app.session import STOP_SAVES, Session, SessionError
 from contract.config import RunConfig, load_config
-from contract.presets import DEFAULT
+from contract.protocol import Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status
 from contract.run_folder import read_events
+from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager
+from supervisor.client import Generation, RunClient
 
-FINAL_STATES = ("finished", "failed")
-
-_managers: dict[Path, RunManager] = {}
-_managers_lock = threading.Lock()
+_sessions: dict[Path, Session] = {}
+_sessions_lock = threading.Lock()
+_SCHEMA_OUTPUT_DIR = load_config().logging.output_dir  # the schema default, made absolute
 
 
 class RunFailed(RuntimeError):
@@ -45,80 +47,61 @@ def default_output_dir() -> Path:
     return Path(os.environ.get("LIVETUNE_OUTPUT_DIR", "runs")).resolve()
 
 
-def manager(output_dir: str | Path | None = None) -> RunManager:
-    """The one RunManager of `output_dir` in this kernel, watching its runs for dead or hung
-    ranks (a failure is written to the run's events, where the widgets see it)."""
-    root = Path(output_dir).resolve() if output_dir else default_output_dir()
-    with _managers_lock:
-        found = _managers.get(root)
+def session() -> Session:
+    """The kernel's session over `default_output_dir()` (and any folder a call names)."""
+    root = default_output_dir()
+    with _sessions_lock:
+        found = _sessions.get(root)
         if found is None:
-            found = _managers[root] = RunManager(root)
-            found.start_monitor()
+            found = _sessions[root] = Session(root)
         return found
 
 
-def make_config(config: RunConfig | dict | str | Path | None = None, *overrides: str) -> RunConfig:
-    """A validated RunConfig from a RunConfig, a nested dict, a YAML file, or None (the embedded
-    default preset), then `key=value` overrides (`max_steps=50`, `optim.lr=1e-4`). Raises
-    contract.config.ConfigError naming every field at fault."""
-    if isinstance(config, RunConfig):
-        data = config.to_dict()
-        return load_config(data=data, overrides=list(overrides))
-    if config is None:
-        return load_config(data=copy.deepcopy(DEFAULT), overrides=list(overrides))
-    if isinstance(config, dict):
-        return load_config(data=copy.deepcopy(config), overrides=list(overrides))
-    return load_config(config, list(overrides))
+def manager(output_dir: str | Path | None = None) -> RunManager:
+    """The one RunManager of `output_dir` in this kernel, watching its runs for dead or hung
+    ranks (a failure is written to the run's events, where the widgets see it)."""
+    return session().manager(output_dir)
 
 
 def start(config: RunConfig | dict | str | Path | None = None, *overrides: str,
           output_dir: str | Path | None = None, env: dict[str, str] | None = None) -> "Run":
-    """Start a run (see `make_config` for what `config` may be) and return at once; it trains in
-    its own process group while the kernel goes on. `output_dir`: where its folder goes (else
-    the config's logging.output_dir if set away from `runs`, else `default_output_dir()`)."""
-    cfg = absolute_paths(make_config(config, *overrides))
-    if output_dir is None and cfg.logging.output_dir != "runs":
-        output_dir = cfg.logging.output_dir
-    handle = manager(output_dir).start(cfg, env=env)
-    return Run(handle, manager(output_dir))
+    """Start a run (see `app.form.make_config` for what `config` may be) and return at once; it
+    trains in its own process group while the kernel goes on. `output_dir`: where its folder
+    goes (else the config's logging.output_dir if set, else `default_output_dir()`)."""
+    cfg = make_config(config, *overrides)
+    if output_dir is None:
+        chosen = cfg.logging.output_dir
+        output_dir = default_output_dir() if chosen in ("", _SCHEMA_OUTPUT_DIR) else chosen
+    try:
+        info = session().start(cfg, output_dir=output_dir, env=env)
+    except SessionError as e:
+        raise RunError(str(e)) from None
+    return Run(info.path)
 
 
 def attach(name: str, output_dir: str | Path | None = None) -> "Run":
-    """The run called `name`, running or not: a live one can be driven, any one's history read."""
-    return Run(manager(output_dir).get(name), manager(output_dir))
+    """The run called `name` (or a run folder path), running or not: a live one can be driven,
+    any one's history read."""
+    path = Path(name) if Path(name).is_absolute() else Path(output_dir or default_output_dir()) / name
+    manager(path.parent).get(path.name)  # RunError naming the runs there when there is none
+    return Run(str(path.resolve()))
 
 
 def runs(output_dir: str | Path | None = None) -> list[RunInfo]:
     """Every run in `output_dir`, newest first."""
-    return manager(output_dir).list_runs()
-
-
-def absolute_paths(cfg: RunConfig) -> RunConfig:
-    """The config with its file and folder paths made absolute against this working folder:
-    the ranks run in the repository folder, not in the notebook's."""
-    cfg = copy.deepcopy(cfg)
-    for section, name in (("model", "path"), ("model", "tokenizer"), ("data", "train"),
-                          ("data", "eval"), ("parallel", "hostfile")):
-        value = getattr(getattr(cfg, section), name)
-        if value:
-            setattr(getattr(cfg, section), name, str(Path(value).resolve()))
-    if cfg.resume and cfg.resume != "latest":
-        cfg.resume = str(Path(cfg.resume).resolve())
-    ds = cfg.parallel.deepspeed
-    if isinstance(ds.get("file"), str):
-        ds["file"] = str(Path(ds["file"]).resolve())
-    return cfg
+    return session().runs(output_dir or default_output_dir())
 
 
 class Run:
-    """One run, driven from Python. Commands take effect at the run's next step boundary and
-    return its answer; they raise supervisor.client.CommandError when the run refuses them."""
+    """One run, driven from Python through the kernel's session. Commands take effect at the
+    run's next step boundary and return its answer; they raise app.session.SessionError when the
+    run refuses them (or cannot be reached), with the reason."""
 
-    def __init__(self, handle: RunHandle, run_manager: RunManager):
-        self.handle, self.manager = handle, run_manager
-        self.name, self.path = handle.name, handle.folder.root
-        self._client: RunClient | None = None
-        self._lock = threading.Lock()
+    def __init__(self, path: str | Path, run_session: Session | None = None):
+        self.session = run_session or session()
+        self.path = Path(path)
+        self.name = self.path.name
+        self.handle: RunHandle = self.session.handle(self.path)
 
     def __repr__(self) -> str:
         info = self.info()
@@ -128,7 +111,7 @@ class Run:
     # -- reading ------------------------------------------------------------------------------
     def info(self) -> RunInfo:
         """State, step, latest metrics, liveness, error (as the run manager sees it now)."""
-        return self.handle.info()
+        return self.session.info(str(self.path), fresh=True)
 
     @property
     def state(self) -> str:
@@ -156,9 +139,9 @@ class Run:
         client = RunClient(self.path)  # a stream of its own, also for a run that has ended
         return client.events(from_line=from_line, follow=follow)
 
-    def failure(self):
+    def failure(self) -> Failure | None:
         """Why the run failed (rank and last log lines), or None."""
-        return self.handle.failure()
+        return self.session.failure(str(self.path))
 
     def wait(self, step: int | None = None, state: str | tuple[str, ...] | None = None,
              timeout: float = 600.0, poll: float = 0.2) -> RunInfo:
@@ -170,9 +153,9 @@ class Run:
             info = self.info()
             if (step is not None and info.step >= step) or info.state in states:
                 return info
-            if info.state == "failed":
+            if info.state == RunState.FAILED:
                 raise RunFailed(f"run {self.name} failed: {info.error}\n{self.failure() or ''}")
-            if info.state in FINAL_STATES and not info.alive:
+            if RunState(info.state).final and not info.alive:
                 if step is None and not states:
                     return info
                 raise RunFailed(f"run {self.name} ended ({info.state}) at step {info.step} before "
@@ -184,57 +167,63 @@ class Run:
     # -- commands -------------------------------------------------------------------------------
     @property
     def client(self) -> RunClient:
-        """The run's control client, connected on first use (waits for a starting run's server)."""
-        with self._lock:
-            if self._client is None:
-                self._client = RunClient.connect(self.path, timeout=300.0)
-            return self._client
+        """The run's control client (the session's), connected on first use (waits for a
+        starting run's server)."""
+        return self.session.client(str(self.path), timeout=300.0)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  **params: Any) -> Generation:
         """Stream the live model's answer: iterate for the pieces as they come."""
-        return self.client.generate(prompt, messages=messages, **params)
+        try:
+            request = Generate(prompt=prompt, messages=messages, **params)
+        except TypeError as e:
+            raise SessionError(f"generate: {e}") from None
+        return self.session.generate(str(self.path), request, connect_timeout=300.0)
 
     def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> str:
         """The live model's whole answer to `prompt` (raw text) or to chat `messages`; a plain
         string prompt is sent as one user turn when `as_chat=True`."""
         if params.pop("as_chat", False) and prompt is not None:
             prompt, messages = None, [{"role": "user", "content": prompt}]
-        return self.client.chat(prompt, messages=messages, **params)
+        return self.generate(prompt, messages=messages, **params).text
+
+    def _send(self, command: Any) -> dict:
+        return self.session.send(str(self.path), command, connect_timeout=300.0)
 
     def pause(self) -> dict:
-        return self.client.pause()
+        return self._send(Pause())
 
     def resume(self) -> dict:
-        return self.client.resume()
+        return self._send(Resume())
 
     def save(self) -> dict:
         """A training checkpoint of the present step, in the run's checkpoints/."""
-        return self.client.save()
+        return self._send(Save())
 
     def evaluate(self) -> dict:
-        return self.client.evaluate()
+        return self._send(Evaluate())
 
     def set(self, **changes: Any) -> dict:
         """Live settings: lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps, generation."""
-        return self.client.set(**changes)
+        try:
+            command = Set(**changes)
+        except TypeError as e:
+            raise SessionError(f"set: {e}") from None
+        return self._send(command)
 
     def status(self) -> dict:
-        return self.client.status()
+        return self._send(Status())
 
-    def stop(self, save: bool = False, timeout: float = 60.0) -> RunInfo:
-        """Stop at the next step boundary (with `save`: a checkpoint and the final export first),
-        then end every process of the run; returns the final RunInfo."""
-        self.close()
-        return self.manager.stop(self.name, save=save, timeout=timeout)
+    def stop(self, save: bool = STOP_SAVES, timeout: float = 60.0) -> RunInfo:
+        """Stop at the next step boundary (unless `save` is False: a checkpoint and the final
+        export first, the contract's Stop default), then end every process of the run; returns
+        the final RunInfo."""
+        return self.session.stop(str(self.path), save=save, wait=True, timeout=timeout)
 
     def close(self) -> None:
         """Drop the control connection (the run goes on)."""
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self.session.forget_client(str(self.path))
 
 
-__all__ = ["Run", "RunFailed", "RunError", "start", "attach", "runs", "manager", "make_config",
-           "absolute_paths", "default_output_dir"]
+__all__ = ["Run", "RunFailed", "RunError", "start", "attach", "runs", "manager", "session",
+           "make_config", "default_output_dir"]

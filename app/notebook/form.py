@@ -1,6 +1,7 @@
-"""The run config form, generated from `contract.config.schema()`: one widget per field, one tab
-per section, and the very messages `load_config` gives (its ConfigError problems) shown next to
-the fields at fault. A field added to the schema shows up here with no change to this file.
+"""The run config form as widgets: one widget per field of the shared, layout-free `app.form.Form`
+(the web app's Configure tab uses the same one), one tab per section, and the very messages
+`load_config` gives (its ConfigError problems) shown next to the fields at fault. A field added to
+the schema shows up here with no change to this file.
 
     form = ConfigForm()                # filled with the embedded default preset
     form.set("train.max_steps", 50)
@@ -9,18 +10,14 @@ the fields at fault. A field added to the schema shows up here with no change to
 
 from __future__ import annotations
 
-import copy
 import html
 from typing import Any
 
 import ipywidgets as widgets
-import yaml
 
-from contract.config import ConfigError, RunConfig, load_config, schema
+from app.form import DEFAULT_PRESET, SCHEMA_DEFAULTS, Form
+from contract.config import ConfigError, RunConfig
 from contract.presets import PRESETS
-
-SCHEMA_DEFAULTS = "schema defaults"
-DEFAULT_PRESET = "embedded default"
 
 _ERROR_STYLE = "color:#b00020;font-size:90%"
 _HELP_STYLE = "color:#666;font-size:85%"
@@ -47,35 +44,14 @@ def _field_widget(entry: dict) -> widgets.ValueWidget:
     return widgets.Text(placeholder=placeholder, continuous_update=False, **common)
 
 
-def _to_widget(kind: str, value: Any) -> Any:
-    """A config value as its widget holds it (lists as comma separated text, mappings as YAML);
-    text given for such a field is taken as it is."""
-    if isinstance(value, str) and kind in ("list", "dict"):
-        return value
-    if kind == "list":
-        return ", ".join(str(v) for v in value)
-    if kind == "dict":
-        return yaml.safe_dump(value, sort_keys=False).strip() if value else ""
-    return value
-
-
-def flatten(nested: dict, prefix: str = "") -> dict[str, Any]:
-    """{"train": {"max_steps": 5}} -> {"train.max_steps": 5} (dict-valued fields stay whole)."""
-    flat: dict[str, Any] = {}
-    for key, value in nested.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and dotted != "parallel.deepspeed":
-            flat.update(flatten(value, dotted + "."))
-        else:
-            flat[dotted] = value
-    return flat
-
-
 class ConfigForm:
-    """A form over the run config schema. `widgets[key]` is the widget of field `key`."""
+    """Widgets over the shared form (`self.form`). `widgets[key]` is the widget of field `key`;
+    `output_dir` is the default of logging.output_dir."""
 
-    def __init__(self, preset: str | None = DEFAULT_PRESET, validate_live: bool = True):
-        self.entries = {e["key"]: e for e in schema()}
+    def __init__(self, preset: str | None = DEFAULT_PRESET, validate_live: bool = True,
+                 output_dir: str | None = None):
+        self.form = Form(output_dir)
+        self.entries = {f["key"]: f for f in self.form.fields}
         self.widgets: dict[str, widgets.ValueWidget] = {k: _field_widget(e) for k, e in self.entries.items()}
         self.errors: dict[str, widgets.HTML] = {k: widgets.HTML() for k in self.entries}
         self.summary = widgets.HTML()
@@ -91,17 +67,17 @@ class ConfigForm:
         self.widget = widgets.VBox([self.preset, self._tabs(), self.summary])
 
     def _tabs(self) -> widgets.Tab:
-        groups: dict[str, list[widgets.Widget]] = {}
-        for key, entry in self.entries.items():
-            row = widgets.VBox([
-                widgets.HBox([self.widgets[key],
-                              widgets.HTML(f"<span style='{_HELP_STYLE}'>{html.escape(entry['help'])}</span>",
+        pages = []
+        for _, title, fields in self.form.groups():
+            rows = [widgets.VBox([
+                widgets.HBox([self.widgets[f["key"]],
+                              widgets.HTML(f"<span style='{_HELP_STYLE}'>{html.escape(f['help'])}</span>",
                                            layout=widgets.Layout(width="520px"))]),
-                self.errors[key]])
-            groups.setdefault(entry["group"], []).append(row)
-        tabs = widgets.Tab(children=[widgets.VBox(rows) for rows in groups.values()])
-        for i, group in enumerate(groups):
-            tabs.set_title(i, group)
+                self.errors[f["key"]]]) for f in fields]
+            pages.append((title, widgets.VBox(rows)))
+        tabs = widgets.Tab(children=[page for _, page in pages])
+        for i, (title, _) in enumerate(pages):
+            tabs.set_title(i, title)
         return tabs
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
@@ -110,26 +86,24 @@ class ConfigForm:
     # -- values -------------------------------------------------------------------------------
     def set(self, key: str, value: Any) -> None:
         """Put a config value (a list, a dict, a number ...) into field `key`'s widget."""
-        if key not in self.widgets:
-            raise KeyError(f"no field {key!r} in the run config; fields: {', '.join(self.entries)}")
-        self.widgets[key].value = _to_widget(self.entries[key]["kind"], value)
+        self.widgets[key].value = self.form.display(self.form.field(key), value)
 
     def get(self, key: str) -> Any:
         return self.widgets[key].value
 
+    def values(self) -> dict[str, Any]:
+        """Every widget's value, by field key (what `app.form.Form` takes)."""
+        return {key: w.value for key, w in self.widgets.items()}
+
     def update(self, values: dict) -> None:
         """Set several fields from a nested dict (a preset, a config's to_dict())."""
-        for key, value in flatten(values).items():
-            self.set(key, value)
+        self._show(self.form.flat(values))
 
     def reset(self, preset: str | None = DEFAULT_PRESET) -> None:
         """Every field to its schema default, then the preset's values on top."""
         self._quiet = True
         try:
-            for key, entry in self.entries.items():
-                self.set(key, copy.deepcopy(entry["default"]))
-            if preset and preset != SCHEMA_DEFAULTS:
-                self.update(PRESETS[preset])
+            self._show(self.form.preset_values(preset or SCHEMA_DEFAULTS))
         finally:
             self._quiet = False
         self.validate()
@@ -143,52 +117,27 @@ class ConfigForm:
             self._quiet = False
         self.validate()
 
+    def _show(self, values: dict[str, Any]) -> None:
+        for key, value in values.items():
+            self.widgets[key].value = value
+
     def raw(self) -> tuple[dict, list[tuple[str, str]]]:
         """The nested dict the widgets hold, and the problems of fields that cannot be read at
         all (a mapping field that is not YAML)."""
-        data: dict[str, Any] = {}
-        problems = []
-        for key, entry in self.entries.items():
-            value = self.widgets[key].value
-            if entry["kind"] == "dict":
-                try:
-                    value = yaml.safe_load(value) if value.strip() else {}
-                except yaml.YAMLError as e:
-                    problems.append((key, f"not valid YAML or JSON: {str(e).splitlines()[0]}"))
-                    continue
-            node = data
-            *parents, leaf = key.split(".")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
-        return data, problems
+        return self.form.to_data(self.values())
 
     def config(self) -> RunConfig:
         """The validated RunConfig; ConfigError (every problem, as load_config words it) if not."""
-        data, problems = self.raw()
-        try:
-            cfg = load_config(data=data)
-        except ConfigError as e:
-            problems += e.problems
-        if problems:
-            raise ConfigError(problems)
-        return cfg
+        return self.form.config(self.values())
 
     # -- validation -----------------------------------------------------------------------------
     def validate(self) -> list[tuple[str, str]]:
         """Check the form now; show each problem next to its field; returns the problems."""
-        try:
-            self.config()
-            self.problems = []
-        except ConfigError as e:
-            self.problems = list(e.problems)
-        by_field: dict[str, list[str]] = {}
-        for key, message in self.problems:
-            by_field.setdefault(key, []).append(message)
+        checked = self.form.check(self.values())
+        self.problems = list(checked.problems)
         for key, label in self.errors.items():
-            messages = by_field.get(key, [])
             label.value = "".join(f"<div style='{_ERROR_STYLE};margin-left:155px'>{html.escape(m)}</div>"
-                                  for m in messages)
+                                  for m in checked.by_field.get(key, []))
         if self.problems:
             items = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(m)}</li>" for k, m in self.problems)
             self.summary.value = (f"<div style='{_ERROR_STYLE}'>invalid run config ({len(self.problems)} "

@@ -27,11 +27,12 @@ from app.notebook.chat import ChatBox
 from app.notebook.form import ConfigForm
 from app.notebook.plots import render_png
 from app.notebook.watch import Watcher
-from supervisor import RunInfo
 from app.series import RunHistory, format_seconds
+from app.session import STOP_SAVES, allowed
 from contract.config import ConfigError
+from contract.protocol import RunState
+from supervisor import RunInfo
 
-LIVE_STATES = ("starting", "running", "paused", "stopping")
 _MESSAGES_SHOWN = 6
 
 
@@ -41,7 +42,8 @@ class RunPanel:
     def __init__(self, output_dir: str | Path | None = None, form: ConfigForm | None = None,
                  attach_live: bool = True, poll_interval: float = 0.5, plot_interval: float = 2.0):
         self.output_dir = output_dir
-        self.form = form or ConfigForm()
+        folder = Path(output_dir) if output_dir is not None else api.default_output_dir()
+        self.form = form or ConfigForm(output_dir=str(folder.resolve()))
         self.run: api.Run | None = None
         self.watcher: Watcher | None = None
         self.poll_interval, self.plot_interval = poll_interval, plot_interval
@@ -73,7 +75,7 @@ class RunPanel:
         self.stop_button = button("Stop", "stop", self.stop, "danger")
         self.save_button = button("Save", "save", self.save)
         self.evaluate_button = button("Evaluate", "check", self.evaluate)
-        self.save_on_stop = widgets.Checkbox(value=False, description="save on stop", indent=False,
+        self.save_on_stop = widgets.Checkbox(value=STOP_SAVES, description="save on stop", indent=False,
                                              layout=widgets.Layout(width="120px"))
         self.lr = widgets.FloatText(value=0.0, description="learning rate",
                                     layout=widgets.Layout(width="230px"))
@@ -133,13 +135,12 @@ class RunPanel:
         return run
 
     def detach(self) -> None:
-        """Stop showing the current run (it goes on)."""
+        """Stop showing the current run (it goes on; its connection is the session's, shared
+        with every other panel and call in this kernel)."""
         if self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
-        if self.run is not None:
-            self.run.close()
-            self.run = None
+        self.run = None
 
     def refresh_runs(self, select: str | None = None) -> list[RunInfo]:
         """Fill the run picker from the output folder."""
@@ -224,15 +225,15 @@ class RunPanel:
                 self.refresh_runs()
 
     def _update_buttons(self, state: str | None) -> None:
-        live = state in LIVE_STATES
-        commands = state in ("running", "paused")
-        self.start_button.disabled = live
-        self.pause_button.disabled = state != "running"
-        self.resume_button.disabled = state != "paused"
-        self.stop_button.disabled = not live
-        for b in (self.save_button, self.evaluate_button, self.lr_button):
-            b.disabled = not commands
-        self.chat.set_enabled(commands)
+        """Each button enabled when the run's state allows its command (the contract's table,
+        as in the web app); Start while no run is live."""
+        ok = allowed(state)
+        self.start_button.disabled = state is not None and RunState(state).live
+        for button, command in ((self.pause_button, "pause"), (self.resume_button, "resume"),
+                                (self.stop_button, "stop"), (self.save_button, "save"),
+                                (self.evaluate_button, "evaluate"), (self.lr_button, "set")):
+            button.disabled = command not in ok
+        self.chat.set_enabled("generate" in ok)
 
     # -- messages -------------------------------------------------------------------------------
     def _say(self, text: str, error: bool = False) -> None:
@@ -254,7 +255,8 @@ class RunPanel:
 
 def _run_label(info: RunInfo) -> str:
     total = info.total_steps if info.total_steps is not None else "?"
-    return f"{info.name}  [{info.state}{'' if info.alive or info.state in ('finished', 'failed') else ', gone'}] step {info.step}/{total}"
+    gone = "" if info.alive or RunState(info.state).final else ", gone"
+    return f"{info.name}  [{info.state}{gone}] step {info.step}/{total}"
 
 
 def _progress_text(history: RunHistory) -> str:

@@ -1,5 +1,7 @@
 """The Gradio web app: one module per tab (configure, train, chat, checkpoints, runs), each only
-laying out components and wiring their events to the `Backend`; `api` adds the named endpoints.
+laying out components and wiring their events to the `Backend`'s jobs (session, form, watch,
+store, preview); every handler returns its outputs keyed by component. `api` adds the named
+endpoints.
 
     backend = Backend("runs")
     demo = build_app(backend)

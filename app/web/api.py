@@ -13,9 +13,12 @@ from typing import Any, Iterator
 
 import gradio as gr
 
+from app.form import DEFAULT_PRESET, config_from_text
+from app.session import STOP_SAVES, SessionError
+from app.web.backend import Backend
+from contract.config import ConfigError
+from contract.protocol import Evaluate, Pause, ProtocolError, Resume, Save, Set
 from supervisor import RunInfo
-from app.web.backend import Backend, BackendError
-from app.web.backend.forms import DEFAULT_PRESET
 
 
 def _info(info: RunInfo) -> dict:
@@ -27,7 +30,7 @@ def _info(info: RunInfo) -> dict:
 def _call(fn, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
-    except BackendError as e:
+    except (SessionError, ConfigError, ProtocolError) as e:
         raise gr.Error(str(e), print_exception=False) from None
 
 
@@ -37,20 +40,21 @@ def register(backend: Backend) -> None:
     def start(config: str = "", preset: str = DEFAULT_PRESET) -> dict:
         """Start a run: `config` is YAML or JSON (a partial run config) laid over `preset`
         ("" for the schema defaults). Returns the run's info (name, path, state ...)."""
-        return _info(_call(backend.start_text, config, preset))
+        cfg = _call(config_from_text, config, preset, str(backend.output_dir))
+        return _info(_call(backend.session.start, cfg))
 
-    def stop(run: str = "", save: bool = False) -> dict:
-        """Stop a run (with `save`: a checkpoint first and the final model); waits until every
-        process of it has ended. Returns its final info."""
-        return _info(_call(backend.stop, run, save=save, wait=True))
+    def stop(run: str = "", save: bool = STOP_SAVES) -> dict:
+        """Stop a run (with `save`, the default as in every front end: a checkpoint first and the
+        final model); waits until every process of it has ended. Returns its final info."""
+        return _info(_call(backend.session.stop, run, save=save, wait=True))
 
     def pause(run: str = "") -> dict:
         """Pause at the next step boundary; the model stays in memory and still answers chats."""
-        return _call(backend.command, run, "pause")
+        return _call(backend.session.send, run, Pause())
 
     def resume(run: str = "") -> dict:
         """Resume a paused run."""
-        return _call(backend.command, run, "resume")
+        return _call(backend.session.send, run, Resume())
 
     def set_values(run: str = "", lr: float | None = None, lr_scale: float | None = None,
                    grad_clip: float | None = None, eval_every_n_steps: int | None = None,
@@ -62,15 +66,15 @@ def register(backend: Backend) -> None:
         if not changes:
             raise gr.Error("set: give at least one of lr, lr_scale, grad_clip, eval_every_n_steps, "
                            "save_every_n_steps", print_exception=False)
-        return _call(backend.command, run, "set", **changes)
+        return _call(lambda: backend.session.send(run, Set(**changes)))
 
     def save(run: str = "") -> dict:
         """Save a training checkpoint now."""
-        return _call(backend.command, run, "save")
+        return _call(backend.session.send, run, Save())
 
     def evaluate(run: str = "") -> dict:
         """Evaluate now; returns the metrics."""
-        return _call(backend.command, run, "evaluate")
+        return _call(backend.session.send, run, Evaluate())
 
     def chat(message: str, run: str = "", max_new_tokens: int = 64, temperature: float = 0.0,
              compare_base: bool = False) -> Iterator[dict]:
@@ -78,22 +82,22 @@ def register(backend: Backend) -> None:
         training step the answer came from)."""
         messages = [{"role": "user", "content": message}]
         try:
-            for update in backend.chat(run, messages, compare_base=compare_base,
+            for update in backend.session.chat(run, messages, compare_base=compare_base,
                                        max_new_tokens=max_new_tokens, temperature=temperature):
                 yield {"text": update.text, "base": update.base, "step": update.step,
                        "done": update.done, "note": update.note}
-        except BackendError as e:
+        except SessionError as e:
             raise gr.Error(str(e), print_exception=False) from None
 
     def status(run: str = "") -> dict:
         """State, step, total steps, epoch, ETA, latest metrics and live settings."""
-        found = _call(backend.status, run)
+        found = _call(backend.watch.status, run)
         found["folder"] = found.pop("path")
         return found
 
     def runs() -> list[dict]:
         """Every run, newest first."""
-        return [_info(i) for i in backend.runs()]
+        return [_info(i) for i in backend.session.runs()]
 
     for fn, name in ((start, "start"), (stop, "stop"), (pause, "pause"), (resume, "resume"),
                      (set_values, "set"), (save, "save"), (evaluate, "evaluate"), (chat, "chat"),

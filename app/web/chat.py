@@ -5,11 +5,13 @@ trains; each answer tagged with the training step it came from. Works while paus
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 
-from app.web.backend import Backend, BackendError
+from app.session import SessionError
+from app.web.backend import Backend
 
 TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
 
@@ -44,36 +46,49 @@ def build(backend: Backend, run_state: gr.State) -> dict:
 
     settings = [max_new, temperature, top_p, top_k, repetition, history, compare]
 
+    view = ChatView(message, live, base, about)
+
     def respond(text: str, chat: list, base_chat: list, path: str | None, *opts: Any):
-        yield from _respond(backend, text, chat, base_chat, path, *opts)
+        yield from _respond(backend, view, text, chat, base_chat, path, *opts)
 
     for trigger in (send.click, message.submit):
         trigger(respond, inputs=[message, live, base, run_state, *settings],
                 outputs=[message, live, base, about], concurrency_limit=None, show_progress="hidden",
                 api_visibility="private")
-    clear.click(lambda: ([], []), outputs=[live, base], api_visibility="private")
+    clear.click(lambda: {live: [], base: []}, outputs=[live, base], api_visibility="private")
     compare.change(lambda on: gr.update(visible=on), inputs=compare, outputs=base, api_visibility="private")
-    refresh = dict(fn=lambda path: _about(backend, path), inputs=run_state, outputs=[about, compare],
+    refresh = dict(fn=lambda path: _about(backend, path, about, compare), inputs=run_state, outputs=[about, compare],
                    api_visibility="private", show_progress="hidden")
     run_state.change(**refresh)
     return refresh  # the app also runs it when the tab is selected
 
 
-def _about(backend: Backend, path: str | None):
+@dataclass
+class ChatView:
+    """The components an answer updates as it streams in."""
+    message: gr.Textbox
+    live: gr.Chatbot
+    base: gr.Chatbot
+    about: gr.Markdown
+
+
+def _about(backend: Backend, path: str | None, about: gr.Markdown, compare: gr.Checkbox) -> dict:
     """The header line: which run, its step and state; whether comparing makes sense."""
     try:
-        path = path or backend.default_run()
+        path = path or backend.session.default_run()
         if not path:
-            return "No run yet: start one in the Configure tab.", gr.update(interactive=False, value=False)
-        snap = backend.snapshot(path)
-    except BackendError as e:
-        return str(e), gr.update(interactive=False)
-    adapter = backend.trains_adapter(path)
+            return {about: "No run yet: start one in the Configure tab.",
+                    compare: gr.update(interactive=False, value=False)}
+        snap = backend.watch.snapshot(path)
+    except SessionError as e:
+        return {about: str(e), compare: gr.update(interactive=False)}
+    adapter = backend.watch.trains_adapter(path)
     p = snap.progress
     text = f"Talking to run **{snap.info.name}** — {p.state}, step {p.step}{f' / {p.total}' if p.total else ''}."
     if not snap.info.alive:
         text += " It has ended, so it cannot answer any more; start or reattach a run that is going."
-    return text, gr.update(interactive=adapter, value=False if not adapter else gr.skip())
+    return {about: text, compare: gr.update(interactive=adapter, value=False) if not adapter
+            else gr.update(interactive=True)}
 
 
 def _text(content: Any) -> str:
@@ -99,7 +114,7 @@ def _messages(chat: list, text: str, with_history: bool) -> list[dict]:
     return turns + [{"role": "user", "content": text}]
 
 
-def _respond(backend: Backend, text: str, chat: list, base_chat: list, path: str | None,
+def _respond(backend: Backend, view: ChatView, text: str, chat: list, base_chat: list, path: str | None,
              max_new: int, temperature: float, top_p: float, top_k: Any, repetition: float,
              with_history: bool, compare: bool):
     text = (text or "").strip()
@@ -110,19 +125,19 @@ def _respond(backend: Backend, text: str, chat: list, base_chat: list, path: str
     chat += [{"role": "user", "content": text}, {"role": "assistant", "content": "… waiting for the next step boundary"}]
     if compare:
         base_chat += [{"role": "user", "content": text}, {"role": "assistant", "content": "…"}]
-    yield "", chat, base_chat, gr.skip()
+    yield {view.message: "", view.live: chat, view.base: base_chat}
     params = dict(max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
                   top_k=int(top_k or 0), repetition_penalty=float(repetition))
     try:
-        for update in backend.chat(path, messages, compare_base=compare, **params):
+        for update in backend.session.chat(path, messages, compare_base=compare, **params):
             chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, "live weights")}
             if compare:
                 base_text = update.base or ("" if not update.done else update.note or "")
                 base_chat[-1] = {"role": "assistant", "content": _tagged(base_text, update.step, "adapter off")}
-            yield "", chat, base_chat, gr.skip()
-    except BackendError as e:
+            yield {view.live: chat, view.base: base_chat}
+    except SessionError as e:
         chat[-1] = {"role": "assistant", "content": f"⚠ {e}"}
-        yield "", chat, base_chat, gr.skip()
+        yield {view.live: chat, view.base: base_chat}
 
 
 def _tagged(text: str, step: int | None, what: str) -> str:

@@ -8,7 +8,8 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from app.web.backend import Backend, BackendError
+from app.session import SessionError
+from app.web.backend import Backend
 from app.web.widgets import readable
 
 COLUMNS = ["name", "kind", "step", "loss", "eval metrics", "size", "complete", "path"]
@@ -30,13 +31,13 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
         merge = gr.Button("Merge LoRA and export", elem_id="ckpt-merge")
     result = gr.Markdown("", elem_id="ckpt-result")
 
-    def listing(path: str | None):
-        return _listing(backend, path)
+    def listing(path: str | None) -> dict:
+        return _listing(backend, path, about, table, chosen)
 
     refresh = dict(fn=listing, inputs=run_state, outputs=[about, table, chosen], api_visibility="private",
                    show_progress="hidden")
     refresh_btn.click(**refresh)
-    resume.click(readable(lambda path, src: _resume(backend, path, src)), inputs=[run_state, chosen],
+    resume.click(readable(lambda path, src: _resume(backend, path, src, run_state, tabs)), inputs=[run_state, chosen],
                  outputs=[run_state, tabs], api_visibility="private")
     export.click(readable(lambda src, dst: _export(backend, src, dst, False)), inputs=[chosen, target],
                  outputs=result, api_visibility="private")
@@ -45,12 +46,13 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
     return refresh
 
 
-def _listing(backend: Backend, path: str | None):
+def _listing(backend: Backend, path: str | None, about: gr.Markdown, table: gr.Dataframe,
+             chosen: gr.Dropdown) -> dict:
     try:
-        path = backend.resolve(path)
-        saved = backend.saved(path)
-    except BackendError as e:
-        return str(e), pd.DataFrame(columns=COLUMNS), gr.update(choices=[], value=None)
+        path = backend.session.resolve(path)
+        saved = backend.store.saved(path)
+    except SessionError as e:
+        return {about: str(e), table: pd.DataFrame(columns=COLUMNS), chosen: gr.update(choices=[], value=None)}
     rows = []
     for item, metrics in saved:
         evals = ", ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/"))
@@ -59,21 +61,23 @@ def _listing(backend: Backend, path: str | None):
                      f"{loss:.4f}" if loss is not None else "", evals, item.size,
                      "yes" if item.complete else "no (being written or broken)", item.path])
     name = Path(path).name
-    about = (f"Saved by run **{name}**: {len(rows)} item{'s' * (len(rows) != 1)}." if rows else
+    text = (f"Saved by run **{name}**: {len(rows)} item{'s' * (len(rows) != 1)}." if rows else
              f"Run **{name}** has saved nothing yet (use *Save now* on the Train tab, or "
              "`checkpoint.every_n_steps`).")
     choices = [(f"{r[0]} ({r[1]}{', step ' + str(r[2]) if r[2] != '' else ''})", r[7]) for r in rows]
-    return about, pd.DataFrame(rows, columns=COLUMNS), gr.update(choices=choices, value=choices[0][1] if choices else None)
+    return {about: text, table: pd.DataFrame(rows, columns=COLUMNS),
+            chosen: gr.update(choices=choices, value=choices[0][1] if choices else None)}
 
 
-def _resume(backend: Backend, path: str | None, checkpoint: str | None):
+def _resume(backend: Backend, path: str | None, checkpoint: str | None, run_state: gr.State,
+            tabs: gr.Tabs) -> dict:
     if not checkpoint or Path(checkpoint).parent.name != "checkpoints":
         raise gr.Error("Pick a training checkpoint (not the final model) to resume from.", print_exception=False)
-    info = backend.resume_from(path, checkpoint)
+    info = backend.store.resume_from(path, checkpoint)
     gr.Info(f"Started {info.name}, continuing from {Path(checkpoint).name}.")
-    return info.path, gr.Tabs(selected="train")
+    return {run_state: info.path, tabs: gr.Tabs(selected="train")}
 
 
 def _export(backend: Backend, source: str | None, target: str, merge: bool) -> str:
-    message = backend.export(source or "", (target or "").strip(), merge_lora=merge)
+    message = backend.store.export(source or "", (target or "").strip(), merge_lora=merge)
     return f"**Done:** {message}"

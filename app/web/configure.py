@@ -4,6 +4,7 @@ validation as the user types, each problem shown under its field, Start disabled
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 import tempfile
@@ -13,13 +14,13 @@ from typing import Any
 
 import gradio as gr
 
+from app.form import DEFAULT_PRESET, Checked, Form
 from app.web.backend import Backend
-from app.web.backend.forms import DEFAULT_PRESET, Checked
-from app.web.backend.preview import describe_data, describe_model
+from app.web.backend.preview import PreviewError, describe_data, describe_model
 from app.web.widgets import problems_html, readable
-from supervisor.launch import launch_command
 from contract.presets import PRESETS
 from contract.run_folder import RunFolder
+from supervisor.launch import launch_command
 
 INSPECTED = {"model.path": "model", "data.train": "data", "data.eval": "data"}
 COLUMNS = 3
@@ -27,9 +28,22 @@ COLUMNS = 3
 
 @dataclass
 class ConfigureTab:
-    inputs: list[gr.components.Component]                 # one per schema field, in schema order
+    fields: dict[str, gr.components.Component]              # field key -> its component, schema order
     start_buttons: list[gr.Button] = field(default_factory=list)
-    validation: Any = None                                 # the "check" outputs wiring, set by wire()
+    validation: Any = None                                 # the "check" outputs wiring, set by build()
+
+    @property
+    def inputs(self) -> set[gr.components.Component]:
+        """Every field's component, as a set: a handler given it gets {component: value}."""
+        return set(self.fields.values())
+
+    def values(self, given: dict) -> dict[str, Any]:
+        """The form's values by field key, from what Gradio hands a handler of `inputs`."""
+        return {key: given[component] for key, component in self.fields.items()}
+
+    def show(self, values: dict[str, Any]) -> dict:
+        """Outputs that put `values` (by field key) into the fields."""
+        return {self.fields[key]: value for key, value in values.items() if key in self.fields}
 
 
 def slug(key: str) -> str:
@@ -80,14 +94,14 @@ def _step(default: Any) -> float:
     return 0.01
 
 
-def _section(form, fields: list[dict], values: list, first: Checked, inputs: list, notes: dict) -> None:
+def _section(fields: list[dict], values: dict[str, Any], first: Checked, inputs: dict, notes: dict) -> None:
     """One section's fields, COLUMNS to a row (the row is the widgets' only wrapper: fewer
     components make the page load faster)."""
     for row in range(0, len(fields), COLUMNS):
         chunk = fields[row:row + COLUMNS]
         with gr.Row():
             for f in chunk:
-                inputs.append(_component(f, values[form.keys.index(f["key"])], first.by_field.get(f["key"], [])))
+                inputs[f["key"]] = _component(f, values[f["key"]], first.by_field.get(f["key"], []))
             for _ in range(COLUMNS - len(chunk)):  # a short last row keeps the column widths
                 gr.HTML("")
         for f in chunk:
@@ -107,13 +121,14 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
         save = gr.DownloadButton("Save YAML", value=_yaml_file(form.to_yaml(values)), scale=1, elem_id="cfg-save")
         start = gr.Button("Start training", variant="primary", interactive=first.ok, scale=2, elem_id="cfg-start")
     summary = gr.HTML(problems_html(_all_problems(form, first)), elem_id="cfg-summary")
-    inputs, notes = [], {}
+    fields: dict[str, gr.components.Component] = {}
+    notes: dict[str, gr.Markdown] = {}
     # one sub-tab per section: the browser draws a tab's fields only when it is opened, which
     # keeps the page quick to load (the summary above names every problem, wherever it is)
     with gr.Tabs(elem_id="cfg-sections"):
-        for group, title, fields in form.groups():
+        for group, title, group_fields in form.groups():
             with gr.Tab(title, id=f"cfg-{group}", elem_id=f"cfg-group-{group}"):
-                _section(form, fields, values, first, inputs, notes)
+                _section(group_fields, values, first, fields, notes)
     with gr.Accordion("Preview: resolved run config, DeepSpeed config, launch command", open=False,
                       elem_id="cfg-preview") as preview_acc:
         with gr.Row():
@@ -125,68 +140,67 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
                           interactive=False, elem_id="cfg-command")
         ds_button = gr.Button("Resolve the DeepSpeed config", size="sm", elem_id="cfg-ds-button")
 
-    tab = ConfigureTab(inputs, [start])
+    tab = ConfigureTab(fields, [start])
     shown = gr.State(first.by_field)  # the problems this page shows under its fields
 
-    def check(before: dict, *vals: Any):
-        checked = form.check(list(vals))
+    def check(given: dict) -> dict:
+        values = tab.values(given)
+        checked = form.check(values)
+        before = given[shown]
         # only the fields whose problems changed are sent: a field being typed in stays as it is
-        marks = [gr.update(**_help(f, checked.by_field.get(f["key"], [])))
-                 if checked.by_field.get(f["key"]) != before.get(f["key"]) else gr.skip()
-                 for f in form.fields]
-        start_state = [gr.update(interactive=checked.ok) for _ in tab.start_buttons]
-        return (checked.by_field, *marks, problems_html(_all_problems(form, checked)), *start_state,
-                checked.config.to_yaml() if checked.ok else "# fix the problems above first",
-                _command(backend, checked), _yaml_file(form.to_yaml(list(vals))))
-
-    def outputs() -> list:
-        return [shown, *inputs, summary, *tab.start_buttons, resolved, command, save]
+        marks = {fields[f["key"]]: gr.update(**_help(f, checked.by_field.get(f["key"], [])))
+                 for f in form.fields if checked.by_field.get(f["key"]) != before.get(f["key"])}
+        return {shown: checked.by_field, **marks,
+                summary: problems_html(_all_problems(form, checked)),
+                **{b: gr.update(interactive=checked.ok) for b in tab.start_buttons},
+                resolved: checked.config.to_yaml() if checked.ok else "# fix the problems above first",
+                command: _command(backend, checked), save: _yaml_file(form.to_yaml(values))}
 
     def wire_validation() -> None:
-        gr.on([c.change for c in inputs], check, inputs=[shown, *inputs], outputs=outputs(),
-              trigger_mode="always_last", show_progress="hidden", api_visibility="private")
+        outputs = [shown, *fields.values(), summary, *tab.start_buttons, resolved, command, save]
+        gr.on([c.change for c in fields.values()], check, inputs={shown, *fields.values()},
+              outputs=outputs, trigger_mode="always_last", show_progress="hidden", api_visibility="private")
 
     tab.validation = wire_validation  # wired by the app once every Start button exists
 
-    preset.input(readable(form.preset_values), inputs=preset, outputs=inputs, api_visibility="private")
-    load.upload(readable(lambda path: _load_yaml(form, path)), inputs=load, outputs=inputs,
-                api_visibility="private")
-    ds_button.click(readable(lambda *v: _deepspeed(backend, list(v))), inputs=inputs, outputs=ds_json,
-                    api_visibility="private")
-    preview_acc.expand(readable(lambda *v: _deepspeed(backend, list(v))), inputs=inputs, outputs=ds_json,
-                       api_visibility="private")
+    preset.input(readable(lambda name: tab.show(form.preset_values(name))), inputs=preset,
+                 outputs=list(fields.values()), api_visibility="private")
+    load.upload(readable(lambda path: tab.show(_load_yaml(form, path))), inputs=load,
+                outputs=list(fields.values()), api_visibility="private")
+    deepspeed = readable(lambda given: _deepspeed(backend, tab.values(given)))
+    ds_button.click(deepspeed, inputs=tab.inputs, outputs=ds_json, api_visibility="private")
+    preview_acc.expand(deepspeed, inputs=tab.inputs, outputs=ds_json, api_visibility="private")
     for key, note in notes.items():
-        component = inputs[form.keys.index(key)]
-        fmt = inputs[form.keys.index("data.format")]
+        component, fmt = fields[key], fields["data.format"]
         component.change(readable(lambda path, f, k=key: _inspect(backend, k, path, f)),
                          inputs=[component, fmt], outputs=note, trigger_mode="always_last",
                          show_progress="minimal", api_visibility="private")
-    start.click(readable(lambda *v: start_run(backend, list(v))), inputs=inputs,
-                outputs=[run_state, tabs], api_visibility="private")
+    start.click(readable(lambda given: start_run(backend, tab.values(given), run_state, tabs)),
+                inputs=tab.inputs, outputs=[run_state, tabs], api_visibility="private")
     return tab
 
 
-def start_run(backend: Backend, values: list[Any]):
+def start_run(backend: Backend, values: dict[str, Any], run_state: gr.State, tabs: gr.Tabs) -> dict:
     """Start button: validate, start, then show the Train tab following the new run."""
     checked = backend.form.check(values)
-    if not checked.ok:
+    if checked.config is None:
         raise gr.Error("The config has problems; fix them first:\n" + "\n".join(_all_problems(backend.form, checked)),
                        print_exception=False)
-    info = backend.start(checked.config)
+    info = backend.session.start(checked.config)
     gr.Info(f"Started {info.name}; the ranks are starting up.")
-    return info.path, gr.Tabs(selected="train")
+    return {run_state: info.path, tabs: gr.Tabs(selected="train")}
 
 
-def _all_problems(form, checked: Checked) -> list[str]:
+def _all_problems(form: Form, checked: Checked) -> list[str]:
     """Every problem, with the section (sub-tab) of the field it names."""
     titles = {f["key"]: title for _, title, fields in form.groups() for f in fields}
     return [f"{titles.get(form.owner(k) or '', 'Config')} › {k}: {m}" for k, m in checked.problems]
 
 
 def _command(backend: Backend, checked: Checked) -> str:
-    if not checked.ok:
-        return "# fix the problems above first"
     cfg = checked.config
+    if cfg is None:
+        return "# fix the problems above first"
     name = cfg.logging.run_name or "<run name>"
     folder = RunFolder(Path(cfg.logging.output_dir or backend.output_dir) / name)
     return shlex.join(launch_command(cfg, folder))
@@ -200,7 +214,7 @@ def _yaml_file(text: str) -> str:
     return f.name
 
 
-def _load_yaml(form, path: str) -> list[Any]:
+def _load_yaml(form: Form, path: str) -> dict[str, Any]:
     try:
         values, notes = form.load_yaml(Path(path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -212,12 +226,14 @@ def _load_yaml(form, path: str) -> list[Any]:
     return values
 
 
-def _deepspeed(backend: Backend, values: list[Any]) -> str:
-    import json
+def _deepspeed(backend: Backend, values: dict[str, Any]) -> str:
     checked = backend.form.check(values)
-    if not checked.ok:
+    if checked.config is None:
         return "// fix the config's problems first"
-    answer = backend.preview_deepspeed(checked.config)
+    try:
+        answer = backend.preview.deepspeed(checked.config.to_dict())
+    except PreviewError as e:
+        return f"// {e}"
     if not answer.get("ok"):
         return "// " + "\n// ".join(str(answer.get("error", "failed")).splitlines())
     head = f"// precision {answer['precision']}, {answer['total_steps']} steps"
@@ -240,6 +256,9 @@ def _inspect(backend: Backend, key: str, path: str, fmt: str) -> str:
         return _idle_note(key)
     if not Path(path).exists():
         return f"**Cannot use it:** no such {'folder' if key == 'model.path' else 'file or folder'}: `{path}`"
-    if INSPECTED[key] == "model":
-        return describe_model(backend.inspect_model(path))
-    return describe_data(backend.inspect_data(path, fmt or "auto"))
+    try:
+        if INSPECTED[key] == "model":
+            return describe_model(backend.preview.model(path))
+        return describe_data(backend.preview.data(path, fmt or "auto"))
+    except PreviewError as e:
+        return f"**Cannot look at it now:** {e}"

@@ -4,11 +4,13 @@ plots and config (the Train tab follows it too); reattach to one still going."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import gradio as gr
 import pandas as pd
 
-from app.web.backend import Backend, BackendError
+from app.session import SessionError
+from app.web.backend import Backend
 from app.web.widgets import Plots, duration, make_plots, readable
 
 COLUMNS = ["run", "state", "step", "loss", "eval metrics", "started", "duration", "path"]
@@ -27,19 +29,31 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
     config = gr.Code("", language="yaml", label="Config", lines=14, max_lines=24, interactive=False,
                      elem_id="runs-config")
 
-    refresh = dict(fn=lambda path: _listing(backend, path), inputs=run_state, outputs=[table, chosen],
+    view = RunsView(run_state, tabs, table, chosen, summary, plots, config)
+    refresh = dict(fn=lambda path: _listing(backend, view, path), inputs=run_state, outputs=[table, chosen],
                    api_visibility="private", show_progress="hidden")
     refresh_btn.click(**refresh)
-    opened = [summary, *plots.components(), config]
-    open_btn.click(readable(lambda name: _open(backend, name, plots)), inputs=chosen, outputs=[run_state, *opened],
+    opened = [run_state, summary, *plots.components(), config]
+    open_btn.click(readable(lambda name: _open(backend, view, name)), inputs=chosen, outputs=opened,
                    api_visibility="private")
-    attach_btn.click(readable(lambda name: _attach(backend, name)), inputs=chosen,
+    attach_btn.click(readable(lambda name: _attach(backend, view, name)), inputs=chosen,
                      outputs=[run_state, tabs], api_visibility="private")
     return refresh
 
 
-def _listing(backend: Backend, path: str | None):
-    infos = backend.runs()
+@dataclass
+class RunsView:
+    run_state: gr.State
+    tabs: gr.Tabs
+    table: gr.Dataframe
+    chosen: gr.Dropdown
+    summary: gr.Markdown
+    plots: Plots
+    config: gr.Code
+
+
+def _listing(backend: Backend, view: RunsView, path: str | None) -> dict:
+    infos = backend.session.runs()
     rows = []
     for i in infos:
         loss = i.metrics.get("loss")
@@ -52,14 +66,15 @@ def _listing(backend: Backend, path: str | None):
                      f"{loss:.4f}" if loss is not None else "", evals, started, duration(took), i.path])
     choices = [(f"{i.name} ({i.state})", i.path) for i in infos]
     selected = path if path in {c[1] for c in choices} else (choices[0][1] if choices else None)
-    return pd.DataFrame(rows, columns=COLUMNS), gr.update(choices=choices, value=selected)
+    return {view.table: pd.DataFrame(rows, columns=COLUMNS),
+            view.chosen: gr.update(choices=choices, value=selected)}
 
 
-def _open(backend: Backend, path: str | None, plots: Plots):
+def _open(backend: Backend, view: RunsView, path: str | None) -> dict:
     if not path:
         raise gr.Error("Pick a run first.", print_exception=False)
-    snap = backend.snapshot(path)
-    frames = backend.frames(snap.path)
+    snap = backend.watch.snapshot(path)
+    frames = backend.watch.frames(snap.path)
     p, info = snap.progress, snap.info
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in info.metrics.items() if k in ("loss",) or k.startswith("eval/"))
     text = (f"**{info.name}** — {info.state}, step {p.step}{f' / {p.total}' if p.total else ''}, "
@@ -68,15 +83,16 @@ def _open(backend: Backend, path: str | None, plots: Plots):
         text += f"\n\n**Failed:** {info.error}"
     text += "\n\nThe Train, Chat and Checkpoints tabs now show this run."
     try:
-        config = backend.config_text(snap.path)
-    except BackendError as e:
+        config = backend.watch.config_text(snap.path)
+    except SessionError as e:
         config = f"# {e}"
-    return snap.path, text, *plots.updates(frames), config
+    return {view.run_state: snap.path, view.summary: text, view.config: config,
+            **dict(zip(view.plots.components(), view.plots.updates(frames)))}
 
 
-def _attach(backend: Backend, path: str | None):
+def _attach(backend: Backend, view: RunsView, path: str | None) -> dict:
     if not path:
         raise gr.Error("Pick a run first.", print_exception=False)
-    info = backend.attach(path)
+    info = backend.session.attach(path)
     gr.Info(f"Reattached to {info.name} ({info.state}).")
-    return info.path, gr.Tabs(selected="train")
+    return {view.run_state: info.path, view.tabs: gr.Tabs(selected="train")}

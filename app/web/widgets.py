@@ -12,8 +12,10 @@ from typing import Any, Callable
 
 import gradio as gr
 
+from app.session import SessionError
+from app.web.backend.watch import Snapshot
+from contract.config import ConfigError
 from supervisor import Failure
-from app.web.backend import BackendError, Snapshot
 
 STATE_COLORS = {"starting": "#6b7280", "running": "#059669", "paused": "#d97706",
                 "stopping": "#7c3aed", "finished": "#2563eb", "failed": "#dc2626"}
@@ -37,8 +39,8 @@ footer { display: none !important; }
 
 
 def readable(fn: Callable) -> Callable:
-    """Wrap an event handler so a BackendError (or any other failure) reaches the user as a
-    readable message box (gr.Error), never as a stack trace; generators too."""
+    """Wrap an event handler so a SessionError or ConfigError (or any other failure) reaches the
+    user as a readable message box (gr.Error), never as a stack trace; generators too."""
     if inspect.isgeneratorfunction(fn):
         @functools.wraps(fn)
         def gen_wrapper(*args: Any, **kwargs: Any):
@@ -46,7 +48,7 @@ def readable(fn: Callable) -> Callable:
                 yield from fn(*args, **kwargs)
             except gr.Error:
                 raise
-            except BackendError as e:
+            except (SessionError, ConfigError) as e:
                 raise gr.Error(str(e), print_exception=False) from None
             except Exception as e:  # noqa: BLE001 - whatever it is, the page says so in words
                 raise gr.Error(f"{type(e).__name__}: {e}", print_exception=False) from None
@@ -58,7 +60,7 @@ def readable(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except gr.Error:
             raise
-        except BackendError as e:
+        except (SessionError, ConfigError) as e:
             raise gr.Error(str(e), print_exception=False) from None
         except Exception as e:  # noqa: BLE001
             raise gr.Error(f"{type(e).__name__}: {e}", print_exception=False) from None

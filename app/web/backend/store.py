@@ -11,9 +11,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.config import RunConfig, load_config
-from supervisor.launch import REPO_ROOT
+from app.session import Session, SessionError
+from app.web.backend.watch import Watch
+from contract.config import ConfigError, RunConfig, load_config
 from contract.run_folder import RunFolder
+from supervisor.launch import REPO_ROOT
 
 EXPORT_TIMEOUT_S = 900.0
 # engine/checkpoint/atomic.py's names (not imported: that package loads torch): a save writes
@@ -104,3 +106,40 @@ def export(source: str, target: str, merge_lora: bool = False, python: str = sys
         raise RuntimeError(errors[-1] if errors else "the export failed:\n" + "\n".join(output.splitlines()[-12:]))
     said = done.stdout.strip().splitlines()  # the command's last line says what it wrote
     return said[-1] if said else f"exported to {target}"
+
+
+class Store:
+    """The Checkpoints tab's jobs on the runs of `session` (metrics from `watch`'s views)."""
+
+    def __init__(self, session: Session, watch: Watch):
+        self.session, self.watch = session, watch
+
+    def saved(self, ref: str | None) -> list[tuple[Saved, dict[str, float]]]:
+        """What the run saved, each with the metrics logged at its step."""
+        path = self.session.resolve(ref)
+        view = self.watch.view(path)
+        view.poll()
+        return [(s, view.metrics_at(s.step) if s.step is not None else {})
+                for s in list_saved(RunFolder(Path(path)))]
+
+    def resume_from(self, ref: str | None, checkpoint: str):
+        """A new run continuing exactly from `checkpoint` of run `ref`; returns its RunInfo."""
+        path = self.session.resolve(ref)
+        if not checkpoint or not Path(checkpoint).is_dir():
+            raise SessionError("pick a training checkpoint of this run first")
+        try:
+            cfg = resume_config(RunFolder(Path(path)), checkpoint)
+        except ConfigError as e:
+            raise SessionError(str(e)) from None
+        return self.session.start(cfg)
+
+    def export(self, source: str, target: str, merge_lora: bool = False) -> str:
+        """Export a checkpoint, model or adapter into the new folder `target` (see `export`)."""
+        if not source or not Path(source).exists():
+            raise SessionError("pick a checkpoint, model or adapter first")
+        if not target:
+            raise SessionError("give a folder to export into")
+        try:
+            return export(source, target, merge_lora)
+        except RuntimeError as e:
+            raise SessionError(str(e)) from None

@@ -1,0 +1,337 @@
+"""The one session object every front end drives: which runs there are, which one is current,
+and starting, attaching, commanding, chatting with and stopping them.
+
+    session = Session("runs")
+    info = session.start(cfg)                       # its own process group; the current run
+    session.send(None, Pause())                     # None: the current run
+    for update in session.chat(None, [{"role": "user", "content": "reverse: abc"}]): ...
+    session.stop(None)                              # Stop()'s default: save first
+
+The web app's Backend and the notebook's `Run` both sit on it, so a command, the commands a
+state allows and what Stop means cannot differ between them. It is built on the shared
+`supervisor.RunManager` (start, watch, stop a process group) and `supervisor.client.RunClient`
+(one connection to a run's control socket), and talks in the contract's typed commands
+(`contract.protocol`). Every failure is raised as `SessionError`, with a sentence a user can act on.
+Torch-free, Gradio-free, ipywidgets-free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from contract.config import RunConfig
+from contract.protocol import (COMMANDS, Command, Generate, ProtocolError, RunState, Stop,
+                               allowed_commands)
+from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, stopping
+from supervisor.client import CommandError, Generation, RunClient, RunGone
+
+COMMAND_TIMEOUT_S = 120.0  # a command waits for the next step boundary (an evaluation may be running)
+INFO_TTL_S = 0.5           # several pages polling one run share one look at its processes
+STOP_SAVES: bool = Stop().save  # what Stop means when the user says nothing more: the contract's default
+
+
+class SessionError(RuntimeError):
+    """Something the user asked for cannot be done; the message says why."""
+
+
+@dataclass(frozen=True)
+class ChatUpdate:
+    """A streamed answer so far; `step` is set once it is complete (the step it came from)."""
+    text: str
+    base: str | None
+    step: int | None
+    note: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.step is not None
+
+
+def allowed(state: str | None) -> frozenset[str]:
+    """The commands a run in `state` takes (none for no run or an unknown state): the contract's
+    table, which every front end's buttons follow."""
+    try:
+        return allowed_commands(state) if state else frozenset()
+    except ValueError:
+        return frozenset()
+
+
+class Session:
+    """The runs under `output_dir` (and under any other folder a config names), and the current
+    one. Thread-safe: pages, widgets and their threads share one session."""
+
+    def __init__(self, output_dir: str | Path, run_env: dict[str, str] | None = None,
+                 hang_timeout: float = 300.0):
+        self.output_dir = Path(output_dir).resolve()
+        self.run_env = dict(run_env or {})
+        self.hang_timeout = hang_timeout
+        self._lock = threading.RLock()
+        self._managers: dict[Path, RunManager] = {}
+        self._clients: dict[str, RunClient] = {}
+        self._infos: dict[str, tuple[float, RunInfo]] = {}
+        self._stops: dict[str, threading.Thread] = {}
+        self._stop_errors: dict[str, str] = {}
+        self._current: str | None = None
+        self.manager(self.output_dir)
+
+    def close(self) -> None:
+        """Stop watching and close connections (the runs themselves go on)."""
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+            for manager in self._managers.values():
+                manager.close()
+
+    # -- which run ----------------------------------------------------------------------------
+    def manager(self, output_dir: str | Path | None = None) -> RunManager:
+        """The one RunManager of `output_dir` (default: the session's), watching its runs for
+        dead or hung ranks."""
+        folder = Path(output_dir or self.output_dir).resolve()
+        with self._lock:
+            if folder not in self._managers:
+                manager = RunManager(folder, hang_timeout=self.hang_timeout)
+                manager.start_monitor()
+                self._managers[folder] = manager
+            return self._managers[folder]
+
+    def resolve(self, ref: str | Path | None) -> str:
+        """The folder of the run `ref` names: a run folder path, a run name under the output
+        folder, or None / empty for the current run (see `default_run`)."""
+        if not ref:
+            found = self.default_run()
+            if found is None:
+                raise SessionError("there is no run yet: configure one and press Start")
+            return found
+        path = Path(ref)
+        if not path.is_absolute():
+            path = self.output_dir / ref if not (path / "events.jsonl").exists() else path
+        path = path.resolve()
+        if not (path / "events.jsonl").exists() and not (path / "launcher.pid").exists():
+            names = ", ".join(i.name for i in self.runs()[:10]) or "none"
+            raise SessionError(f"no run {str(ref)!r} in {self.output_dir} (runs: {names})")
+        return str(path)
+
+    def default_run(self) -> str | None:
+        """The current run: the one this session started or attached last while it is alive,
+        else the newest run still going, else the newest run."""
+        with self._lock:
+            current = self._current
+        if current and self.info(current).alive:
+            return current
+        runs = self.runs()
+        alive = [i for i in runs if i.alive]
+        chosen = alive[0] if alive else (runs[0] if runs else None)
+        return chosen.path if chosen else current
+
+    def handle(self, path: str | Path) -> RunHandle:
+        folder = Path(path)
+        return self.manager(folder.parent).get(folder.name)
+
+    def info(self, path: str, fresh: bool = False) -> RunInfo:
+        """The run as its manager sees it (its processes and its log), looked at once per
+        INFO_TTL_S whoever asks, or now with `fresh`."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._infos.get(path)
+        if cached and not fresh and now - cached[0] < INFO_TTL_S:
+            return cached[1]
+        try:
+            info = self.handle(path).info()
+        except RunError as e:
+            raise SessionError(str(e)) from None
+        with self._lock:
+            self._infos[path] = (now, info)
+        return info
+
+    def failure(self, path: str) -> Failure | None:
+        """Why the run failed (rank and last log lines), or None."""
+        return self.handle(path).failure()
+
+    def runs(self, output_dir: str | Path | None = None) -> list[RunInfo]:
+        """Every run of `output_dir`, or (None) of every folder this session has used; newest first."""
+        if output_dir is not None:
+            return self.manager(output_dir).list_runs()
+        with self._lock:
+            managers = list(self._managers.values())
+        infos = [i for m in managers for i in m.list_runs()]
+        return sorted(infos, key=lambda i: i.start_time or 0.0, reverse=True)
+
+    # -- starting -------------------------------------------------------------------------------
+    def start(self, cfg: RunConfig, output_dir: str | Path | None = None,
+              env: dict[str, str] | None = None) -> RunInfo:
+        """Start a run of `cfg` in its own process group, in `output_dir` (default: the config's
+        logging.output_dir); it becomes the current run."""
+        manager = self.manager(output_dir or cfg.logging.output_dir or self.output_dir)
+        try:
+            handle = manager.start(cfg, env={**self.run_env, **(env or {})} or None)
+        except (RunError, OSError) as e:
+            raise SessionError(f"the run could not be started: {e}") from None
+        path = str(handle.folder.root)
+        with self._lock:
+            self._current = path
+        return self.info(path, fresh=True)
+
+    def attach(self, ref: str | Path) -> RunInfo:
+        """Take a run (started by an earlier app, a notebook, a terminal) as the current run."""
+        path = self.resolve(ref)
+        folder = Path(path)
+        try:
+            self.manager(folder.parent).attach(folder.name)
+        except RunError as e:
+            raise SessionError(str(e)) from None
+        with self._lock:
+            self._current = path
+        return self.info(path, fresh=True)
+
+    # -- commands -------------------------------------------------------------------------------
+    def client(self, path: str, timeout: float = 10.0) -> RunClient:
+        """The run's control connection, shared by every caller; waits up to `timeout` s for a
+        starting run's server."""
+        with self._lock:
+            client = self._clients.get(path)
+        if client is not None:
+            return client
+        info = self.info(path)
+        if not info.alive:
+            raise SessionError(f"run {info.name} is {info.state}; it takes no commands")
+        try:
+            client = RunClient.connect(path, timeout=timeout)
+        except (RunGone, OSError, TimeoutError) as e:
+            starting = info.state == RunState.STARTING
+            raise SessionError(f"run {info.name} is still starting; try again in a few seconds"
+                               if starting else f"cannot reach run {info.name}: {e}") from None
+        with self._lock:
+            self._clients[path] = client
+        return client
+
+    def forget_client(self, path: str) -> None:
+        """Close the run's connection (the next command opens a new one)."""
+        with self._lock:
+            client = self._clients.pop(path, None)
+        if client is not None:
+            client.close()
+
+    def send(self, ref: str | Path | None, command: Command, timeout: float = COMMAND_TIMEOUT_S,
+             connect_timeout: float = 10.0) -> dict:
+        """Send a typed command (Pause(), Set(lr=1e-4) ...) to the run `ref` names and return its
+        answer: at its next step boundary (status at once). Stop goes through `stop`."""
+        if isinstance(command, Stop):
+            raise SessionError("stop a run with Session.stop, which also ends its processes")
+        path = self.resolve(ref)
+        try:
+            return self.client(path, connect_timeout).command(command.name, timeout=timeout,
+                                                              **command.args())
+        except CommandError as e:
+            raise SessionError(f"{command.name} refused: {e}") from None
+        except TimeoutError:
+            raise SessionError(f"{command.name}: no answer from the run within {timeout:g} s") from None
+        except (RunGone, OSError) as e:
+            self.forget_client(path)
+            raise SessionError(f"{command.name}: the run is not reachable ({e})") from None
+
+    def command(self, ref: str | Path | None, name: str, **args: Any) -> dict:
+        """`send` by wire name and arguments (`command(None, "set", lr=1e-4)`); bad arguments
+        are a SessionError naming them."""
+        if name not in COMMANDS:
+            raise SessionError(f"unknown command {name!r}; commands: {', '.join(COMMANDS)}")
+        try:
+            command = COMMANDS[name].from_args(args)
+        except ProtocolError as e:
+            raise SessionError(str(e)) from None
+        return self.send(ref, command)
+
+    # -- stopping -------------------------------------------------------------------------------
+    def stop(self, ref: str | Path | None, save: bool = STOP_SAVES, wait: bool = False,
+             timeout: float = 60.0) -> RunInfo:
+        """Stop a run at its next step boundary, saving first unless `save` is False (the
+        contract's Stop default); then every rank and the launcher end. Without `wait` the stop
+        goes on in the background and the run shows as stopping. A second stop while one is
+        going on ends the process group at once, without waiting for the save."""
+        path = self.resolve(ref)
+        info = self.info(path, fresh=True)
+        if not info.alive:
+            raise SessionError(f"run {info.name} is {info.state}; there is nothing to stop")
+        with self._lock:
+            running = self._stops.get(path)
+            again = running is not None and running.is_alive()
+            if not again:
+                running = threading.Thread(target=self._stop, args=(path, save, timeout), daemon=True,
+                                           name=f"stop-{info.name}")
+                self._stops[path] = running
+                running.start()
+        if again:
+            stopping.end_group(self.handle(path).pid, grace_s=5.0)
+        if wait:
+            running.join()
+            with self._lock:
+                error = self._stop_errors.pop(path, None)
+            if error:
+                raise SessionError(error)
+        return self.info(path, fresh=True)
+
+    def _stop(self, path: str, save: bool, timeout: float) -> None:
+        folder = Path(path)
+        try:
+            self.manager(folder.parent).stop(folder.name, save=save, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - kept for the page, which shows it
+            with self._lock:
+                self._stop_errors[path] = f"stopping {folder.name} failed: {e}"
+        finally:
+            self.forget_client(path)
+
+    def stop_error(self, path: str) -> str | None:
+        """Why the last stop of the run failed, if it did."""
+        with self._lock:
+            return self._stop_errors.get(path)
+
+    # -- chat -----------------------------------------------------------------------------------
+    def generate(self, ref: str | Path | None, request: Generate, connect_timeout: float = 60.0) -> Generation:
+        """Stream the live model's answer to a typed request: iterate for the pieces."""
+        path = self.resolve(ref)
+        args = request.args()
+        prompt, messages = args.pop("prompt", None), args.pop("messages", None)
+        return self.client(path, connect_timeout).generate(prompt, messages=messages, **args)
+
+    def chat(self, ref: str | Path | None, messages: list[dict], compare_base: bool = False,
+             **params: Any) -> Iterator[ChatUpdate]:
+        """Stream the live model's answer to a chat (its tokenizer's chat template; a raw prompt
+        of the last message when it has none), and with `compare_base` the base model's too."""
+        path = self.resolve(ref)
+        if not messages or not str(messages[-1].get("content", "")).strip():
+            raise SessionError("type a message first")
+        params = {k: v for k, v in params.items() if v is not None}
+        try:
+            request = Generate(messages=messages, compare_base=compare_base, **params)
+        except (ProtocolError, TypeError) as e:
+            raise SessionError(str(e)) from None
+        try:
+            yield from _stream(self.generate(path, request), compare_base)
+        except CommandError as e:
+            if "no chat template" not in str(e):
+                raise SessionError(f"the run could not answer: {e}") from None
+            raw = Generate(prompt=messages[-1]["content"], compare_base=compare_base, **params)
+            try:
+                yield from _stream(self.generate(path, raw), compare_base)
+            except CommandError as e2:
+                raise SessionError(f"the run could not answer: {e2}") from None
+        except (RunGone, OSError) as e:
+            self.forget_client(path)
+            raise SessionError(f"the run is not reachable ({e})") from None
+
+
+def _stream(generation: Generation, compare_base: bool) -> Iterator[ChatUpdate]:
+    text, base = "", ""
+    for chunk in generation:
+        if chunk.model == "base":
+            base += chunk
+        else:
+            text += chunk
+        yield ChatUpdate(text, base if compare_base else None, None)
+    result = generation.result or {}
+    yield ChatUpdate(result.get("text", text), result.get("base") if compare_base else None,
+                     int(result.get("step", 0)), result.get("note"))
