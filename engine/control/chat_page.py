@@ -129,7 +129,7 @@ class _PageHandler(BaseHTTPRequestHandler):
     def _submit(self, cmd: str, args: dict) -> "queue.Queue[dict]":
         answers: queue.Queue[dict] = queue.Queue()
         req_id, command = parse_command({"id": f"page-{next(self.server.ids)}", "cmd": cmd, "args": args})
-        self.server.control.submit(req_id, command.name, command.args(), answers.put)
+        self.server.control.submit(req_id, command, answers.put)
         return answers
 
     def _generate(self, args: dict) -> None:

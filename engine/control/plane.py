@@ -25,7 +25,8 @@ from engine.control.boundary import Boundary
 from engine.control.chat_page import ChatPage
 from engine.control.handlers import CommandRefused, HANDLERS
 from engine.control.pending import CommandQueue, Pending
-from engine.control.server import ControlServer
+from engine.control.run import ControlledRun
+from engine.control.server import ControlServer, PromptLimit
 from engine.control.settings import LiveSettings
 
 # while paused: the longest the other ranks wait in one broadcast (far below any gloo / nccl
@@ -34,7 +35,9 @@ HEARTBEAT_S = float(os.environ.get("LIVETUNE_HEARTBEAT_S", "5"))
 
 
 class Control:
-    def __init__(self, trainer, chat_page: bool = False):
+    """The control plane of one run (every rank builds one; rank 0's also serves the socket)."""
+
+    def __init__(self, trainer: ControlledRun, chat_page: bool = False):
         self.trainer = trainer
         env = trainer.env
         self.rank, self.world_size = env.rank, env.world_size
@@ -52,8 +55,12 @@ class Control:
         self.page: ChatPage | None = None
         if self.rank == 0:
             cfg = trainer.config.control
+            # a prompt longer than the model's context is refused before it is queued
+            prompts = PromptLimit.of(trainer.engine.module, trainer.tokenizer, handlers.prompt_text,
+                                     lambda: self.settings.generation_params()["max_new_tokens"])
             self.server = ControlServer(trainer.folder, self.commands, self.status_snapshot,
-                                        host=cfg.host, port=cfg.port, on_queued=self._on_queued)
+                                        host=cfg.host, port=cfg.port, on_queued=self._on_queued,
+                                        admit=prompts)
             if trainer.events is not None:
                 trainer.events.subscribe(self._on_event)
             self.server.start()

@@ -1,206 +1,393 @@
-"""The control server: rank 0's socket thread. Torch-free; it never touches the model.
+"""The control server: rank 0's socket listener. Torch-free; it never touches the model.
 
-Each client connection gets a thread that reads newline-delimited JSON (contract.protocol), checks
-the run token (constant-time), validates the command and then either answers at once (`status`,
-`subscribe`) or queues it for the next step boundary, where the training thread executes it on
-every rank. Whatever the training thread sends back (acks, streamed tokens, results) goes through
-the connection's own writer thread, so a slow or vanished client never stalls training.
+One thread runs an asyncio event loop that serves every connection: no thread per client, and
+the training thread never waits on one. Clients send newline-delimited JSON (contract.protocol);
+the server checks the run token (constant-time), validates the command and either answers at once
+(`status`, `subscribe`) or queues it for the next step boundary, where the training thread
+executes it on every rank. Whatever the training thread sends back (acks, streamed tokens,
+results) is handed to the loop (`call_soon_threadsafe`, which never blocks) and buffered there.
+Subscribers are fed from events.jsonl itself, woken on every emit: the line numbers are the
+file's, so a client that resumes at `from_line` gets no gap and no duplicate, and a subscriber
+that reads slowly is simply fed later — the file is its backlog, not rank 0's memory.
 
-Subscribers are fed from events.jsonl itself, woken by the event log on every emit: the line
-numbers are the file's, so a client that resumes at `from_line` gets no gap and no duplicate.
+Limits (module constants; a test may pass others to the constructor):
+
+- MAX_CONNECTIONS = 64 open connections. Past it a new connection gets one error line,
+  "refused: ... connections open", and is closed. LISTEN_BACKLOG = 1024 (bursts of hundreds of
+  connections at once are accepted, then served or refused, never left to the kernel).
+- READ_TIMEOUT_S = 10: a message must arrive whole within 10 s of its first byte; a client that
+  sends half a line and then nothing is told so and disconnected.
+- IDLE_TIMEOUT_S = 300: a connection with no subscription and no command waiting for its answer
+  that sends nothing for 5 minutes is closed (supervisor.client reconnects on its next call).
+- MAX_MESSAGE_BYTES = 1 MiB per message (contract.protocol); larger lines are refused and skipped.
+- MAX_ID_CHARS = 256: the request id is echoed in every answer, so it is kept short.
+- MAX_PENDING = 256 commands queued through this server and not yet answered (all connections
+  together); past it a command is refused at once.
+- Send buffer per client: events are fed only while less than SEND_HIGH_WATER = 256 KiB waits
+  for the client; answers are never held back. A client whose unsent data passes
+  SEND_BUFFER_MAX = 4 MiB, or that has read nothing for STALL_TIMEOUT_S = 30 s while the buffer
+  sat above the high-water mark, is dropped: an error line saying why is its last message
+  (readable for DROP_GRACE_S = 5 s if it starts reading), and the drop is listed in `status`
+  under `control.dropped` (peer, request ids, reason), where it can read it when it reconnects.
+  The kernel's send buffer of each connection is set to KERNEL_SNDBUF = 256 KiB.
+- Hostile messages (malformed JSON or UTF-8, nesting too deep for the parser, numbers too large
+  for a float, unknown fields) are answered with an error, like any other bad message.
+- `close()` (stop, the natural end of a run) waits for no client: it feeds subscribers what is
+  left, gives every connection CLOSE_GRACE_S = 1 s in total to take it, and cuts the rest.
+- `generate` (with `PromptLimit`): a prompt longer than the model's context is refused at once,
+  naming the limit; `max_new_tokens` is capped so prompt + answer fit the context.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import dataclasses
 import hmac
 import json
 import os
-import queue
 import secrets
 import socket
-import socketserver
 import threading
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
-from contract.protocol import MAX_MESSAGE_BYTES, ProtocolError, check_command, decode, encode
+from contract.protocol import MAX_MESSAGE_BYTES, Command, Generate, ProtocolError, Subscribe, decode, encode, parse_command
 from contract.run_folder import RunFolder, write_private_json
 
+MAX_CONNECTIONS = 64
+LISTEN_BACKLOG = 1024
+READ_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 300.0
+MAX_ID_CHARS = 256
+MAX_PENDING = 256
+SEND_HIGH_WATER = 256 * 1024
+SEND_BUFFER_MAX = 4 * 1024 * 1024
+STALL_TIMEOUT_S = 30.0
+DROP_GRACE_S = 5.0
+KERNEL_SNDBUF = 256 * 1024
+CLOSE_GRACE_S = 1.0
+SWEEP_S = 0.25  # how often timeouts are checked (and lines written by other processes fed)
+_FINAL = ("done", "error")
 
-class Connection:
-    """One client socket: a writer thread sends queued messages; `send_now` writes directly
-    (subscription threads, which may block on a slow reader without holding anyone else up)."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.open = True
-        self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._writer = threading.Thread(target=self._write_loop, name="control-writer", daemon=True)
-        self._writer.start()
+class Limits:
+    """The server's limits (defaults: the module constants); tests shorten the timeouts."""
 
-    def enqueue(self, message: dict) -> None:
-        if not self.open:
-            raise ConnectionError("client disconnected")
-        self._out.put(message)
+    def __init__(self, **overrides: float):
+        self.max_connections = int(overrides.pop("max_connections", MAX_CONNECTIONS))
+        self.read_timeout = overrides.pop("read_timeout", READ_TIMEOUT_S)
+        self.idle_timeout = overrides.pop("idle_timeout", IDLE_TIMEOUT_S)
+        self.stall_timeout = overrides.pop("stall_timeout", STALL_TIMEOUT_S)
+        self.send_buffer_max = int(overrides.pop("send_buffer_max", SEND_BUFFER_MAX))
+        self.max_pending = int(overrides.pop("max_pending", MAX_PENDING))
+        if overrides:
+            raise TypeError(f"unknown limits: {', '.join(overrides)}")
 
-    def send_now(self, message: dict) -> None:
-        with self._lock:
-            self.sock.sendall(encode(message))
-
-    def _write_loop(self) -> None:
-        while True:
-            message = self._out.get()
-            if message is None:
-                return
-            try:
-                self.send_now(message)
-            except OSError:
-                self.open = False
-                return
-
-    def close(self) -> None:
-        """Send what is queued, then end the connection (the client sees end of stream)."""
-        self._out.put(None)
-        self._writer.join(timeout=5.0)
-        self.open = False
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+    def as_dict(self) -> dict[str, float]:
+        return {"max_connections": self.max_connections, "read_timeout_s": self.read_timeout,
+                "idle_timeout_s": self.idle_timeout, "stall_timeout_s": self.stall_timeout,
+                "send_buffer_max_bytes": self.send_buffer_max, "send_high_water_bytes": SEND_HIGH_WATER,
+                "max_pending": self.max_pending, "max_message_bytes": MAX_MESSAGE_BYTES}
 
 
 class EventLines:
-    """events.jsonl from line `start` on, as (line number, event); partial last lines wait."""
+    """events.jsonl from line `start` on, read in bounded chunks as (line number, raw line)."""
 
     def __init__(self, path: Path, start: int = 0):
         self.path, self.start, self.line, self.offset = Path(path), start, 0, 0
 
-    def poll(self) -> list[tuple[int, dict]]:
+    def read(self, max_bytes: int = 64 * 1024) -> list[tuple[int, bytes]]:
+        """The complete lines after the last read, about `max_bytes` of them (at least one)."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                chunk = f.read()
+                chunk = f.read(max_bytes)
+                while chunk and b"\n" not in chunk:  # one line longer than max_bytes
+                    more = f.read(max_bytes)
+                    if not more:
+                        break
+                    chunk += more
         except FileNotFoundError:
             return []
-        end = chunk.rfind(b"\n") + 1
+        end = chunk.rfind(b"\n") + 1  # a partly written last line waits for the next read
+        self.offset += end
         out = []
         for raw in chunk[:end].splitlines():
             n, self.line = self.line, self.line + 1
-            if n < self.start:
-                continue
-            try:
-                out.append((n, json.loads(raw)))
-            except json.JSONDecodeError:  # keep the numbering; a broken line is just not sent
-                continue
-        self.offset += end
+            raw = raw.strip()
+            if n >= self.start and raw.startswith(b"{") and raw.endswith(b"}"):
+                out.append((n, raw))  # a broken line keeps its number and is not sent
         return out
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    server: "_TCPServer"
+class Connection(asyncio.Protocol):
+    """One client, served by the event loop. Everything but `enqueue` runs on the loop thread."""
 
-    def handle(self) -> None:
-        conn = Connection(self.connection)
-        control = self.server.control
-        control.connections.add(conn)
-        try:
-            while True:
-                line = self.rfile.readline(MAX_MESSAGE_BYTES + 1)
-                if not line:
-                    return
-                if len(line) > MAX_MESSAGE_BYTES and not line.endswith(b"\n"):
-                    self._skip_rest_of_line()
-                    _send_error(conn, None, f"message larger than {MAX_MESSAGE_BYTES} bytes refused")
-                    continue
-                if line.strip():
-                    control.handle_line(line, conn)
-        except OSError:
-            return
-        finally:
-            conn.open = False
-            control.connections.discard(conn)
+    def __init__(self, server: "ControlServer"):
+        self.server, self.loop = server, server.loop
+        self.transport: asyncio.Transport | None = None
+        self.peer, self.open, self.refused = "?", False, False
+        self.buf, self.skipping, self.partial_since = bytearray(), False, 0.0
+        self.last_heard = self.stalled_since = 0.0
+        self.pending, self.eof = 0, False  # commands sent here and not yet answered; half-closed
+        self.ids: deque[str] = deque(maxlen=4)
+        self.events: EventLines | None = None
 
-    def _skip_rest_of_line(self) -> None:
-        while True:
-            more = self.rfile.readline(1 << 16)
-            if not more or more.endswith(b"\n"):
+    # -- asyncio callbacks -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport, self.last_heard = transport, time.monotonic()
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        self.peer = f"{peer[0]}:{peer[1]}"
+        server = self.server
+        if len(server.clients) >= server.limits.max_connections or server.closing:
+            return self._refuse()
+        self.open = True
+        server.clients.add(self)
+        server.accepted += 1
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SNDBUF)
+        transport.set_write_buffer_limits(high=SEND_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return  # read and thrown away, so closing never resets the refusal's delivery
+        self.last_heard = time.monotonic()
+        if self.skipping:  # the rest of a line that was too long
+            cut = data.find(b"\n")
+            if cut < 0:
                 return
+            self.skipping, data = False, data[cut + 1:]
+        if not self.buf:
+            self.partial_since = self.last_heard
+        self.buf += data
+        while self.open:
+            cut = self.buf.find(b"\n")
+            if cut < 0:
+                break
+            line = bytes(self.buf[:cut + 1])
+            del self.buf[:cut + 1]
+            self.partial_since = self.last_heard
+            if cut + 1 > MAX_MESSAGE_BYTES + 1:
+                self.send_error(None, f"message larger than {MAX_MESSAGE_BYTES} bytes refused")
+            elif line.strip():
+                self.server.handle_line(line, self)
+        if len(self.buf) > MAX_MESSAGE_BYTES:
+            self.buf.clear()
+            self.skipping = True
+            self.send_error(None, f"message larger than {MAX_MESSAGE_BYTES} bytes refused")
 
+    def eof_received(self) -> bool:
+        """A half-closed client may still wait for answers (or events): keep writing to it."""
+        self.buf.clear()
+        self.eof = True
+        return not (self.refused or (self.pending == 0 and self.events is None))
 
-class _TCPServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    control: "ControlServer"
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        self.server.clients.discard(self)
+        self.server.pending -= self.pending  # its answers will not be counted off any more
+        self.pending = 0
 
+    def pause_writing(self) -> None:
+        self.stalled_since = time.monotonic()
 
-def _send_error(conn: Connection, req_id: Any, message: str) -> None:
-    try:
-        conn.enqueue({"type": "error", "id": req_id, "message": message})
-    except ConnectionError:
-        pass
+    def resume_writing(self) -> None:
+        self.stalled_since = 0.0
+        self.server.feed(self)
+
+    # -- writing -----------------------------------------------------------------------------------
+    def enqueue(self, message: dict) -> None:
+        """Send `message` (any thread; never blocks). Raises ConnectionError once the client is gone."""
+        if not self.open:
+            raise ConnectionError("client disconnected")
+        data = encode(message)
+        final = message.get("type") in _FINAL and message.get("id") is not None
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, data, final)
+        except RuntimeError:  # the loop has been closed: the server is gone
+            self.open = False
+            raise ConnectionError("the control server has closed") from None
+
+    def _deliver(self, data: bytes, final: bool) -> None:
+        if final and self.pending > 0:
+            self.pending -= 1
+            self.server.pending -= 1
+        self.write(data)
+        if final and self.eof and self.pending == 0 and self.events is None:
+            self.close()  # the client half-closed and has every answer it waited for
+
+    def write(self, data: bytes) -> None:
+        if not self.open or self.transport is None or self.transport.is_closing():
+            return
+        self.transport.write(data)
+        if self.transport.get_write_buffer_size() > self.server.limits.send_buffer_max:
+            self.drop(f"more than {self.server.limits.send_buffer_max} bytes waited to be sent to it")
+
+    def send_error(self, req_id: Any, message: str) -> None:
+        self.write(encode({"type": "error", "id": req_id, "message": message}))
+
+    # -- ending --------------------------------------------------------------------------------------
+    def drop(self, why: str) -> None:
+        """Disconnect a client that does not keep up; it can read why (last line, and `status`)."""
+        if not self.open:
+            return
+        self.open = False
+        where = f"; resubscribe from line {self.events.line}" if self.events is not None else ""
+        reason = f"dropped by the run: {why}{where}"
+        self.server.dropped.append({"peer": self.peer, "ids": list(self.ids), "reason": reason,
+                                    "time": time.time()})
+        assert self.transport is not None
+        self.transport.write(encode({"type": "error", "id": None, "message": reason}))
+        self.transport.close()  # sends what is buffered, then closes; cut after a grace period
+        self.loop.call_later(DROP_GRACE_S, self.transport.abort)
+
+    def close(self) -> None:
+        self.open = False
+        if self.transport is not None:
+            self.transport.close()
+
+    def _refuse(self) -> None:
+        """Too many connections: say so, half-close, and read until the client hangs up."""
+        assert self.transport is not None
+        self.refused = True
+        self.server.refused += 1
+        limit = self.server.limits.max_connections
+        message = (f"refused: {limit} connections to this run are open (the limit); "
+                   "close one and try again" if not self.server.closing else "refused: the run is ending")
+        self.transport.write(encode({"type": "error", "id": None, "message": message}))
+        self.transport.write_eof()
+        self.loop.call_later(2.0, self.transport.abort)
+
+    def check_timeouts(self, now: float) -> None:
+        limits = self.server.limits
+        if (self.buf or self.skipping) and now - self.partial_since > limits.read_timeout:
+            self.buf.clear()
+            self.skipping = False
+            self.drop(f"no complete message within {limits.read_timeout:g} s of its first byte")
+        elif self.stalled_since and now - self.stalled_since > limits.stall_timeout:
+            self.drop(f"it read nothing for {limits.stall_timeout:g} s while more than "
+                      f"{SEND_HIGH_WATER} bytes waited for it")
+        elif self.pending == 0 and self.events is None and now - self.last_heard > limits.idle_timeout:
+            self.send_error(None, f"closed: idle for {limits.idle_timeout:g} s; connect again to go on")
+            self.close()
 
 
 class ControlServer:
-    """Rank 0's listener. `status_fn()` answers `status` at once (from the server thread);
-    `on_queued(pending)` is told of every queued command (it records the event)."""
+    """Rank 0's listener. `status_fn()` answers `status` at once (on the server thread);
+    `on_queued(pending)` is told of every queued command (it records the event);
+    `admit(command) -> command` may refuse a command (raise) or adjust it before it is queued
+    (`PromptLimit`)."""
 
     def __init__(self, folder: RunFolder, commands: CommandQueue, status_fn: Callable[[], dict],
                  host: str = "127.0.0.1", port: int = 0,
-                 on_queued: Callable[[Any], None] | None = None):
+                 on_queued: Callable[[Any], None] | None = None,
+                 admit: Callable[[Command], Command] | None = None, **limits: float):
         self.folder, self.commands, self.status_fn, self.on_queued = folder, commands, status_fn, on_queued
+        self.admit, self.limits = admit, Limits(**limits)
         self.token = secrets.token_urlsafe(32)
-        self.connections: set[Connection] = set()
-        self._changed = threading.Condition()
-        self._version, self._closing = 0, False
-        self._subscribers: list[threading.Thread] = []
-        _TCPServer.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._tcp = _TCPServer((host, port), _Handler)
-        self._tcp.control = self
-        self.host, self.port = self._tcp.server_address[:2]
-        self._thread = threading.Thread(target=self._tcp.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="control-server", daemon=True)
+        self.clients: set[Connection] = set()
+        self.pending = self.accepted = self.refused = 0
+        self.dropped: deque[dict] = deque(maxlen=16)
+        self.closing = False
+        self._feed_scheduled = False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(LISTEN_BACKLOG)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="control-server", daemon=True)
+        self._listener: asyncio.AbstractServer | None = None
 
     def start(self) -> "ControlServer":
+        ready = threading.Event()
+        self.loop.call_soon(ready.set)
         self._thread.start()
+        ready.wait()
         self.write_control_file()
         return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self._listener = self.loop.run_until_complete(
+            self.loop.create_server(lambda: Connection(self), sock=self._sock, backlog=LISTEN_BACKLOG))
+        self.loop.call_later(SWEEP_S, self._sweep)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
 
     def write_control_file(self, **extra: Any) -> None:
         """control.json (mode 0600): address, token, pid, and `extra` (the chat page's URL)."""
         write_private_json(self.folder.control, {"host": self.host, "port": self.port,
                                                  "token": self.token, "pid": os.getpid(), **extra})
 
-    # -- requests --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Connections now and since the start, refusals, recent drops and the limits."""
+        return {"connections": len(self.clients), "accepted": self.accepted, "refused": self.refused,
+                "pending": self.pending, "dropped": self._recent_drops(), "limits": self.limits.as_dict()}
+
+    def _recent_drops(self) -> list[dict]:
+        try:
+            return list(self.dropped)
+        except RuntimeError:  # appended to by the loop thread while another thread read it
+            return []
+
+    # -- requests (loop thread) ----------------------------------------------------------------------
     def handle_line(self, line: bytes, conn: Connection) -> None:
         try:
             msg = decode(line)
         except ProtocolError as e:
-            return _send_error(conn, None, str(e))
+            return conn.send_error(None, str(e))
+        except (RecursionError, ValueError) as e:  # nesting too deep; an integer of > 4300 digits
+            return conn.send_error(None, f"malformed JSON: {type(e).__name__}: {str(e)[:200]}")
         raw_id = msg.get("id") if isinstance(msg, dict) else None
         raw_id = raw_id if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else None
+        if isinstance(raw_id, str) and len(raw_id) > MAX_ID_CHARS or isinstance(raw_id, int) and \
+                abs(raw_id) >= 1 << 63:
+            return conn.send_error(None, f"field `id` must be at most {MAX_ID_CHARS} characters "
+                                         "(or a 64-bit integer)")
         if not isinstance(msg, dict) or not self._token_ok(msg.get("token")):
-            return _send_error(conn, raw_id, "refused: missing or wrong token (see control.json)")
+            return conn.send_error(raw_id, "refused: missing or wrong token (see control.json)")
         try:
-            req_id, cmd, args = check_command(msg)
+            req_id, command = parse_command(msg)
         except ProtocolError as e:
-            return _send_error(conn, raw_id, str(e))
-        if cmd == "subscribe":
-            return self._subscribe(conn, req_id, args.get("from_line", 0))
-        self.submit(req_id, cmd, args, conn.enqueue)
+            return conn.send_error(raw_id, str(e))
+        except (ValueError, TypeError, OverflowError, RecursionError) as e:  # e.g. 10**400 as lr
+            return conn.send_error(raw_id, f"refused: {type(e).__name__}: {str(e)[:200]}")
+        conn.ids.append(req_id)
+        if isinstance(command, Subscribe):
+            return self._subscribe(conn, req_id, command.from_line)
+        if self.pending >= self.limits.max_pending:
+            return conn.send_error(req_id, f"refused: {self.pending} commands are waiting for the "
+                                           f"next step boundary (the limit); try again later")
+        conn.pending += 1
+        self.pending += 1
+        self.submit(req_id, command, conn.enqueue)
 
-    def submit(self, req_id: str, cmd: str, args: dict, sink: Sink) -> None:
+    def submit(self, req_id: str, command: Command, sink: Sink) -> None:
         """Answer or queue a validated command; in-process front ends (the chat page) call this
         directly, so they go through exactly the path a socket client does."""
         reply = Reply(req_id, sink)
-        if cmd == "status" and not args.get("ranks"):
+        if self.admit is not None:
             try:
-                return reply.done(self.status_fn())
+                command = self.admit(command)
+            except Exception as e:  # noqa: BLE001 - a refused command is answered, never raised
+                return reply.error(str(e) or type(e).__name__)
+        if command.answered_at_once:
+            try:
+                return reply.done({**self.status_fn(), "control": self.stats()})
             except Exception as e:  # noqa: BLE001 - a status snapshot must never kill the server
                 return reply.error(f"status failed: {type(e).__name__}: {e}")
         try:
-            pending = self.commands.put(req_id, cmd, args, reply)
+            pending = self.commands.put(req_id, command, reply)
         except QueueClosed as e:
             return reply.error(str(e))
         if self.on_queued is not None:
@@ -211,47 +398,142 @@ class ControlServer:
 
     # -- events ----------------------------------------------------------------------------------
     def notify(self, event: dict | None = None) -> None:
-        """An event was written (the event log calls this): wake every subscriber."""
-        with self._changed:
-            self._version += 1
-            self._changed.notify_all()
+        """An event was written (the event log calls this, from any thread): feed subscribers."""
+        if self._feed_scheduled or self.loop.is_closed():
+            return
+        self._feed_scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._feed_all)
+        except RuntimeError:  # closed in between
+            pass
 
     def _subscribe(self, conn: Connection, req_id: str, from_line: int) -> None:
-        conn.enqueue({"type": "ack", "id": req_id, "queued": 0})
-        thread = threading.Thread(target=self._stream_events, args=(conn, from_line),
-                                  name="control-events", daemon=True)
-        self._subscribers.append(thread)
-        thread.start()
+        if conn.events is not None:
+            return conn.send_error(req_id, "refused: this connection is already subscribed; open another")
+        conn.write(encode({"type": "ack", "id": req_id, "queued": 0}))
+        conn.events = EventLines(self.folder.events, from_line)
+        self.feed(conn)
 
-    def _stream_events(self, conn: Connection, from_line: int) -> None:
-        lines, seen = EventLines(self.folder.events, from_line), -1
-        while conn.open:
-            with self._changed:
-                if self._version == seen and not self._closing:
-                    self._changed.wait(1.0)  # the timeout also catches lines written by others
-                seen, closing = self._version, self._closing
-            try:
-                for n, event in lines.poll():
-                    conn.send_now({"type": "event", "line": n, "event": event})
-            except OSError:
+    def _feed_all(self) -> None:
+        self._feed_scheduled = False
+        for conn in list(self.clients):
+            self.feed(conn)
+
+    def feed(self, conn: Connection) -> None:
+        """Send `conn` the event lines it has not had, while its buffer is under the high-water mark."""
+        transport = conn.transport
+        while conn.open and conn.events is not None and transport is not None and not conn.stalled_since:
+            lines = conn.events.read()
+            if not lines:
+                return
+            conn.write(b"".join(b'{"type": "event", "line": %d, "event": %s}\n' % (n, raw)
+                                for n, raw in lines))
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for conn in list(self.clients):
+            if conn.open:
+                conn.check_timeouts(now)
+        self._feed_all()  # lines written by other processes, or by a feed that was held back
+        if not self.closing:
+            self.loop.call_later(SWEEP_S, self._sweep)
+
+    def disconnect_all(self) -> None:
+        """Cut every connection now (clients reconnect; tests use it to show nothing is lost)."""
+        def cut() -> None:
+            for conn in list(self.clients):
                 conn.open = False
-                return
-            if closing:
-                return
+                if conn.transport is not None:
+                    conn.transport.abort()
+        self.loop.call_soon_threadsafe(cut)
 
     # -- shutting down ---------------------------------------------------------------------------
-    def close(self) -> None:
-        """Flush every subscriber, end every connection, stop listening, remove control.json."""
-        with self._changed:
-            self._closing = True
-            self._changed.notify_all()
-        for thread in self._subscribers:
-            thread.join(timeout=5.0)
-        for conn in list(self.connections):
-            conn.close()
-        self._tcp.shutdown()
-        self._tcp.server_close()
+    def close(self, grace: float = CLOSE_GRACE_S) -> None:
+        """Feed subscribers what is left, give every client `grace` s in all to take it, cut the
+        rest, stop listening, remove control.json. Never waits longer on any client."""
+        if self._thread.is_alive() and not self.loop.is_closed():
+            done = asyncio.run_coroutine_threadsafe(self._shut(grace), self.loop)
+            try:
+                done.result(timeout=grace + 5.0)
+            except Exception:  # noqa: BLE001 - closing goes on whatever the loop did
+                pass
+            try:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            except RuntimeError:
+                pass
+            self._thread.join(timeout=5.0)
+        self._sock.close()
         try:
             self.folder.control.unlink()
         except FileNotFoundError:
             pass
+
+    async def _shut(self, grace: float) -> None:
+        self.closing = True
+        if self._listener is not None:
+            self._listener.close()
+        self._feed_all()
+        for conn in list(self.clients):
+            conn.close()
+        deadline = time.monotonic() + grace
+        while self.clients and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.clients):
+            if conn.transport is not None:
+                conn.transport.abort()
+        await asyncio.sleep(0)  # let the aborts' connection_lost callbacks run
+
+
+DEFAULT_CONTEXT_TOKENS = 4096  # the prompt cap of a model whose context length is not known
+
+
+def context_tokens(model: Any, tokenizer: Any) -> int:
+    """The model's context in tokens: its config's position count, else the tokenizer's
+    model_max_length when that is a real limit, else DEFAULT_CONTEXT_TOKENS."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 10**7 else DEFAULT_CONTEXT_TOKENS
+
+
+class PromptLimit:
+    """Keeps `generate` within the model's context: a prompt that alone fills the context is
+    refused at once (before it is queued), naming the limit; `max_new_tokens` is capped so that
+    prompt + answer fit. `count_tokens(args)` counts the prompt's tokens as the handler will
+    build it; `default_new_tokens()` is the live default of max_new_tokens."""
+
+
+    CHARS_PER_TOKEN = 32  # longer text is refused before it is even tokenized
+
+    def __init__(self, context_tokens: int, count_tokens: Callable[[Command], int],
+                 default_new_tokens: Callable[[], int]):
+        self.context, self.count_tokens, self.default_new_tokens = context_tokens, count_tokens, default_new_tokens
+
+    @classmethod
+    def of(cls, model: Any, tokenizer: Any, prompt_text: Callable[[Any, Any], str],
+           default_new_tokens: Callable[[], int]) -> "PromptLimit":
+        """The limit of `model`'s context, counting the tokens of `prompt_text(tokenizer, args)`
+        (the text generation will encode, special tokens included)."""
+        tokenizer = copy.deepcopy(tokenizer)  # its own: a tokenizer is not safe across threads
+        def count(command: Command) -> int:
+            text = prompt_text(tokenizer, command)
+            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return cls(context_tokens(model, tokenizer), count, default_new_tokens)
+
+    def __call__(self, command: Command) -> Command:
+        if not isinstance(command, Generate):
+            return command
+        ctx = self.context
+        chars = len(command.prompt or "") + sum(len(m.get("content", "")) for m in command.messages or ())
+        if chars > ctx * self.CHARS_PER_TOKEN:
+            raise ProtocolError(f"generate: the prompt has {chars} characters, far more than the model's "
+                                f"context of {ctx} tokens holds; shorten it")
+        n = self.count_tokens(command)
+        if n >= ctx:
+            raise ProtocolError(f"generate: the prompt is {n} tokens, and the model's context is {ctx} "
+                                "tokens (prompt and answer together); shorten it")
+        wanted = command.max_new_tokens or self.default_new_tokens()
+        return dataclasses.replace(command, max_new_tokens=ctx - n) if wanted > ctx - n else command
