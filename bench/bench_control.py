@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from supervisor.client import RunClient  # noqa: E402
 from control_runs import events, launch, task_files, wait_exit  # noqa: E402
-from supervisor.launch import kill_group  # noqa: E402
+from supervisor.procs import kill_group  # noqa: E402
 from contract.run_folder import EventTail  # noqa: E402
 
 PROMPT = "reverse: planet\n"

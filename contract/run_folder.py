@@ -18,11 +18,15 @@ import json
 import os
 import threading
 import time
+from datetime import datetime
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from contract.protocol import jsonable
+
+if TYPE_CHECKING:
+    from contract.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -160,3 +164,41 @@ def tail_lines(path: Path, n: int = 20) -> list[str]:
             return f.read().decode("utf-8", "replace").splitlines()[-n:]
     except FileNotFoundError:
         return []
+
+
+# -- a new run's folder ----------------------------------------------------------------------
+# Here, not in the supervisor: a run started by a plain script (the engine's composition root)
+# makes its folder the same way as one started by a front end.
+
+def make_run_folder(cfg: RunConfig) -> RunFolder:
+    """Create the run's folder (unique name) and write its resolved config there."""
+    resumed = _run_of_checkpoint(cfg)
+    if resumed is not None:  # resume=<run>/checkpoints/<name>: the run goes on in its own folder
+        cfg.logging.output_dir = str(resumed.parent)
+    name = cfg.logging.run_name or (resumed.name if resumed else datetime.now().strftime("run-%Y%m%d-%H%M%S"))
+    root = Path(cfg.logging.output_dir) / name
+    if root.exists() and (root / "events.jsonl").exists() and not cfg.resume:
+        suffix = 2
+        while (Path(cfg.logging.output_dir) / f"{name}-{suffix}").exists():
+            suffix += 1
+        root = Path(cfg.logging.output_dir) / f"{name}-{suffix}"
+    cfg.logging.run_name = root.name
+    folder = RunFolder(root.resolve()).create()
+    folder.config.write_text(cfg.to_yaml())
+    return folder
+
+
+def _run_of_checkpoint(cfg: RunConfig) -> Path | None:
+    """The run folder a `resume=` checkpoint path lies in (<run>/checkpoints/<name>, or
+    <run>/checkpoints), when no run_name says otherwise and that folder holds a run."""
+    value = cfg.resume
+    if not value or value == "latest" or cfg.logging.run_name or "://" in value:
+        return None
+    path = Path(value).resolve()
+    if path.name == "checkpoints":
+        run = path.parent
+    elif path.parent.name == "checkpoints":
+        run = path.parent.parent
+    else:
+        return None
+    return run if (run / "events.jsonl").exists() else None

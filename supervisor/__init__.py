@@ -1,9 +1,11 @@
-"""Runs as supervised process groups: start, list, reattach, stop, and watch for dead or hung
-ranks. See `supervisor.manager` for the overview. Torch-free."""
+"""Runs as supervised process groups: start, list, reattach, wait on, stop, and watch for dead
+or hung ranks. One supervisor for every front end (terminal, web app, notebook, scripts); see
+`supervisor.manager` for the overview. Torch-free; imports only `contract`. Run states are the
+contract's (`contract.protocol.RunState`)."""
 
 from supervisor.handle import RunHandle
+from supervisor.judgement import Verdict, VerdictKind, judge
 from supervisor.manager import RunError, RunManager
 from supervisor.records import Failure, RunInfo
-from contract.protocol import STATES
 
-__all__ = ["RunManager", "RunHandle", "RunInfo", "Failure", "RunError", "STATES"]
+__all__ = ["RunManager", "RunHandle", "RunInfo", "Failure", "RunError", "Verdict", "VerdictKind", "judge"]

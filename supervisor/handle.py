@@ -1,36 +1,33 @@
-"""One run: its folder, its process group, its state, and how it is stopped or found broken.
+"""One run: its folder, its process group, its state, and how it is stopped, waited on or found
+broken.
 
 A run's state comes from two places: its event log (what the run said) and its process group
-(whether it is still there). A group gone without a final state event is a failed run ("exited
-without a final state"). Dead ranks are told apart from their victims by the order they died in
-and by how: the launcher ends the survivors with SIGTERM, the rank that went first did not.
+(whether it is still there). The handle observes both and keeps the facts (`judgement.Facts`);
+what they mean, a dead rank, a hang, a group gone without a final state, is decided by the pure
+`judgement.judge`. The handle acts on the verdict: reports it once, ends what is left of the
+group, and records the failure in the event log when the run could not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import threading
 import time
 
+from contract.protocol import RunState
 from contract.run_folder import EventLog, EventTail, RunFolder
 
 from supervisor import procs, stopping
-from supervisor.records import (Failure, RankExit, RunInfo, child_running, last_exception,
-                              launcher_reported_success, log_tail, mark_stopping, read_pid, reap,
-                              stop_in_progress)
+from supervisor.judgement import Facts, RankExit, Verdict, VerdictKind, exited, judge
+from supervisor.records import (Failure, RunInfo, child_running, launcher_reported_success, log_tail,
+                                mark_stopping, read_pid, reap, stop_in_progress)
+from supervisor.stopping import DEFAULT_SAVE
 from supervisor.summary import RunSummary
 
-# A rank that vanished unseen (exit status unknown) while the others go on is called dead after
-# this long, unless the launcher logged it as a clean exit: a clean early exit of one rank is
-# followed by the run's own final state well before then in practice.
-UNSEEN_EXIT_GRACE_S = 5.0
-# Ranks going on without their launcher this long are orphans (not a group being torn down).
-LAUNCHER_GRACE_S = 2.0
-# A run that wrote its final state and still has processes this much later is stuck on the way
-# out (a hung teardown): the rest of its group is ended.
-LINGER_GRACE_S = 30.0
-# Exits this close together came from one wake-up: who went first is decided by how they ended.
-SAME_WAKE_S = 0.05
+# How often `wait` looks again for processes it cannot wait on yet (ranks not started when it
+# began): a bound on a missed start, not how exits are noticed (those wake it at once).
+_RELOOK_S = 1.0
 
 
 class RunHandle:
@@ -85,16 +82,16 @@ class RunHandle:
                     and (self._summary.final or not self._seen_alive))
 
     def refresh(self, members: list[procs.Proc] | None = None) -> None:
-        """Bring state up to date. `members`: the group's processes from a /proc snapshot taken
-        just now (one scan for every run); read here when not given. The snapshot is taken
-        before the events are read, so a group seen gone has written all it ever will."""
+        """Bring state up to date. `members`: the group's processes from a snapshot taken just
+        now (one pass for every run); read here when not given. The snapshot is taken before
+        the events are read, so a group seen gone has written all it ever will."""
         pid = self.pid
         if members is None:
             members = procs.snapshot({pid})[pid] if pid else []
         with self._lock:
             if self._summary.update(self._tail.poll()):
                 self._last_progress = time.monotonic()
-                if self._failure is not None and self._failure.kind == "hung":
+                if self._failure is not None and self._failure.kind == VerdictKind.HUNG:
                     self._failure = None
             self._observe(pid, members)
             self._refreshed = True
@@ -117,6 +114,15 @@ class RunHandle:
             gone = self._exits.get(rank)
             if gone is None or gone.status is None:
                 self._check_rank(rank, rank_pid)
+        now = time.monotonic()
+        if not ours or self._launcher_alive:
+            self._launcher_gone_since = None
+        elif self._launcher_gone_since is None:
+            self._launcher_gone_since = now
+        if self._summary.final and ours:
+            self._final_seen_at = self._final_seen_at or now
+        else:
+            self._final_seen_at = None
 
     def _check_rank(self, rank: int, pid: int) -> None:
         proc = procs.read_proc(pid)
@@ -127,10 +133,10 @@ class RunHandle:
         if known is None:
             self._exits[rank] = RankExit(rank, pid, status, time.monotonic())
         elif known.status is None and status is not None:
-            known.status = status
+            self._exits[rank] = dataclasses.replace(known, status=status)
 
     def note_exit(self, pid: int) -> None:
-        """A watched process just exited (the monitor's pidfd woke): read how, before its
+        """A watched process just exited (its pidfd woke a watcher): read how, before its
         parent reaps it."""
         with self._lock:
             for rank, rank_pid in self._ranks.items():
@@ -138,7 +144,7 @@ class RunHandle:
                     self._check_rank(rank, pid)
 
     def watched_pids(self) -> list[int]:
-        """Processes whose exit the monitor should wake on: the launcher and the live ranks."""
+        """Processes whose exit a watcher should wake on: the launcher and the live ranks."""
         with self._lock:
             if not self._alive:
                 return []
@@ -158,6 +164,7 @@ class RunHandle:
 
     @property
     def state(self) -> str:
+        """The run's state, a `contract.protocol.RunState` value."""
         return self.info().state
 
     def info(self, refresh: bool = True) -> RunInfo:
@@ -166,13 +173,13 @@ class RunHandle:
             self.refresh()
         with self._lock:
             s = self._summary
-            state, error, rank = s.state or "starting", s.error, s.error_rank
+            state, error, rank = s.state or RunState.STARTING.value, s.error, s.error_rank
             if not s.final:
                 if self._is_stopping():
-                    state = "stopping"
+                    state = RunState.STOPPING.value
                 elif not self._alive:
-                    failure = self._exited_failure()
-                    state, error, rank = "failed", failure.message, failure.rank
+                    failure = self._failure_of(exited(self._facts()))
+                    state, error, rank = RunState.FAILED.value, failure.message, failure.rank
             return RunInfo(self.name, str(self.folder.root), state, self._alive, s.step, s.total_steps,
                            dict(s.metrics), s.start_time, s.end_time, error, rank, self._pid,
                            s.stopped_by_user)
@@ -185,57 +192,30 @@ class RunHandle:
             if self._failure is not None:
                 return self._failure
             s = self._summary
-            if s.state == "failed":
-                return self._failure_of("error", s.error or "failed", s.error_rank)
+            if s.state == RunState.FAILED:
+                return self._failure_of(Verdict(VerdictKind.ERROR, s.error_rank, s.error or "failed"))
             if not s.final and not self._alive and not self._is_stopping():
-                return self._exited_failure()
+                return self._failure_of(exited(self._facts()))
             return None
 
-    # -- diagnosis ------------------------------------------------------------------------------
-    def _failure_of(self, kind: str, message: str, rank: int | None) -> Failure:
-        log, lines = log_tail(self.folder, rank, self.log_lines)
-        return Failure(self.name, kind, message, rank, log, lines)
+    # -- judging --------------------------------------------------------------------------------
+    def _facts(self) -> Facts:
+        s = self._summary
+        return Facts(
+            now=time.monotonic(), state=s.run_state, step=s.step, error=s.error,
+            error_rank=s.error_rank, events=s.events, pid=self._pid, alive=self._alive,
+            seen_alive=self._seen_alive, stopping=self._is_stopping(),
+            launcher_alive=self._launcher_alive, launcher_gone_since=self._launcher_gone_since,
+            launcher_code=self._launcher_code, ranks_seen=len(self._ranks),
+            exits=tuple(self._exits.values()),
+            clean_pids=frozenset(launcher_reported_success(self.folder)) if self._exits else frozenset(),
+            last_progress=self._last_progress, hang_timeout=self.hang_timeout,
+            final_since=self._final_seen_at)
 
-    def _culprit(self) -> RankExit | None:
-        """The rank that died first and not as a victim of the launcher ending the others."""
-        clean = launcher_reported_success(self.folder)
-        bad = [e for e in self._exits.values()
-               if procs.failed_status(e.status) and not (e.status is None and e.pid in clean)]
-        if not bad:
-            return None
-        first = min(e.seen for e in bad)
-        tied = [e for e in bad if e.seen - first < SAME_WAKE_S]
-        if len(tied) == 1:
-            return tied[0]
-        causes = [e for e in tied if not procs.ended_by_sigterm(e.status)]
-        seen = [e for e in causes if e.status is not None]
-        for group in (seen, causes):
-            if len(group) == 1:
-                return group[0]
-        return None
-
-    def _rank_message(self, culprit: RankExit) -> str:
-        text = f"rank {culprit.rank} (pid {culprit.pid}) ended with {procs.describe_status(culprit.status)}"
-        _, lines = log_tail(self.folder, culprit.rank, self.log_lines)
-        exception = last_exception(lines)
-        return text + (f" ({exception})" if exception else "")
-
-    def _exited_failure(self) -> Failure:
-        """The failure of a group that is gone without having written a final state."""
-        culprit = self._culprit()
-        message = "exited without a final state"
-        if culprit is not None:
-            message += ": " + self._rank_message(culprit)
-        elif self._launcher_code is not None:
-            message += f" (launcher ended with {procs.describe_returncode(self._launcher_code)})"
-        elif not self._summary.events and self.pid is None:
-            message = "never started (no launcher pid and no event)"
-        if culprit is None:
-            log, lines = log_tail(self.folder, None, self.log_lines)
-            exception = last_exception(lines)
-            message += f"; last error: {exception}" if exception else ""
-            return Failure(self.name, "exited", message, None, log, lines)
-        return self._failure_of("exited", message, culprit.rank)
+    def _failure_of(self, verdict: Verdict) -> Failure:
+        """The verdict as a report: worded with the last lines of the log it points at."""
+        log, lines = log_tail(self.folder, verdict.rank, self.log_lines)
+        return Failure(self.name, verdict.kind.value, verdict.message(lines), verdict.rank, log, lines)
 
     def evaluate(self) -> Failure | None:
         """Decide whether the run just failed; returns a failure once, when it is first seen.
@@ -243,18 +223,18 @@ class RunHandle:
         left; `wait_cleaned_up`), and its failure recorded in events.jsonl when the run could
         not record it itself."""
         with self._lock:
-            if self._is_stopping() or self._failure is not None and self._failure.kind != "hung":
+            if self._failure is not None and self._failure.kind != VerdictKind.HUNG:
                 return None
-            failure = self._judge()
-            lingering = self._lingering()
-            if failure is None and not lingering:
+            verdict = judge(self._facts())
+            if verdict is None or verdict.kind == VerdictKind.HUNG and self._failure is not None:
                 return None
-        if failure is None:  # over by its own account, yet some process of it is still there
+        if verdict.kind == VerdictKind.LINGERING:  # over by its own account: end the rest
             stopping.end_group(self.pid, grace_s=3.0)
             return None
+        failure = self._failure_of(verdict)
         with self._lock:
             self._failure = failure
-        if failure.kind != "hung":  # reported now; the group is ended behind the report
+        if verdict.kind != VerdictKind.HUNG:  # reported now; the group is ended behind the report
             self._cleanup = threading.Thread(target=self._clean_up_after, args=(failure,),
                                              name=f"end-{self.name}", daemon=True)
             self._cleanup.start()
@@ -262,7 +242,7 @@ class RunHandle:
 
     def _clean_up_after(self, failure: Failure) -> None:
         """End what is left of a failed run and record its failure if the run could not."""
-        if failure.kind == "error":  # the run saw it and is shutting down: give it a moment
+        if failure.kind == VerdictKind.ERROR:  # the run saw it and is shutting down: a moment
             stopping.wait_gone(self.pid, time.monotonic() + 5.0)
         stopping.end_group(self.pid, grace_s=3.0)
         with self._lock:
@@ -275,49 +255,11 @@ class RunHandle:
         if cleanup is not None:
             cleanup.join(timeout)
 
-    def _lingering(self) -> bool:
-        """The run wrote its final state a while ago but part of its group is still there."""
-        if not (self._summary.final and self._alive):
-            self._final_seen_at = None
-            return False
-        if self._final_seen_at is None:
-            self._final_seen_at = time.monotonic()
-        return time.monotonic() - self._final_seen_at > LINGER_GRACE_S
-
-    def _judge(self) -> Failure | None:
-        s = self._summary
-        if s.final:
-            if s.state == "failed" and self._seen_alive:
-                culprit = self._culprit()
-                if culprit is not None and culprit.rank != s.error_rank:
-                    return self._failure_of("rank_died", f"{self._rank_message(culprit)}; the run "
-                                            f"then reported: {s.error}", culprit.rank)
-                return self._failure_of("error", s.error or "failed", s.error_rank)
-            return None
-        if not self._alive:
-            return self._exited_failure() if self._seen_alive else None
-        culprit = self._culprit()
-        if culprit is not None and (culprit.status is not None
-                                    or time.monotonic() - culprit.seen > UNSEEN_EXIT_GRACE_S):
-            return self._failure_of("rank_died", self._rank_message(culprit), culprit.rank)
-        if self._launcher_alive:
-            self._launcher_gone_since = None
-        elif self._launcher_gone_since is None:
-            self._launcher_gone_since = time.monotonic()
-        elif self._ranks and time.monotonic() - self._launcher_gone_since > LAUNCHER_GRACE_S:
-            return self._failure_of("launcher_died", f"the launcher (pid {self._pid}) ended while "
-                                    "ranks were still running", None)
-        stalled = time.monotonic() - self._last_progress
-        if s.state == "running" and stalled > self.hang_timeout and self._failure is None:
-            return self._failure_of("hung", f"no training progress for {stalled:.0f} s while running "
-                                    f"(last step {s.step}; hang timeout {self.hang_timeout:g} s)", None)
-        return None
-
     def _record_failure(self, failure: Failure) -> None:
         s = self._summary
-        if s.final and (s.state != "failed" or s.error_rank == failure.rank):
+        if s.final and (s.state != RunState.FAILED or s.error_rank == failure.rank):
             return  # the run recorded it itself, and rightly
-        self._record({"type": "state", "state": "failed", "error": failure.message,
+        self._record({"type": "state", "state": RunState.FAILED.value, "error": failure.message,
                       "rank": failure.rank, "step": s.step})
 
     def _record(self, event: dict) -> None:
@@ -335,11 +277,34 @@ class RunHandle:
                 log.close()
             self._summary.update(self._tail.poll())
 
-    # -- stopping -------------------------------------------------------------------------------
-    def stop(self, save: bool = False, timeout: float = 60.0) -> RunInfo:
+    # -- waiting and stopping -------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until no process of the run is left (True), or `timeout` s have passed (False).
+        Waits on the processes themselves (pidfds of the launcher and every rank): an exit wakes
+        it at once, and how a rank ended is read before anyone reaps it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        watch = procs.ExitWatch()
+        try:
+            while True:
+                self.refresh()
+                if not self.alive:
+                    return True
+                for pid in self.watched_pids():
+                    watch.add(pid)
+                left = _RELOOK_S if deadline is None else min(_RELOOK_S, deadline - time.monotonic())
+                if left <= 0:
+                    return False
+                for pid in watch.wait(left):
+                    self.note_exit(pid)
+                    watch.discard(pid)
+        finally:
+            watch.close()
+
+    def stop(self, save: bool = DEFAULT_SAVE, timeout: float = 60.0) -> RunInfo:
         """Stop the run: ask it through its control socket (it stops at the next step boundary,
-        saving first with `save`) and give it `timeout` s to end by itself, then end whatever
-        is left of its process group. Returns the run's info once no process of it remains."""
+        saving first with `save`: the contract's `Stop` default) and give it `timeout` s to end
+        by itself, then end whatever is left of its process group. Returns the run's info once
+        no process of it remains."""
         with self._lock:
             self.refresh()
             if not self._alive:

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 from contract.config import RunConfig
 from contract.layout_checks import is_local_only, parse_hostfile
-from contract.run_folder import RunFolder
+from contract.run_folder import RunFolder, make_run_folder
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,40 +26,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def make_run_folder(cfg: RunConfig) -> RunFolder:
-    """Create the run's folder (unique name) and write its resolved config there."""
-    resumed = _run_of_checkpoint(cfg)
-    if resumed is not None:  # resume=<run>/checkpoints/<name>: the run goes on in its own folder
-        cfg.logging.output_dir = str(resumed.parent)
-    name = cfg.logging.run_name or (resumed.name if resumed else datetime.now().strftime("run-%Y%m%d-%H%M%S"))
-    root = Path(cfg.logging.output_dir) / name
-    if root.exists() and (root / "events.jsonl").exists() and not cfg.resume:
-        suffix = 2
-        while (Path(cfg.logging.output_dir) / f"{name}-{suffix}").exists():
-            suffix += 1
-        root = Path(cfg.logging.output_dir) / f"{name}-{suffix}"
-    cfg.logging.run_name = root.name
-    folder = RunFolder(root.resolve()).create()
-    folder.config.write_text(cfg.to_yaml())
-    return folder
-
-
-def _run_of_checkpoint(cfg: RunConfig) -> Path | None:
-    """The run folder a `resume=` checkpoint path lies in (<run>/checkpoints/<name>, or
-    <run>/checkpoints), when no run_name says otherwise and that folder holds a run."""
-    value = cfg.resume
-    if not value or value == "latest" or cfg.logging.run_name or "://" in value:
-        return None
-    path = Path(value).resolve()
-    if path.name == "checkpoints":
-        run = path.parent
-    elif path.parent.name == "checkpoints":
-        run = path.parent.parent
-    else:
-        return None
-    return run if (run / "events.jsonl").exists() else None
 
 
 def launch_command(cfg: RunConfig, folder: RunFolder, python: str = sys.executable) -> list[str]:
@@ -133,38 +96,3 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None) -> L
     log.close()
     (folder.root / "launcher.pid").write_text(str(proc.pid))
     return LaunchedRun(folder, proc)
-
-
-def kill_group(pgid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM the whole process group, then SIGKILL what is left after `grace_s`."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not group_alive(pgid):
-                return
-            time.sleep(0.1)
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a group whose members are all zombies is gone for our purposes
-    for pid_dir in Path("/proc").iterdir():
-        if not pid_dir.name.isdigit():
-            continue
-        try:
-            stat = (pid_dir / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False

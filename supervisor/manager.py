@@ -26,6 +26,7 @@ from contract.run_folder import EventLog, RunFolder
 from supervisor import procs
 from supervisor.handle import RunHandle
 from supervisor.records import Failure, RunInfo, adopt_child
+from supervisor.stopping import DEFAULT_SAVE
 
 
 class RunError(RuntimeError):
@@ -109,9 +110,10 @@ class RunManager:
             infos.append(handle.info(refresh=False))
         return sorted(infos, key=lambda i: i.start_time or 0.0, reverse=True)
 
-    def stop(self, name: str, save: bool = False, timeout: float = 60.0) -> RunInfo:
+    def stop(self, name: str, save: bool = DEFAULT_SAVE, timeout: float = 60.0) -> RunInfo:
         """Stop run `name`: gracefully through its control socket when it has one (saving
-        first with `save`), within `timeout` s; then every rank and the launcher are ended."""
+        first with `save`, by default as the contract's `Stop` command says), within `timeout`
+        s; then every rank and the launcher are ended."""
         return self.get(name).stop(save=save, timeout=timeout)
 
     def failure(self, name: str) -> Failure | None:

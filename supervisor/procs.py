@@ -1,5 +1,8 @@
-"""What /proc says about a run's process group: its members, which of them are ranks, and how a
-dead rank ended. Linux only (the whole project is); torch-free.
+"""The one place that looks at processes: a run's process group, its members, which of them are
+ranks, how a dead rank ended, and ending the group. Linux only (the whole project is); torch-free.
+
+psutil does the reading; the only thing it cannot tell, the wait status a zombie carries until
+its parent reaps it, is read from /proc/<pid>/stat here and nowhere else.
 
 A run's launcher is started in its own session, so its pid is the group id of the launcher and
 of every rank it starts. A rank is a group member running `python -m engine.worker` whose parent
@@ -11,25 +14,24 @@ from __future__ import annotations
 import os
 import select
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 WORKER_MODULE = "engine.worker"
 
 
 @dataclass(frozen=True)
 class Proc:
-    """One process as /proc shows it."""
+    """One process, as seen at one moment."""
     pid: int
     ppid: int
     pgid: int
-    state: str           # the /proc state letter; "Z": exited, not yet reaped by its parent
-    exit_status: int     # raw wait status, meaningful for a zombie only
+    zombie: bool         # exited, not yet reaped by its parent
+    exit_status: int | None  # raw wait status, known for a zombie only
     argv: tuple[str, ...]
-
-    @property
-    def zombie(self) -> bool:
-        return self.state in ("Z", "X")
 
     @property
     def is_worker(self) -> bool:
@@ -41,41 +43,47 @@ class Proc:
         return self.argv[at + 1:at + 2] == (WORKER_MODULE,)
 
 
-def _stat_fields(pid: int) -> list[str] | None:
+def _zombie_exit_status(pid: int) -> int | None:
+    """The wait status a zombie holds (/proc/<pid>/stat field 52; psutil does not read it)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # the command name (field 2) may hold spaces and parentheses: split after its last ")"
-    return text.rsplit(")", 1)[1].split()
+    return int(text.rsplit(")", 1)[1].split()[-1])
 
 
 def read_proc(pid: int) -> Proc | None:
     """The process `pid`, or None once it is gone (reaped)."""
-    fields = _stat_fields(pid)
-    if fields is None:
-        return None
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        raw = b""
-    argv = tuple(part.decode("utf-8", "replace") for part in raw.split(b"\0") if part)
-    # fields[0] is stat field 3 (state); the exit status is field 52, the last one
-    return Proc(pid, int(fields[1]), int(fields[2]), fields[0], int(fields[-1]), argv)
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            zombie = proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+            ppid = proc.ppid()
+            try:
+                argv = tuple(proc.cmdline())
+            except psutil.ZombieProcess:
+                argv = ()
+        pgid = os.getpgid(pid)
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        return None
+    except psutil.AccessDenied:
+        return None
+    return Proc(pid, ppid, pgid, zombie, _zombie_exit_status(pid) if zombie else None, argv)
 
 
 def snapshot(pgids: set[int]) -> dict[int, list[Proc]]:
-    """The members of each process group in `pgids`, from one pass over /proc."""
+    """The members of each process group in `pgids` (zombies included), from one pass."""
     groups: dict[int, list[Proc]] = {pgid: [] for pgid in pgids}
     if not pgids:
         return groups
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) not in groups:
+                continue
+        except OSError:
             continue
-        fields = _stat_fields(int(entry.name))
-        if fields is None or int(fields[2]) not in groups:
-            continue
-        proc = read_proc(int(entry.name))
+        proc = read_proc(pid)
         if proc is not None and proc.pgid in groups:
             groups[proc.pgid].append(proc)
     return groups
@@ -83,6 +91,17 @@ def snapshot(pgids: set[int]) -> dict[int, list[Proc]]:
 
 def live(members: list[Proc]) -> list[Proc]:
     return [p for p in members if not p.zombie]
+
+
+def group_alive(pgid: int | None) -> bool:
+    """Whether any process of the group is still running (a group of zombies is gone)."""
+    return pgid is not None and bool(live(snapshot({pgid})[pgid]))
+
+
+def running(pid: int | None) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    proc = read_proc(pid) if pid is not None else None
+    return proc is not None and not proc.zombie
 
 
 def belongs_to(members: list[Proc], run_dir: Path) -> bool:
@@ -107,11 +126,10 @@ def ranks(members: list[Proc]) -> dict[int, Proc]:
 def rank_of(proc: Proc) -> int | None:
     """The global rank of a worker: RANK in its environment, else DeepSpeed's --local_rank."""
     try:
-        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
-        for item in environ:
-            if item.startswith(b"RANK="):
-                return int(item[5:])
-    except (OSError, ValueError):
+        rank = psutil.Process(proc.pid).environ().get("RANK")
+        if rank is not None:
+            return int(rank)
+    except (psutil.Error, ValueError):
         pass
     for arg in proc.argv:
         if arg.startswith("--local_rank="):
@@ -119,12 +137,14 @@ def rank_of(proc: Proc) -> int | None:
     return None
 
 
+# -- exit statuses in words -------------------------------------------------------------------
+
 def describe_status(status: int | None) -> str:
     """A wait status in words: 'exit code 1', 'signal SIGKILL', or 'unknown exit status'."""
     if status is None:
         return "unknown exit status"
     if os.WIFSIGNALED(status):
-        return f"signal {_signal_name(os.WTERMSIG(status))}"
+        return f"signal {signal_name(os.WTERMSIG(status))}"
     if os.WIFEXITED(status):
         return f"exit code {os.WEXITSTATUS(status)}"
     return f"wait status {status}"
@@ -132,10 +152,10 @@ def describe_status(status: int | None) -> str:
 
 def describe_returncode(code: int) -> str:
     """A Popen return code in words (negative: ended by that signal)."""
-    return f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+    return f"signal {signal_name(-code)}" if code < 0 else f"exit code {code}"
 
 
-def _signal_name(number: int) -> str:
+def signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
     except ValueError:
@@ -152,6 +172,8 @@ def ended_by_sigterm(status: int | None) -> bool:
     return status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
 
 
+# -- acting on a group ------------------------------------------------------------------------
+
 def signal_group(pgid: int, sig: int) -> bool:
     """Send `sig` to the group; False when the group is gone."""
     try:
@@ -161,6 +183,20 @@ def signal_group(pgid: int, sig: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def kill_group(pgid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM the whole process group, then SIGKILL what is left after `grace_s`. A stopped
+    (SIGSTOP) process cannot act on SIGTERM until it is continued, so it is continued first."""
+    signal_group(pgid, signal.SIGCONT)
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        if not signal_group(pgid, sig):
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not group_alive(pgid):
+                return
+            time.sleep(0.05)
 
 
 class ExitWatch:
@@ -179,7 +215,7 @@ class ExitWatch:
         try:
             self._fds[pid] = os.pidfd_open(pid)
         except (OSError, AttributeError):
-            pass  # already gone, or no pidfds here: the /proc scan still sees it
+            pass  # already gone, or no pidfds here: the next look sees it
 
     def discard(self, pid: int) -> None:
         fd = self._fds.pop(pid, None)
@@ -187,8 +223,10 @@ class ExitWatch:
             os.close(fd)
 
     def wait(self, timeout: float) -> list[int]:
-        """Pids that have exited, waiting up to `timeout` s for the first one."""
+        """Pids that have exited, waiting up to `timeout` s for the first one (with nothing to
+        watch, it just waits)."""
         if not self._fds:
+            time.sleep(max(0.0, timeout))
             return []
         poller = select.poll()
         by_fd = {fd: pid for pid, fd in self._fds.items()}

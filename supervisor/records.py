@@ -12,13 +12,15 @@ from pathlib import Path
 
 from contract.run_folder import RunFolder, tail_lines
 
+from supervisor.procs import running
+
 
 @dataclass(frozen=True)
 class RunInfo:
     """One run, as a listing shows it."""
     name: str
     path: str
-    state: str                    # starting, running, paused, stopping, finished, failed
+    state: str                    # a contract.protocol.RunState value
     alive: bool                   # whether any process of the run's group is still there
     step: int
     total_steps: int | None
@@ -41,7 +43,7 @@ class Failure:
     """What went wrong with a run: which rank (None: not known or not one rank), and the last
     lines of the log that shows it."""
     run: str
-    kind: str                     # rank_died, launcher_died, exited, error, hung
+    kind: str                     # a supervisor.judgement.VerdictKind value
     message: str
     rank: int | None
     log: str                      # the log file `lines` come from ("" for several)
@@ -50,15 +52,6 @@ class Failure:
     def __str__(self) -> str:
         where = f" (last lines of {Path(self.log).name})" if self.log else ""
         return f"run {self.run}: {self.message}{where}\n" + "\n".join(self.lines)
-
-
-@dataclass
-class RankExit:
-    """A rank seen gone: its pid, its wait status if anyone read it, and when (monotonic)."""
-    rank: int
-    pid: int
-    status: int | None
-    seen: float
 
 
 def read_pid(folder: RunFolder) -> int | None:
@@ -73,17 +66,6 @@ def launcher_reported_success(folder: RunFolder) -> set[int]:
     """Pids the DeepSpeed launcher logged as having exited cleanly."""
     text = "\n".join(tail_lines(folder.logs / "launcher.log", 200))
     return {int(pid) for pid in re.findall(r"Process (\d+) exits successfully", text)}
-
-
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b(:.*)?$")
-
-
-def last_exception(lines: list[str] | tuple[str, ...]) -> str | None:
-    """The last `SomeError: message` line of a traceback in a log tail."""
-    for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line.strip()):
-            return line.strip()
-    return None
 
 
 def log_tail(folder: RunFolder, rank: int | None, n: int) -> tuple[str, tuple[str, ...]]:
@@ -152,10 +134,4 @@ def stop_in_progress(folder: RunFolder) -> bool:
         pid = int((folder.root / STOP_MARKER).read_text())
     except (OSError, ValueError):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return running(pid)

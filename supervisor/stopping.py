@@ -1,16 +1,22 @@
 """Ending a run: asking it to stop through its control socket, then ending its whole process
-group (launcher and every rank) and waiting until not even a /proc entry of it is left."""
+group (launcher and every rank) and waiting until not even a zombie of it is left.
+
+The default of `save` is the contract's `Stop` command's, here and in every front end: a stop
+saves (a training checkpoint, then the final model) unless asked not to.
+"""
 
 from __future__ import annotations
 
-import signal
 import time
 
-from supervisor.launch import group_alive, kill_group
+from contract.protocol import Stop
 from contract.run_folder import RunFolder
 
 from supervisor import procs
 from supervisor.records import reap
+
+# What `stop()` does when not told: the one default, declared by the contract's Stop command.
+DEFAULT_SAVE: bool = Stop().save
 
 
 def ask_to_stop(folder: RunFolder, save: bool, timeout: float) -> bool:
@@ -30,12 +36,23 @@ def ask_to_stop(folder: RunFolder, save: bool, timeout: float) -> bool:
 def alive(pgid: int | None) -> bool:
     """Whether any process of the group is still running (zombies do not count)."""
     reap(pgid)
-    return pgid is not None and group_alive(pgid)
+    return procs.group_alive(pgid)
 
 
 def wait_gone(pgid: int | None, deadline: float) -> None:
-    while alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    """Wait (on the processes' exits, re-looking for members at least every 0.5 s) until no
+    process of the group runs, or until `deadline` (monotonic)."""
+    if pgid is None:
+        return
+    watch = procs.ExitWatch()
+    try:
+        while alive(pgid) and time.monotonic() < deadline:
+            for proc in procs.live(procs.snapshot({pgid})[pgid]):
+                watch.add(proc.pid)
+            for pid in watch.wait(min(0.5, deadline - time.monotonic())):
+                watch.discard(pid)
+    finally:
+        watch.close()
 
 
 def end_group(pgid: int | None, grace_s: float) -> None:
@@ -43,9 +60,7 @@ def end_group(pgid: int | None, grace_s: float) -> None:
     (or this process, for the launcher) has reaped them all."""
     if pgid is None or not alive(pgid):
         return
-    # a stopped (SIGSTOP) process cannot act on SIGTERM until it is continued
-    procs.signal_group(pgid, signal.SIGCONT)
-    kill_group(pgid, grace_s=grace_s)
+    procs.kill_group(pgid, grace_s=grace_s)
     deadline = time.monotonic() + 5.0
     while procs.snapshot({pgid})[pgid] and time.monotonic() < deadline:
         reap(pgid)

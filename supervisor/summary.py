@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-FINAL_STATES = ("finished", "failed")
+from contract.protocol import RunState
 
 # Events that show the training loop itself moving. Command acknowledgements and the like are
 # written by rank 0's control thread even when the loop is stuck, so they do not count.
@@ -22,7 +22,7 @@ _NOT_METRICS = ("type", "step", "epoch", "total_steps", "time", "line")
 @dataclass
 class RunSummary:
     """The run as its event log tells it, so far."""
-    state: str | None = None           # the last `state` event's state
+    state: str | None = None           # the last `state` event's state (a RunState value)
     step: int = 0
     epoch: int = 0
     total_steps: int | None = None
@@ -38,8 +38,13 @@ class RunSummary:
     events: int = 0
 
     @property
+    def run_state(self) -> RunState | None:
+        """The last state as the contract's enum (None before any state event)."""
+        return RunState(self.state) if self.state is not None else None
+
+    @property
     def final(self) -> bool:
-        return self.state in FINAL_STATES
+        return self.state is not None and RunState(self.state).final
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -55,27 +60,28 @@ class RunSummary:
             if self.start_time is None and isinstance(event.get("time"), (int, float)):
                 self.start_time = float(event["time"])
             progressed = progressed or kind in PROGRESS_EVENTS
-            handler = _HANDLERS.get(kind)
+            handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
             if handler is not None:
                 handler(self, event)
         return progressed
 
     def _on_state(self, event: dict) -> None:
-        state = event.get("state")
-        if not isinstance(state, str):
-            return
+        try:
+            state = RunState(event.get("state")).value
+        except ValueError:
+            return  # not a state this contract knows: not the run's state
         # the last state event wins: a run resumed in its own folder starts over after "finished"
-        was_stopping = self.state == "stopping"  # the run ends after a `stop` command
+        was_stopping = self.state == RunState.STOPPING  # the run ends after a `stop` command
         self.state = state
         self.method = event.get("method", self.method)
         self.step = _int(event.get("step"), self.step)
         self.end_time, self.error, self.error_rank = None, None, None
         self.final_source, self.stopped_by_user = None, False
-        if state in FINAL_STATES:
+        if RunState(state).final:
             self.end_time = event.get("time")
             self.final_source = event.get("source")
             self.stopped_by_user = was_stopping or bool(event.get("stopped_by_user", False))
-        if state == "failed":
+        if state == RunState.FAILED:
             self.error = str(event.get("error") or "failed")
             self.error_rank = event.get("rank") if isinstance(event.get("rank"), int) else None
 

@@ -1,0 +1,141 @@
+"""The failure judgement as a table: observed facts in, verdict out. No process, no file, no
+clock: each row runs in microseconds. The same judgement on real runs: tests/test_runs.py."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from contract.protocol import RunState
+from supervisor.judgement import (LAUNCHER_GRACE_S, LINGER_GRACE_S, UNSEEN_EXIT_GRACE_S, Facts, RankExit,
+                                  VerdictKind, culprit, judge, last_exception)
+
+NOW = 1000.0
+# raw wait statuses, as /proc shows a zombie's
+KILLED = int(signal.SIGKILL)          # ended by SIGKILL
+TERMED = int(signal.SIGTERM)          # ended by SIGTERM: how a launcher ends the survivors
+EXIT_1 = 1 << 8                       # exit code 1
+EXIT_0 = 0
+
+
+def gone(rank: int, status: int | None, seen: float = NOW - 0.5) -> RankExit:
+    return RankExit(rank=rank, pid=100 + rank, status=status, seen=seen)
+
+
+def facts(**kw) -> Facts:
+    """A live 2-rank run, running, progressing: the baseline each row changes."""
+    base = dict(now=NOW, state=RunState.RUNNING, step=7, events=12, pid=50, alive=True,
+                seen_alive=True, launcher_alive=True, ranks_seen=2, last_progress=NOW - 1.0,
+                hang_timeout=300.0)
+    return Facts(**{**base, **kw})
+
+
+# (name, facts, expected (kind, rank) or None, words the reason must hold)
+CASES = [
+    ("a healthy run", facts(), None, ()),
+    ("a stop in progress excuses everything",
+     facts(stopping=True, alive=False, exits=(gone(1, KILLED),)), None, ()),
+    ("finished and gone", facts(state=RunState.FINISHED, alive=False), None, ()),
+    ("failed by its own report", facts(state=RunState.FAILED, alive=False, error="OOM", error_rank=0),
+     (VerdictKind.ERROR, 0), ("OOM",)),
+    ("an old failed run this process never saw alive",
+     facts(state=RunState.FAILED, alive=False, seen_alive=False, error="OOM"), None, ()),
+    ("failed, but a rank died first: the dead rank is the cause",
+     facts(state=RunState.FAILED, alive=False, error="gloo: connection closed", error_rank=0,
+           exits=(gone(1, KILLED),)),
+     (VerdictKind.RANK_DIED, 1), ("rank 1 (pid 101) ended with signal SIGKILL",
+                                  "the run then reported: gloo: connection closed")),
+    ("failed, and the rank that reported it is the one that ended",
+     facts(state=RunState.FAILED, alive=False, error="boom", error_rank=1, exits=(gone(1, EXIT_1),)),
+     (VerdictKind.ERROR, 1), ("boom",)),
+    ("finished, processes still there a while after",
+     facts(state=RunState.FINISHED, final_since=NOW - LINGER_GRACE_S - 1),
+     (VerdictKind.LINGERING, None), ("final state",)),
+    ("finished, processes still there, briefly",
+     facts(state=RunState.FINISHED, final_since=NOW - 1.0), None, ()),
+    ("gone without a final state: the killed rank, not its SIGTERMed victim",
+     facts(alive=False, exits=(gone(1, KILLED, NOW - 2.0), gone(0, TERMED, NOW - 2.0 + 0.01))),
+     (VerdictKind.EXITED, 1), ("exited without a final state: rank 1", "SIGKILL")),
+    ("gone without a final state, no rank to blame, launcher's code known",
+     facts(alive=False, launcher_alive=False, launcher_code=1),
+     (VerdictKind.EXITED, None), ("launcher ended with exit code 1",)),
+    ("gone, launcher ended by a signal",
+     facts(alive=False, launcher_alive=False, launcher_code=-9),
+     (VerdictKind.EXITED, None), ("launcher ended with signal SIGKILL",)),
+    ("never started", facts(alive=False, pid=None, events=0, ranks_seen=0, state=None),
+     (VerdictKind.EXITED, None), ("never started",)),
+    ("gone, but never seen alive here", facts(alive=False, seen_alive=False), None, ()),
+    ("a rank killed while the others go on",
+     facts(exits=(gone(1, KILLED),)), (VerdictKind.RANK_DIED, 1), ("rank 1 (pid 101)", "SIGKILL")),
+    ("a rank that exited with an error code", facts(exits=(gone(0, EXIT_1),)),
+     (VerdictKind.RANK_DIED, 0), ("exit code 1",)),
+    ("a rank that ended cleanly", facts(exits=(gone(0, EXIT_0),)), None, ()),
+    ("a rank vanished unseen, just now: maybe a clean exit", facts(exits=(gone(1, None, NOW - 1.0),)),
+     None, ()),
+    ("a rank vanished unseen, long ago", facts(exits=(gone(1, None, NOW - UNSEEN_EXIT_GRACE_S - 1),)),
+     (VerdictKind.RANK_DIED, 1), ("unknown exit status",)),
+    ("a rank vanished unseen that the launcher logged as clean",
+     facts(exits=(gone(1, None, NOW - 60.0),), clean_pids=frozenset({101})), None, ()),
+    ("the launcher gone, ranks going on", facts(launcher_alive=False,
+                                                launcher_gone_since=NOW - LAUNCHER_GRACE_S - 1),
+     (VerdictKind.LAUNCHER_DIED, None), ("the launcher (pid 50) ended",)),
+    ("the launcher gone a moment ago (a group being torn down)",
+     facts(launcher_alive=False, launcher_gone_since=NOW - 0.5), None, ()),
+    ("the launcher gone before any rank started",
+     facts(launcher_alive=False, launcher_gone_since=NOW - 60.0, ranks_seen=0), None, ()),
+    ("running without progress past the hang timeout", facts(last_progress=NOW - 301.0),
+     (VerdictKind.HUNG, None), ("no training progress for 301 s", "last step 7", "hang timeout 300 s")),
+    ("paused for long is no hang", facts(state=RunState.PAUSED, last_progress=NOW - 3600.0), None, ()),
+    ("starting for long is no hang (loading a big model)",
+     facts(state=RunState.STARTING, last_progress=NOW - 3600.0), None, ()),
+    ("a dead rank outranks a hang", facts(last_progress=NOW - 301.0, exits=(gone(1, KILLED),)),
+     (VerdictKind.RANK_DIED, 1), ()),
+]
+
+
+@pytest.mark.parametrize("name,observed,expected,words", CASES, ids=[c[0] for c in CASES])
+def test_judgement(name, observed, expected, words):
+    verdict = judge(observed)
+    if expected is None:
+        assert verdict is None, verdict
+        return
+    assert verdict is not None
+    assert (verdict.kind, verdict.rank) == expected
+    for w in words:
+        assert w in verdict.reason + verdict.suffix, (w, verdict)
+
+
+# who went first: (exits, launcher-logged clean pids) -> the culprit's rank or None
+CULPRITS = [
+    ((gone(0, TERMED, 10.0), gone(1, KILLED, 10.01)), frozenset(), 1),   # one wake: not-SIGTERM wins
+    ((gone(0, TERMED, 9.0), gone(1, KILLED, 10.0)), frozenset(), 0),     # clearly first: first wins
+    ((gone(0, KILLED, 10.0), gone(1, KILLED, 10.01)), frozenset(), None),  # cannot tell
+    ((gone(0, None, 10.0), gone(1, KILLED, 10.01)), frozenset(), 1),     # the one whose end was seen
+    ((gone(0, None, 10.0),), frozenset({100}), None),                    # logged clean by the launcher
+    ((gone(0, EXIT_0, 10.0), gone(1, EXIT_0, 10.0)), frozenset(), None),  # both ended well
+    ((), frozenset(), None),
+]
+
+
+@pytest.mark.parametrize("exits,clean,rank", CULPRITS)
+def test_culprit(exits, clean, rank):
+    found = culprit(exits, clean)
+    assert (found.rank if found else None) == rank
+
+
+def test_the_message_takes_the_exception_from_the_log_it_points_at():
+    lines = ["step 7 loss 1.2", "Traceback (most recent call last):", '  File "x.py", line 3',
+             "RuntimeError: CUDA error: out of memory", "[/__w/pytorch/third_party/gloo/pair.cc:537] closed"]
+    died = judge(facts(exits=(gone(1, EXIT_1),)))
+    assert died.message(lines) == ("rank 1 (pid 101) ended with exit code 1 "
+                                   "(RuntimeError: CUDA error: out of memory)")
+    assert died.message(["no traceback here"]) == "rank 1 (pid 101) ended with exit code 1"
+    first = judge(facts(state=RunState.FAILED, alive=False, error="gloo", error_rank=0,
+                        exits=(gone(1, KILLED),)))
+    assert first.message(["ValueError: bad"]) == ("rank 1 (pid 101) ended with signal SIGKILL "
+                                                  "(ValueError: bad); the run then reported: gloo")
+    nobody = judge(facts(alive=False, launcher_code=2))
+    assert nobody.message(["KeyError: 'x'"]) == ("exited without a final state (launcher ended with "
+                                                 "exit code 2); last error: KeyError: 'x'")
+    assert last_exception(["[/__w/x.cc:1] Error: no", "ok"]) is None
