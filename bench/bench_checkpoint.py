@@ -143,7 +143,7 @@ def worker(args) -> None:
             rows[pairs[j][0]].append(timed(pairs[j][1]))
         info = {}
         rows["model"].append(timed(lambda: info.update(
-            ck.models.save_model(trainer, str(out / f"model{i}"), max_shard_size=args.shard_mb * 2**20))))
+            ck.save_model(trainer, str(out / f"model{i}"), max_shard_size=args.shard_mb * 2**20))))
         if rank == 0:  # keep the disk small: only the latest repeat stays
             for d in (ds_dir / f"r{i}", ours_dir / f"r{i}", out / f"model{i}"):
                 shutil.rmtree(d, ignore_errors=True)

@@ -521,3 +521,35 @@ def set_gradient_clipping(engine, value: float) -> None:
     engine._config.gradient_clipping = value
     if hasattr(engine.optimizer, "clip_grad"):
         engine.optimizer.clip_grad = value
+
+
+class _RecordingEngine:
+    """Stands in for DeepSpeed's checkpoint engine during a save and notes every file it writes,
+    so that each rank hashes (and, for a remote URL, uploads) exactly its own files."""
+
+    def __init__(self, inner):
+        self._inner, self.written = inner, []
+
+    def save(self, state_dict, path):
+        self._inner.save(state_dict, path)
+        self.written.append(path)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def recording_checkpoint_files(engine) -> Iterator[list[str]]:
+    """Within: `engine.save_checkpoint` as usual, and the list yielded fills with the paths of
+    the files this rank wrote. DeepSpeed's decoupled (asynchronous) checkpoint engine is refused:
+    a checkpoint is published only once all of its files are written."""
+    inner = engine.checkpoint_engine
+    if inner is not None and inner.is_decoupled():
+        raise ValueError("DeepSpeed's decoupled (asynchronous) checkpoint engine is not supported: "
+                         "a checkpoint is published only once all of its files are written")
+    recorder = _RecordingEngine(inner)
+    engine.checkpoint_engine = recorder
+    try:
+        yield recorder.written
+    finally:
+        engine.checkpoint_engine = inner

@@ -1,4 +1,4 @@
-"""Generation with the live engine's weights — the one code path chat and evaluators share.
+"""Generation with the live engine's weights — the one entry point chat and evaluators share.
 
 Every rank calls it with the same prompts (the control plane broadcasts them); under ZeRO-3 the
 ranks gather each layer's shards together (`synced_gpus`), so all of them must keep stepping
@@ -57,35 +57,42 @@ def encode_prompts(tokenizer, prompts: list[str], device,
     return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
 
-def generate(trainer, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
+def generate(run, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
              stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
              use_base: bool = False, add_special_tokens: bool = False) -> list[str]:
     """Generate a completion of each prompt with the engine's current weights (collective).
 
-    `use_base` answers with the PEFT adapter disabled: the base model, at no extra memory.
-    Under pipeline parallelism the stages generate together (engine.pipeline_generate).
+    `run`: the run's context (a Trainer has the same attributes). `use_base` answers with the
+    PEFT adapter disabled: the base model, at no extra memory. The run's layout does the work
+    (under pipeline parallelism the stages generate together: engine.pipeline_generate).
     """
-    if trainer.env.pp_size > 1:
-        from engine.pipeline_generate import pipeline_generate
-        return pipeline_generate(trainer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
-                                 seed=seed, stop=stop, on_text=on_text, use_base=use_base,
-                                 add_special_tokens=add_special_tokens)
-    engine, tok = trainer.engine, trainer.tokenizer
+    return run.layout.generate(run, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                               seed=seed, stop=stop, on_text=on_text, use_base=use_base,
+                               add_special_tokens=add_special_tokens)
+
+
+def hf_generate(run, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
+                stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
+                use_base: bool = False, add_special_tokens: bool = False) -> list[str]:
+    """`generate` on a model every rank holds whole or in shards (Hugging Face's generate; under
+    ZeRO-3 the ranks keep stepping together until every rank is done)."""
+    engine, tok = run.engine, run.tokenizer
     model = engine.module
     inputs = encode_prompts(tok, prompts, engine.device, add_special_tokens)
     sample = temperature > 0
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=tok.pad_token_id,
                   eos_token_id=tok.eos_token_id, repetition_penalty=repetition_penalty,
-                  synced_gpus=trainer.config.parallel.zero_stage == 3 and trainer.env.world_size > 1)
+                  synced_gpus=run.config.parallel.zero_stage == 3 and run.env.world_size > 1)
     if sample:
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
     if stop:
         kwargs.update(stop_strings=stop, tokenizer=tok)
     if on_text is not None:
         kwargs["streamer"] = CallbackStreamer(tok, on_text, inputs["input_ids"].shape[1])
-    adapter_off = model.disable_adapter() if use_base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
+    adapter_off = run.method.base_model(model) if use_base else contextlib.nullcontext()
     was_training = model.training
     with preserved_rng(), torch.no_grad(), adapter_off:
         torch.manual_seed(seed)
@@ -96,10 +103,10 @@ def generate(trainer, prompts: list[str], *, max_new_tokens: int = 32, temperatu
             model.train(was_training)
     new = out[:, inputs["input_ids"].shape[1]:]
     texts = tok.batch_decode(new, skip_special_tokens=True)
-    return [_cut_at_stop(t, stop) for t in texts]
+    return [cut_at_stop(t, stop) for t in texts]
 
 
-def _cut_at_stop(text: str, stop: list[str] | None) -> str:
+def cut_at_stop(text: str, stop: list[str] | None) -> str:
     for s in stop or []:
         i = text.find(s)
         if i >= 0:

@@ -1,8 +1,20 @@
-"""Fine-tuning methods: which parameters train, and PEFT adapters through the `peft` library.
+"""Fine-tuning methods, one object chosen once at assembly: full, PEFT, fused (LOMO / AdaLomo).
 
 "full", "lomo" and "adalomo" train every parameter (LOMO's fused update is a step strategy in
 engine.lomo); the PEFT methods wrap the model in a `peft.PeftModel` whose active adapter is all
 that trains: LoRA (target modules named, or inferred), prompt tuning and P-tuning.
+
+A method object carries every operation in which methods differ, so no code elsewhere asks
+`is_peft` or whether the update is fused:
+
+    prepare_model(model, cfg)            the model to train (PEFT: wrapped with the adapter)
+    adjust_ds_setup(setup)               DeepSpeed config changes (fused: no optimizer, stage 0)
+    check_optimizer(optimizer)           refuse a user's optimizer where the method has its own
+    builds_optimizer                     False: the method builds its own after the engine
+    optimizer_after_engine(engine, cfg, setup, env)   that optimizer (fused), else None
+    step(layout)                         the step strategy (fused, else the layout's)
+    base_model(module)                   a context in which the model answers without its adapter
+    save_model / load_model / save_peft / load_peft   weights in and out (PEFT: adapters)
 
 What peft (0.21) does by itself for prompt tuning and P-tuning, and tests/test_peft.py checks:
 its forward puts `num_virtual_tokens` learned embeddings in front of the input, puts -100 in
@@ -22,9 +34,15 @@ that adapter is made the active one, and peft then trains only it.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, ContextManager, Protocol
+
 import torch
 
-from contract.config import PEFT_METHODS, RunConfig
+from contract.config import FUSED_METHODS, PEFT_METHODS, RunConfig
+from engine import lomo
+from engine.checkpoint import adapters
+from engine.steps import StepStrategy
 
 # Module names LoRA wraps when the config names none: the attention and MLP projections of the
 # Llama / Qwen2 / Mistral family, and the fused ones of GPT-2-like models. Models with none of
@@ -73,16 +91,25 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 
 
 def prepare_model(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
-    """Wrap the model for the configured method (a PEFT adapter), or return it unchanged.
+    """The model to train for the configured method: wrapped with a PEFT adapter, or unchanged
+    (see the method objects below)."""
+    return method_of(cfg).prepare_model(model, cfg)
+
+
+def refuse_peft_model(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+    """The model itself, for methods that train the whole model; a PEFT model is an error."""
+    if is_peft_model(model):
+        raise ValueError(f"method.name: {cfg.method.name} trains the whole model, but the model given "
+                         "is a PEFT model; choose lora, prompt_tuning or p_tuning")
+    return model
+
+
+def wrap_with_adapter(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+    """Wrap the model in the configured PEFT adapter.
 
     A model that is a PeftModel already keeps its adapters; the configured one is added (if it
     is not there yet) and made the active, trained one.
     """
-    if cfg.method.name not in PEFT_METHODS:
-        if is_peft_model(model):
-            raise ValueError(f"method.name: {cfg.method.name} trains the whole model, but the model given "
-                             "is a PEFT model; choose lora, prompt_tuning or p_tuning")
-        return model
     import peft
     name = cfg.method.adapter_name
     if not is_peft_model(model):
@@ -113,3 +140,115 @@ def set_active_adapter(model, name: str) -> None:
 
 def trainable_parameter_names(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+# -- the method objects ---------------------------------------------------------------------------
+
+class Method(Protocol):
+    """What differs between full fine-tuning, PEFT adapters and the fused LOMO / AdaLomo update."""
+    name: str
+    builds_optimizer: bool  # False: the method makes its own optimizer once the engine exists
+
+    def prepare_model(self, model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module: ...
+    def adjust_ds_setup(self, setup) -> None: ...
+    def check_optimizer(self, optimizer) -> None: ...
+    def optimizer_after_engine(self, engine, cfg: RunConfig, setup, env) -> Any: ...
+    def step(self, layout) -> StepStrategy: ...
+    def base_model(self, module) -> ContextManager: ...
+    def save_model(self, run, path: str, max_shard_size: int | str) -> dict: ...
+    def load_model(self, run, path: str) -> None: ...
+    def save_peft(self, run, path: str, selected_adapters: list[str] | None) -> dict: ...
+    def load_peft(self, run, path: str, adapter_name: str, is_trainable: bool) -> None: ...
+
+
+class FullMethod:
+    """Every parameter trains through the engine's optimizer; weights are saved by the layout."""
+    builds_optimizer = True
+
+    def __init__(self, name: str = "full"):
+        self.name = name
+
+    def prepare_model(self, model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+        return refuse_peft_model(model, cfg)
+
+    def adjust_ds_setup(self, setup) -> None:
+        pass
+
+    def check_optimizer(self, optimizer) -> None:
+        pass
+
+    def optimizer_after_engine(self, engine, cfg: RunConfig, setup, env) -> Any:
+        return None
+
+    def step(self, layout) -> StepStrategy:
+        return layout.step()
+
+    def base_model(self, module) -> ContextManager:
+        return contextlib.nullcontext()  # there is no adapter: the model is its own base
+
+    def save_model(self, run, path: str, max_shard_size: int | str) -> dict:
+        return run.layout.save_model(run, path, max_shard_size)
+
+    def load_model(self, run, path: str) -> None:
+        run.layout.load_model(run, path)
+
+    def save_peft(self, run, path: str, selected_adapters: list[str] | None) -> dict:
+        return self.save_model(run, path, adapters.models.DEFAULT_SHARD_SIZE)  # as in CoLLie
+
+    def load_peft(self, run, path: str, adapter_name: str, is_trainable: bool) -> None:
+        self.load_model(run, path)
+
+
+class PeftMethod(FullMethod):
+    """A PEFT adapter trains; saving the model writes the adapter in PEFT's layout (as the run
+    folder's `model/` promises); `engine.checkpoint.export_merged` writes base + LoRA."""
+
+    def prepare_model(self, model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+        return wrap_with_adapter(model, cfg)
+
+    def base_model(self, module) -> ContextManager:
+        return module.disable_adapter()
+
+    def save_model(self, run, path: str, max_shard_size: int | str) -> dict:
+        return adapters.save_peft(run, path)
+
+    def load_model(self, run, path: str) -> None:
+        adapters.load_model_folder(run, path)
+
+    def save_peft(self, run, path: str, selected_adapters: list[str] | None) -> dict:
+        return adapters.save_peft(run, path, selected_adapters)
+
+    def load_peft(self, run, path: str, adapter_name: str, is_trainable: bool) -> None:
+        adapters.load_peft(run, path, adapter_name, is_trainable)
+
+
+class FusedMethod(FullMethod):
+    """LOMO / AdaLomo: the update happens inside backward (engine.lomo); the engine has no
+    optimizer of DeepSpeed's, the fused one is built on the engine's module."""
+    builds_optimizer = False
+
+    def adjust_ds_setup(self, setup) -> None:
+        lomo.prepare_ds_setup(setup, self.name)
+
+    def check_optimizer(self, optimizer) -> None:
+        if optimizer is not None:
+            raise ValueError(f"method.name: {self.name} updates inside backward; pass no optimizer")
+
+    def optimizer_after_engine(self, engine, cfg: RunConfig, setup, env) -> Any:
+        # built on the engine's module: under ZeRO-3 its parameters are the partitioned ones
+        return lomo.build_optimizer(engine, cfg, setup.config, env.dp_group, env.dp_size)
+
+    def step(self, layout) -> StepStrategy:
+        if layout.name == "pipeline":
+            raise ValueError(f"method.name: {self.name} updates inside backward, which DeepSpeed's pipeline "
+                             "schedule does not allow; use pp_size 1")
+        return lomo.FusedStep(self.name)
+
+
+def method_of(cfg: RunConfig) -> Method:
+    """The method object of the run config (chosen once, at assembly)."""
+    if cfg.method.name in PEFT_METHODS:
+        return PeftMethod(cfg.method.name)
+    if cfg.method.name in FUSED_METHODS:
+        return FusedMethod(cfg.method.name)
+    return FullMethod(cfg.method.name)

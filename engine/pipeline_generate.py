@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Repetit
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from engine.generation import CallbackStreamer, _cut_at_stop, encode_prompts
+from engine.generation import CallbackStreamer, cut_at_stop, encode_prompts
 from engine.parallel.pipeline import broadcast_from_last_stage, stage_forward
 from engine.rng import preserved_rng
 
@@ -53,7 +53,7 @@ def next_tokens(logits: torch.Tensor, generated: torch.Tensor, processors: Logit
     return scores.argmax(dim=-1)
 
 
-def pipeline_generate(trainer, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
+def pipeline_generate(run, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
                       stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
                       use_base: bool = False, add_special_tokens: bool = False) -> list[str]:
@@ -61,7 +61,7 @@ def pipeline_generate(trainer, prompts: list[str], *, max_new_tokens: int = 32, 
     over the pipeline); the same arguments and result as engine.generation.generate."""
     if use_base:
         raise ValueError("use_base: there is no PEFT adapter under pipeline parallelism")
-    engine, tok = trainer.engine, trainer.tokenizer
+    engine, tok = run.engine, run.tokenizer
     module = engine.module
     inputs = encode_prompts(tok, prompts, engine.device, add_special_tokens)
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
@@ -81,7 +81,7 @@ def pipeline_generate(trainer, prompts: list[str], *, max_new_tokens: int = 32, 
     if streamer is not None:
         streamer.end()
     texts = tok.batch_decode(generated[:, ids.shape[1]:], skip_special_tokens=True)
-    return [_cut_at_stop(t, stop) for t in texts]
+    return [cut_at_stop(t, stop) for t in texts]
 
 
 def _decode(engine, ids: torch.Tensor, mask: torch.Tensor, tok, max_new_tokens: int,

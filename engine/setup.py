@@ -1,45 +1,36 @@
 """Building a run's parts from its config: process group, run folder, data, model, engine.
 
-Small builders the Trainer composes (torchtune style); only this module and `engine.ds_config`
-talk to deepspeed directly.
+Small builders that `engine.assembly` composes (torchtune style); only this module and
+`engine.ds_config` talk to deepspeed directly. The layout and method objects
+(engine.parallel.layouts, engine.methods) are handed in: the builders ask them, never the config,
+how the model is prepared and the DeepSpeed set-up adjusted.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
 from pathlib import Path
+from typing import Callable
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from transformers import get_scheduler
 
-from engine import data as data_layer
-from engine import ds_config, lomo, methods, model as model_layer
 from contract.config import RunConfig
-from supervisor.launch import free_port, make_run_folder
+from contract.run_folder import EventLog, RunFolder
+from engine import data as data_layer
+from engine import ds_config
+from engine import model as model_layer
+from engine.context import DistEnv
+from engine.ds_config import DeepSpeedSetup
 from engine.monitors import open_sinks
-from engine.parallel import tp as tensor_parallel
 from engine.parallel.groups import build_layout
 from engine.rng import seed_everything
-from contract.run_folder import EventLog, RunFolder
-
-
-@dataclass
-class DistEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    dp_rank: int          # which data-parallel replica this rank is part of (its data shard)
-    dp_size: int
-    dp_group: object      # the ranks that hold the same layers on other data (None: the world)
-    device: torch.device
-    tp_size: int = 1      # tensor-parallel ranks per replica (engine.parallel.groups)
-    tp_rank: int = 0
-    pp_size: int = 1      # pipeline stages per replica
-    stage: int = 0        # this rank's pipeline stage
-    topology: object = None  # the pipeline's DeepSpeed ProcessTopology when pp_size > 1
+# TODO(issue 11): make_run_folder belongs in contract.run_folder (the engine may import only the
+# contract); it is here until it moves there
+from supervisor.launch import make_run_folder
 
 
 def init_distributed(cfg: RunConfig | None = None) -> DistEnv:
@@ -49,7 +40,7 @@ def init_distributed(cfg: RunConfig | None = None) -> DistEnv:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         _unlink_shm_buffers()
@@ -136,30 +127,27 @@ def datasets_of(cfg: RunConfig, tokenizer, train_dataset, eval_dataset):
     return train_dataset, eval_dataset, eval_rows, reports
 
 
-def micro_batches_per_epoch(trainer) -> int:
-    return trainer.train_loader(0).batch_sampler.num_batches
-
-
-def train_loader_of(trainer, epoch: int, start_batch: int):
-    cfg, env = trainer.config, trainer.env
+def train_loader_of(cfg: RunConfig, env: DistEnv, dataset, tokenizer, collate_fn: Callable | None,
+                    epoch: int, start_batch: int):
+    """The training batches of `epoch` from micro-batch `start_batch` on, this rank's share."""
     loader = data_layer.build_dataloader(
-        trainer.train_dataset, micro_batch_size=cfg.train.micro_batch_size, dp_rank=env.dp_rank,
+        dataset, micro_batch_size=cfg.train.micro_batch_size, dp_rank=env.dp_rank,
         dp_size=env.dp_size, seed=cfg.train.seed, strategy=cfg.data.batching,
-        tokenizer=trainer.tokenizer, max_length=cfg.data.max_length,
+        tokenizer=tokenizer, max_length=cfg.data.max_length,
         num_workers=cfg.data.num_workers, shuffle=True, drop_last=True,
-        collate_fn=trainer.train_collate_fn)
+        collate_fn=collate_fn)
     loader.batch_sampler.set_epoch(epoch)
     loader.batch_sampler.set_start_batch(start_batch)
     return loader
 
 
-def eval_loader_of(trainer):
-    cfg, env = trainer.config, trainer.env
+def eval_loader_of(cfg: RunConfig, env: DistEnv, dataset, tokenizer, collate_fn: Callable | None):
+    """The evaluation batches, this rank's share, in order."""
     return data_layer.build_dataloader(
-        trainer.eval_dataset, micro_batch_size=cfg.eval.batch_size, dp_rank=env.dp_rank,
-        dp_size=env.dp_size, seed=cfg.train.seed, strategy="random", tokenizer=trainer.tokenizer,
+        dataset, micro_batch_size=cfg.eval.batch_size, dp_rank=env.dp_rank,
+        dp_size=env.dp_size, seed=cfg.train.seed, strategy="random", tokenizer=tokenizer,
         max_length=cfg.data.max_length, num_workers=0, shuffle=False, drop_last=False,
-        collate_fn=trainer.eval_collate_fn)
+        collate_fn=collate_fn)
 
 
 def warmup_steps_of(cfg: RunConfig, total_steps: int) -> int:
@@ -169,54 +157,53 @@ def warmup_steps_of(cfg: RunConfig, total_steps: int) -> int:
 SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
-def engine_of(trainer, model, optimizer, lr_scheduler):
-    """The DeepSpeed engine, with the model built (partitioned under ZeRO-3) when not given."""
-    cfg, env = trainer.config, trainer.env
-    folder = model_dir_of(cfg)
-    total = trainer.state.total_steps
-    warmup = warmup_steps_of(cfg, total)
-    setup = ds_config.build_ds_config(
-        cfg, world_size=env.world_size, dp_size=env.dp_size, total_steps=total, warmup_steps=warmup,
-        hidden_size=model_layer.hidden_size(folder) if model is None else _model_hidden(model),
-        precision=trainer.precision)
+def ds_setup_of(cfg: RunConfig, env: DistEnv, model, total_steps: int, precision: str) -> DeepSpeedSetup:
+    """The run's DeepSpeed config (the run's method adjusts it once the model is prepared)."""
+    return ds_config.build_ds_config(
+        cfg, world_size=env.world_size, dp_size=env.dp_size, total_steps=total_steps,
+        warmup_steps=warmup_steps_of(cfg, total_steps),
+        hidden_size=model_layer.hidden_size(model_dir_of(cfg)) if model is None else _model_hidden(model),
+        precision=precision)
+
+
+def model_of(cfg: RunConfig, setup: DeepSpeedSetup, precision: str, model=None):
+    """The given model, or the config's built with the run's seed (partitioned under ZeRO-3)."""
     seed_everything(cfg.train.seed)
-    if model is None:
-        model = model_layer.build_model(
-            folder, seed=cfg.train.seed, precision=trainer.precision,
-            attn_implementation=cfg.model.attn_implementation,
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
-            init_context=lambda: ds_config.zero3_init(setup.config),
-            trust_remote_code=cfg.model.trust_remote_code)
-    model = methods.prepare_model(model, cfg)
-    if env.tp_size > 1 or env.pp_size > 1:  # counted whole, before AutoTP shards or stages cut it
-        whole = model_layer.count_parameters(model)
-    if env.pp_size > 1:  # the same model, cut into this rank's pipeline stage
-        from engine.parallel.pipeline import build_pipeline_module
-        model = build_pipeline_module(model, topology=env.topology, partition=cfg.parallel.pp_partition,
-                                      loss_fn=trainer.loss_fn)
-    if env.tp_size > 1 or env.pp_size > 1:
-        model.whole_model_parameters = whole
+    if model is not None:
+        return model
+    return model_layer.build_model(
+        model_dir_of(cfg), seed=cfg.train.seed, precision=precision,
+        attn_implementation=cfg.model.attn_implementation,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        init_context=lambda: ds_config.zero3_init(setup.config),
+        trust_remote_code=cfg.model.trust_remote_code)
+
+
+def engine_of(cfg: RunConfig, env: DistEnv, setup: DeepSpeedSetup, model, *, layout, method,
+              optimizer, lr_scheduler, total_steps: int):
+    """deepspeed.initialize on the prepared model; returns (engine, optimizer, lr_scheduler).
+
+    The optimizer and the schedule are the user's, DeepSpeed's (its config says so), ours
+    (`make_optimizer`), or the method's own, built on the engine (LOMO / AdaLomo).
+    """
+    method.check_optimizer(optimizer)
+    warmup = warmup_steps_of(cfg, total_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    fused = lomo.uses_fused_step(cfg)  # LOMO / AdaLomo: the fused step owns the update
-    if fused:
-        if optimizer is not None:
-            raise ValueError(f"method.name: {cfg.method.name} updates inside backward; pass no optimizer")
-        lomo.prepare_ds_setup(setup, cfg.method.name)
-    if optimizer is None and not setup.ds_optimizer and trainable and not fused:
+    if optimizer is None and not setup.ds_optimizer and trainable and method.builds_optimizer:
         optimizer = make_optimizer(model, cfg)
     if lr_scheduler is None and optimizer is not None and not setup.ds_scheduler:
         lr_scheduler = get_scheduler(SCHEDULERS[cfg.optim.scheduler], optimizer,
-                                     num_warmup_steps=warmup, num_training_steps=max(total, 1))
+                                     num_warmup_steps=warmup, num_training_steps=max(total_steps, 1))
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=setup.config,
-        model_parameters=trainable if setup.ds_optimizer else None,
-        mpu=tensor_parallel.engine_mpu(env.tp_size))
-    if fused:  # built on the engine's module: under ZeRO-3 its parameters are the partitioned ones
-        optimizer = lomo.build_optimizer(engine, cfg, setup.config, env.dp_group, env.dp_size)
+        model_parameters=trainable if setup.ds_optimizer else None, mpu=layout.mpu())
+    own = method.optimizer_after_engine(engine, cfg, setup, env)
+    if own is not None:
+        optimizer = own
         lr_scheduler = lr_scheduler or get_scheduler(
             SCHEDULERS[cfg.optim.scheduler], optimizer, num_warmup_steps=warmup,
-            num_training_steps=max(total, 1))
-    return engine, optimizer, lr_scheduler, setup
+            num_training_steps=max(total_steps, 1))
+    return engine, optimizer, lr_scheduler
 
 
 def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -239,16 +226,7 @@ def _model_hidden(model) -> int | None:
     return getattr(config, "hidden_size", None) if config is not None else None
 
 
-def evaluators_of(cfg: RunConfig) -> list:
-    from engine import evaluators
-    return evaluators.from_config(cfg)
-
-
-def parameter_counts(trainer) -> tuple[int, int]:
-    return model_layer.count_parameters(trainer.engine.module)
-
-
-def attach_server(trainer) -> None:
-    """CoLLie's `server=True`: a small chat page on rank 0 fed through the control plane."""
-    from engine.control import attach
-    attach(trainer, chat_page=True)
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

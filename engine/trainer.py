@@ -1,39 +1,43 @@
 """The Trainer: a CoLLie-style training loop on a real DeepSpeed engine.
 
-Read `train()` top to bottom: epochs, optimizer steps of `grad_accum` micro-batches, a record per
-step, evaluation and checkpoints on their schedules, and the callbacks (the control plane is one)
-at every step boundary. Set-up (model, data, DeepSpeed) lives in `engine.setup`.
+Read `train()` top to bottom: epochs, optimizer steps of `grad_accum` micro-batches, and after
+each step its phases in one fixed order -- step, record, evaluate if due, checkpoint if due,
+control boundary. Callbacks are for user extensions; the checkpoint schedule, the control plane,
+`resume` and the final save are parts of the loop, built by the composition root
+(`engine.assembly`) from the config, so a Trainer made in a script is the same run as a
+launched one.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from engine import setup
-from engine.callbacks import Callback, CallbackList
 from contract.config import RunConfig
+from engine import assembly, checkpoint
+from engine.callbacks import Callback, CallbackList
+from engine.checkpoint import state as checkpoint_state
+from engine.context import RunContext, TrainerState
+from engine.control.settings import live_settings
+from engine.losses import call_by_names
 from engine.monitors import DEFAULT_MONITORS, Monitor, StepInfo
 from engine.rng import preserved_rng
-from engine.steps import choose_strategy
+
+__all__ = ["Trainer", "TrainerState", "call_by_names"]
 
 
-@dataclass
-class TrainerState:
-    """Where the trainer is; saved in checkpoints so that a resumed run skips exactly what it did."""
-    epoch: int = 0
-    batch_in_epoch: int = 0   # micro-batches of the current epoch already trained
-    global_step: int = 0      # optimizer steps done
-    total_steps: int = 0
+def _from_context(name: str, doc: str) -> property:
+    """An attribute of the Trainer that is its run context's field (one value, two names)."""
+    def get(self: "Trainer") -> Any:
+        return getattr(self.ctx, name)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def put(self: "Trainer", value: Any) -> None:
+        setattr(self.ctx, name, value)
+
+    return property(get, put, doc=doc)
 
 
 class Trainer:
@@ -44,6 +48,18 @@ class Trainer:
     micro_batches) -> (loss, tokens)`, `eval_fn`, `optimizer`, `lr_scheduler`, `callbacks`,
     `monitors` and `evaluators`; whatever you leave out is built from the config.
     """
+
+    env = _from_context("env", "This rank's place in the process group and layout.")
+    layout = _from_context("layout", "The parallel layout object (engine.parallel.layouts).")
+    method = _from_context("method", "The fine-tuning method object (engine.methods).")
+    precision = _from_context("precision", "The resolved training precision.")
+    tokenizer = _from_context("tokenizer", "The run's tokenizer.")
+    folder = _from_context("folder", "The run folder.")
+    events = _from_context("events", "The event log (rank 0; None elsewhere).")
+    state = _from_context("state", "Where the loop is (TrainerState).")
+    engine = _from_context("engine", "The DeepSpeed engine.")
+    optimizer = _from_context("optimizer", "The optimizer (the engine's, or the method's own).")
+    lr_scheduler = _from_context("lr_scheduler", "The learning-rate schedule.")
 
     def __init__(self, model: torch.nn.Module | None = None, config: RunConfig | None = None,
                  tokenizer=None, loss_fn: Callable | None = None, train_fn: Callable | None = None,
@@ -56,68 +72,88 @@ class Trainer:
         self.config = config or RunConfig()
         self.callbacks = CallbackList(list(callbacks))
         self.loss_fn, self.eval_fn = loss_fn, eval_fn
-        self.train_fn = train_fn or choose_strategy(self.config)
         self.monitors = list(monitors) if monitors is not None else [m() for m in DEFAULT_MONITORS]
-        self.state = TrainerState()
         self.should_stop = False
         self.paused = False
-
-        self.env = setup.init_distributed(self.config)
-        self.folder, self.events = setup.open_run_folder(self.config, run_dir, self.env.rank == 0)
-        self.precision = setup.precision_of(self.config)
-        self.tokenizer = tokenizer or setup.tokenizer_of(self.config)
-        # eval_rows: the raw evaluation rows, for evaluators that generate and compare text
-        self.train_dataset, self.eval_dataset, self.eval_rows, self.data_reports = setup.datasets_of(
-            self.config, self.tokenizer, train_dataset, eval_dataset)
-        self.train_collate_fn = train_dataset_collate_fn
-        self.eval_collate_fn = eval_dataset_collate_fn
-        self.state.total_steps = self._total_steps()
-        self.engine, self.optimizer, self.lr_scheduler, self.ds_setup = setup.engine_of(
-            self, model, optimizer, lr_scheduler)
+        parts = assembly.assemble(
+            self.config, model=model, tokenizer=tokenizer, loss_fn=loss_fn, optimizer=optimizer,
+            lr_scheduler=lr_scheduler, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            train_collate_fn=train_dataset_collate_fn, eval_collate_fn=eval_dataset_collate_fn,
+            evaluators=evaluators, run_dir=run_dir)
+        self.ctx: RunContext = parts.ctx
+        self.data = parts.data
+        self.ds_setup = parts.ds_setup
+        self.train_fn = train_fn or parts.step
+        self.evaluators = parts.evaluators
+        self.checkpoints = parts.checkpoints
+        self._sampler = None
+        self._last_eval_step = -1
         self.callbacks.fire("on_setup_parallel_model", self)
-        self.evaluators = list(evaluators) if evaluators is not None else setup.evaluators_of(self.config)
-        if server:
-            setup.attach_server(self)
         self._announce()
+        self.control = assembly.control_plane(self, chat_page=server)
         self.callbacks.fire("on_after_trainer_initialized", self)
+        resume = assembly.resume_point(self.ctx)
+        if resume is not None:
+            self.load_checkpoint(resume)
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> None:
+        """Train to the end (or a stop), then save the final model when the config says so."""
         cfg, state = self.config, self.state
         self.callbacks.fire("on_train_begin", self)
+        self._control_boundary()  # a pause sent before the first step holds it back
         self.emit({"type": "state", "state": "running", "step": state.global_step})
-        accum = cfg.train.grad_accum
         for epoch in range(state.epoch, self._epochs()):
             state.epoch = epoch
             loader = self.train_loader(epoch, start_batch=state.batch_in_epoch)
             self.callbacks.fire("on_train_epoch_begin", self)
-            for micro_batches in _chunks(loader, accum):
+            for micro_batches in _chunks(loader, cfg.train.grad_accum):
                 if self._done():
                     break
                 self.callbacks.fire("on_train_batch_begin", self, micro_batches)
                 started = time.perf_counter()
-                self.engine.train()
-                loss, tokens = self.train_fn(self, micro_batches)
-                state.global_step += 1
-                state.batch_in_epoch += len(micro_batches)
-                loss, tokens = self._reduce(loss, tokens)
-                self._record(StepInfo(state.global_step, epoch, loss, tokens, time.perf_counter() - started))
+                loss, tokens = self._step(micro_batches)                          # step
+                self._record(StepInfo(state.global_step, epoch, loss, tokens,    # record
+                                      time.perf_counter() - started))
                 self.callbacks.fire("on_train_batch_end", self, loss)
-                if _due(state.global_step, cfg.eval.every_n_steps):
+                live = live_settings(self)  # the schedule, as the control plane may have changed it
+                if _due(state.global_step, live.eval_every(cfg)):                # evaluate if due
                     self.evaluate()
+                self.checkpoints.after_step(self, live.save_every(cfg))          # checkpoint if due
+                self._control_boundary()                                         # control boundary
             if self._done():
                 break
             state.batch_in_epoch = 0
             state.epoch = epoch + 1
             if _due(epoch + 1, cfg.eval.every_n_epochs):
                 self.evaluate()
+            self.checkpoints.after_epoch(self)
             self.callbacks.fire("on_train_epoch_end", self)
-        if cfg.eval.at_end and self.eval_dataset is not None and not self._evaluated_at(state.global_step):
+        if cfg.eval.at_end and self.eval_dataset is not None and self._last_eval_step != state.global_step:
             self.evaluate()
+        self.checkpoints.at_end(self, live_settings(self).save_every(cfg))
+        if self.control is not None:
+            self.control.end_of_training()
         self.callbacks.fire("on_train_end", self)
+        if live_settings(self).save_at_end(cfg):
+            self.save_model(str(self.folder.model))
+        self.emit({"type": "state", "state": "finished", "step": state.global_step})
 
     def _done(self) -> bool:
         return self.should_stop or self.state.global_step >= self.state.total_steps
+
+    def _step(self, micro_batches: list[dict]) -> tuple[float, int]:
+        """One optimizer step (the step strategy, or the user's train_fn); the loss averaged and
+        the tokens summed over the data-parallel group."""
+        self.engine.train()
+        loss, tokens = self.train_fn(self, micro_batches)
+        self.state.global_step += 1
+        self.state.batch_in_epoch += len(micro_batches)
+        return self._reduce(loss, tokens)
+
+    def _control_boundary(self) -> None:
+        if self.control is not None:
+            self.control.at_boundary()
 
     # -- one step's pieces --------------------------------------------------------------------
     def compute_loss(self, batch: dict, model: Callable | None = None) -> torch.Tensor:
@@ -126,18 +162,8 @@ class Trainer:
         `model` replaces the engine's forward: the fused LOMO step calls the bare module, whose
         backward DeepSpeed does not tie to `engine.backward`.
         """
-        # No KV cache in training: it is wasted work, and with one transformers treats a packed
-        # row as one sequence (samples would attend to each other).
         forward = model if model is not None else self.engine
-        if self.env.pp_size > 1:  # the stages hold different layers (evaluation only)
-            from engine.parallel.pipeline import eval_loss
-            return eval_loss(self, batch)
-        batch = {k: v.to(self.engine.device) for k, v in batch.items()}
-        if self.loss_fn is None:
-            return forward(**batch, use_cache=False).loss
-        model_inputs = {k: v for k, v in batch.items() if k != "labels"}
-        outputs = forward(**model_inputs, use_cache=False)
-        return call_by_names(self.loss_fn, batch, outputs)
+        return self.layout.compute_loss(self.ctx, batch, forward, self.loss_fn)
 
     def _reduce(self, loss: torch.Tensor, tokens: int) -> tuple[float, int]:
         """Mean loss and total real tokens over the data-parallel group (one small all-reduce)."""
@@ -193,69 +219,95 @@ class Trainer:
             finally:
                 self.engine.train()
         self._last_eval_step = self.state.global_step
+        self.checkpoints.note_evaluation(self.state.global_step, results)
         self.emit({"type": "eval", "step": self.state.global_step, "epoch": self.state.epoch,
                    **{f"eval/{k}": v for k, v in results.items()}})
         self.callbacks.fire("on_evaluate_end", self, results)
         return results
 
-    def _evaluated_at(self, step: int) -> bool:
-        return getattr(self, "_last_eval_step", -1) == step
-
-    # -- saving and loading (engine.checkpoint) ----------------------------------------------
+    # -- saving and loading (engine.checkpoint; the run's method and layout decide how) --------
     def save_model(self, path: str) -> None:
         """The model in Hugging Face format (plus tokenizer and config); only rank 0 writes."""
-        from engine import checkpoint
-        checkpoint.save_model(self, path)
+        checkpoint.save_model(self.ctx, path)
         self.callbacks.fire("on_save_model", self, path)
 
     def load_model(self, path: str) -> None:
-        from engine import checkpoint
-        checkpoint.load_model(self, path)
+        checkpoint.load_model(self.ctx, path)
         self.callbacks.fire("on_load_model", self, path)
 
     def save_peft(self, path: str, selected_adapters: list[str] | None = None) -> None:
-        from engine import checkpoint
-        checkpoint.save_peft(self, path, selected_adapters)
+        checkpoint.save_peft(self.ctx, path, selected_adapters)
 
     def load_peft(self, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
-        from engine import checkpoint
-        checkpoint.load_peft(self, path, adapter_name, is_trainable)
+        checkpoint.load_peft(self.ctx, path, adapter_name, is_trainable)
 
-    def save_checkpoint(self, path: str) -> None:
-        """Everything needed to continue bit for bit (model, optimizer, scheduler, position, RNG)."""
-        from engine import checkpoint
-        checkpoint.save_checkpoint(self, path)
+    def save_checkpoint(self, path: str, *, saved_by: str = "manual", metrics: dict | None = None) -> str:
+        """Everything needed to continue bit for bit (model, optimizer, scheduler, position, RNG,
+        the callbacks' and the loop's parts' states); returns the checkpoint's URL."""
+        return checkpoint_state.save_checkpoint(self.ctx, path, states=self._part_states(),
+                                                sampler=self._batch_sampler(), saved_by=saved_by,
+                                                metrics=metrics)
 
     def load_checkpoint(self, path: str) -> None:
-        from engine import checkpoint
-        checkpoint.load_checkpoint(self, path)
+        checkpoint_state.load_checkpoint(self.ctx, path, sampler=self._batch_sampler(),
+                                         restore_states=self._restore_part_states)
+
+    def _part_states(self) -> dict[str, Any]:
+        """The states stored in a training checkpoint: each callback's, the checkpoint
+        schedule's and the control plane's (on every rank: a callback may be collective)."""
+        states = self.callbacks.state_dict(self)
+        states[self.checkpoints.state_key] = self.checkpoints.state_dict()
+        if self.control is not None:
+            states["control"] = self.control.state_dict()
+        return states
+
+    def _restore_part_states(self, states: dict[str, Any]) -> None:
+        self.callbacks.load_state_dict(self, states)
+        if self.checkpoints.state_key in states:
+            self.checkpoints.load_state_dict(states[self.checkpoints.state_key])
+        if self.control is not None and isinstance(states.get("control"), dict):
+            self.control.load_state_dict(states["control"])
+
+    def _batch_sampler(self):
+        """The run's batch sampler (built once): its state is the data order's identity."""
+        if self._sampler is None:
+            self._sampler = self.train_loader(0, start_batch=0).batch_sampler
+        return self._sampler
 
     # -- data -----------------------------------------------------------------------------------
+    @property
+    def train_dataset(self):
+        return self.data.train
+
+    @property
+    def eval_dataset(self):
+        return self.data.eval
+
+    @property
+    def eval_rows(self) -> list | None:
+        """The raw evaluation rows, for evaluators that generate and compare text."""
+        return self.data.eval_rows
+
+    @property
+    def data_reports(self) -> dict:
+        return self.data.reports
+
     def train_loader(self, epoch: int, start_batch: int = 0):
-        return setup.train_loader_of(self, epoch, start_batch)
+        return assembly.train_loader(self.ctx, self.data, epoch, start_batch)
 
     def eval_loader(self):
-        return setup.eval_loader_of(self)
+        return assembly.eval_loader(self.ctx, self.data)
 
     def _epochs(self) -> int:
-        if self.config.train.max_steps:  # enough epochs to reach max_steps
-            return math.ceil(self.config.train.max_steps / max(1, self._steps_per_epoch()))
-        return self.config.train.epochs
-
-    def _steps_per_epoch(self) -> int:
-        return setup.micro_batches_per_epoch(self) // self.config.train.grad_accum
-
-    def _total_steps(self) -> int:
-        return self.config.train.max_steps or self._steps_per_epoch() * self.config.train.epochs
+        return assembly.epochs(self.config, assembly.micro_batches_per_epoch(self.ctx, self.data))
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, event: dict) -> None:
         """Write an event to events.jsonl (rank 0 only; other ranks' events are dropped)."""
-        if self.events is not None:
-            self.events.emit(event)
+        self.ctx.emit(event)
 
     def _announce(self) -> None:
-        total, trainable = setup.parameter_counts(self)
+        total, trainable = assembly.parameter_counts(self.ctx)
         self.emit({"type": "setup", "world_size": self.env.world_size, "dp_size": self.env.dp_size,
                    "precision": self.precision, "total_steps": self.state.total_steps,
                    "parameters": total, "trainable_parameters": trainable,
@@ -265,22 +317,12 @@ class Trainer:
                    "warnings": self.ds_setup.warnings})
 
     def close(self) -> None:
+        """End the control plane (answering what is still queued) and close the event log."""
+        if self.control is not None:
+            self.control.close()
         if self.events is not None:
             self.events.close()
             self.events = None
-
-
-def call_by_names(fn: Callable, batch: dict, outputs: Any) -> torch.Tensor:
-    """Call `fn` with the batch's and the model outputs' fields its parameters name."""
-    available = dict(batch)
-    available.update({k: v for k, v in dict(outputs).items() if v is not None})
-    available["batch"], available["outputs"] = batch, outputs
-    params = inspect.signature(fn).parameters
-    missing = [p for p in params if p not in available and params[p].default is inspect.Parameter.empty]
-    if missing:
-        raise TypeError(f"loss_fn wants {missing}, which neither the batch ({sorted(batch)}) "
-                        f"nor the model outputs ({sorted(dict(outputs))}) provide")
-    return fn(**{p: available[p] for p in params if p in available})
 
 
 def _chunks(iterable, size: int):

@@ -1,7 +1,8 @@
 """The program every rank runs: `python -m engine.worker --run-dir RUN` (started by the launcher).
 
-parse (the run folder's config.yaml) -> build (Trainer) -> train -> clean up. Each rank writes
-its own log file; rank 0 records the run's state in events.jsonl, including why it failed.
+parse (the run folder's config.yaml) -> build (Trainer, through engine.assembly: the same run a
+script gets) -> train -> clean up. Each rank writes its own log file; rank 0 records the run's
+state in events.jsonl, including why it failed.
 """
 
 from __future__ import annotations
@@ -29,17 +30,13 @@ def _redirect_output(folder: RunFolder, rank: int) -> None:
 
 def run(run_dir: Path) -> int:
     from engine.trainer import Trainer  # heavy imports after the log redirection
-    from engine import worker_parts
 
     folder = RunFolder(run_dir)
     cfg = load_config(folder.config)
     trainer = None
     try:
-        trainer = Trainer(config=cfg, run_dir=str(folder.root), callbacks=worker_parts.callbacks_of(cfg))
-        worker_parts.resume_if_asked(trainer)
+        trainer = Trainer(config=cfg, run_dir=str(folder.root))
         trainer.train()
-        worker_parts.finish(trainer)
-        trainer.emit({"type": "state", "state": "finished", "step": trainer.state.global_step})
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure is recorded, then re-raised as exit 1
         message = f"{type(e).__name__}: {e}"
@@ -51,7 +48,7 @@ def run(run_dir: Path) -> int:
         return 1
     finally:
         if trainer is not None:
-            worker_parts.shut_down(trainer)
+            trainer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

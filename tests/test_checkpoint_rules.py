@@ -14,7 +14,7 @@ import pytest
 from engine.checkpoint import atomic
 from engine.checkpoint.atomic import (CheckpointNotFoundError, Comm, IncompleteCheckpointError,
                                       WrongKindError)
-from engine.checkpoint.callbacks import SCHEDULE, best_checkpoint, metric_of, to_delete
+from engine.checkpoint.schedule import SCHEDULE, best_checkpoint, metric_of, to_delete
 
 
 @pytest.fixture(params=["local", "memory"])

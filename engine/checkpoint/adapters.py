@@ -7,7 +7,7 @@ ZeRO-3 only the adapter parameters are gathered, never the base model. `load_pef
 adapter's weights into the engine's adapter of that name (keys and shapes checked before any
 weight changes); a new adapter can join only for inference and not under ZeRO-3, because the
 engine's optimizer and partitioning were built around the adapters it started with. Without PEFT
-both fall back to the model functions, as in CoLLie.
+the run's method (engine.methods) falls back to the model functions, as in CoLLie.
 
 `export_merged` writes base + LoRA as a plain Hugging Face model: each LoRA layer's base weight
 plus its delta (PEFT's `get_delta_weight`, what `merge_and_unload` adds) is made shard by shard
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine import ds_config
 from engine.checkpoint import atomic, models
 from engine.checkpoint.atomic import CheckpointError, Comm
 
@@ -59,17 +60,17 @@ def _any_partitioned(params) -> bool:
 
 
 # -- saving ------------------------------------------------------------------------------------
-def save_peft(trainer, path: str, selected_adapters: list[str] | None = None) -> dict:
+def save_peft(run, path: str, selected_adapters: list[str] | None = None) -> dict:
     """Selected adapters (all when None) in PEFT's layout at `path`; collective, rank 0 writes."""
-    module = trainer.engine.module
+    module = run.engine.module
     if not is_peft(module):
-        return models.save_model(trainer, path)
+        raise AdapterError("save_peft needs a PEFT model; this run trains the model itself (save_model)")
     names = check_adapter_names(module, selected_adapters)
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     started, comm = time.perf_counter(), Comm.current()
     params = adapter_params(module, names)
-    meta = {"step": trainer.state.global_step, "adapters": names}
+    meta = {"step": run.state.global_step, "adapters": names}
     prompts = _prompt_embeddings(module, names, params)
     with atomic.writing(path, kind="adapter", meta=meta, comm=comm) as w, _saving_prompts(module, prompts):
         with GatheredParameters(params, modifier_rank=None):
@@ -78,11 +79,11 @@ def save_peft(trainer, path: str, selected_adapters: list[str] | None = None) ->
                 # adapter tensors are whole (the base tensors are empty shards, and filtered out)
                 extra = {"state_dict": module.state_dict()} if _any_partitioned(params) else {}
                 module.save_pretrained(str(w.local), selected_adapters=names, safe_serialization=True, **extra)
-                if trainer.tokenizer is not None:
-                    trainer.tokenizer.save_pretrained(str(w.local))
+                if run.tokenizer is not None:
+                    run.tokenizer.save_pretrained(str(w.local))
     info = {"adapters": names, "bytes": sum(p.numel() * p.element_size() for p in params),
             "seconds": time.perf_counter() - started}
-    trainer.emit({"type": "export", "kind": "adapter", "path": str(path), "step": trainer.state.global_step, **info})
+    run.emit({"type": "export", "kind": "adapter", "path": str(path), "step": run.state.global_step, **info})
     return info
 
 
@@ -111,32 +112,46 @@ def _saving_prompts(module, prompts: dict[str, torch.Tensor]):
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load_peft(trainer, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
+def load_peft(run, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
     """Load the adapter saved at `path` (or its `adapter_name` sub-folder) into the engine."""
-    module = trainer.engine.module
-    if not is_peft(module):
-        return models.load_model(trainer, path)
+    if not is_peft(run.engine.module):
+        raise AdapterError("load_peft needs a PEFT model; this run trains the model itself (load_model)")
     local, temporary = models.fetch_model_folder(path, Comm.current())
     try:
         folder = local / adapter_name if (local / adapter_name / ADAPTER_CONFIG).is_file() else local
-        load_adapter_files(trainer, folder, str(path), adapter_name, is_trainable)
+        load_adapter_files(run, folder, str(path), adapter_name, is_trainable)
     finally:
         if temporary:
             shutil.rmtree(local, ignore_errors=True)
 
 
-def load_adapter_files(trainer, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
+def load_model_folder(run, path: str) -> None:
+    """A folder into a PEFT model (collective): an adapter folder loads as the trained adapter,
+    a plain model folder into the base model's weights."""
+    comm = Comm.current()
+    local, temporary = models.fetch_model_folder(path, comm)
+    try:
+        if (local / ADAPTER_CONFIG).is_file():
+            return load_adapter_files(run, local, str(path), run.config.method.adapter_name, True)
+        targets, aliases = base_tensors(run.engine.module)
+        models.load_local(run, local, str(path), targets, aliases, comm)
+    finally:
+        if temporary:
+            shutil.rmtree(local, ignore_errors=True)
+
+
+def load_adapter_files(run, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
     """Adapter weights from a local PEFT folder into the engine's adapter `adapter_name`."""
     import peft
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
-    module, comm = trainer.engine.module, Comm.current()
+    module, comm = run.engine.module, Comm.current()
     if not (folder / ADAPTER_CONFIG).is_file():
         raise AdapterError(f"{where} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
     saved = peft.PeftConfig.from_pretrained(str(folder))
     if adapter_name not in module.peft_config:
-        return _add_inference_adapter(trainer, folder, where, adapter_name, is_trainable)
+        return _add_inference_adapter(run, folder, where, adapter_name, is_trainable)
     _check_config(saved, module.peft_config[adapter_name], where, adapter_name)
     weights = load_peft_weights(str(folder), device="cpu")
     _check_weights(module, weights, adapter_name, where)
@@ -147,11 +162,11 @@ def load_adapter_files(trainer, folder: Path, where: str, adapter_name: str, is_
             unexpected = [k for k in getattr(result, "unexpected_keys", []) if f".{adapter_name}." in f".{k}."]
             if unexpected:  # _check_weights makes this unreachable; kept as a last guard
                 raise AdapterError(f"{where}: keys the adapter does not have: {unexpected[:6]}")
-    models.refresh_master_weights(trainer.engine)
+    ds_config.refresh_master_weights(run.engine)
 
 
-def _add_inference_adapter(trainer, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
-    module = trainer.engine.module
+def _add_inference_adapter(run, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
+    module = run.engine.module
     known = ", ".join(module.peft_config)
     if is_trainable:
         raise AdapterError(f"cannot add the trainable adapter {adapter_name!r} from {where} to the running "
@@ -233,16 +248,16 @@ def base_tensors(module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return targets, models.tensor_aliases(base, rename=hf_key)
 
 
-def export_merged(trainer, path: str, adapter_name: str | None = None,
+def export_merged(run, path: str, adapter_name: str | None = None,
                   max_shard_size: int | str = models.DEFAULT_SHARD_SIZE) -> dict:
     """Base weights + the LoRA adapter `adapter_name` (the trained one when None) as a plain
     Hugging Face model at `path`; collective, the engine's weights are left as they are."""
     from peft.tuners.lora import LoraLayer
 
-    module = trainer.engine.module
+    module = run.engine.module
     if not is_peft(module):
         raise AdapterError("export_merged needs a PEFT model; this run trains the model itself (save_model)")
-    name = adapter_name or trainer.config.method.adapter_name
+    name = adapter_name or run.config.method.adapter_name
     check_adapter_names(module, [name])
     config = module.peft_config[name]
     if config.peft_type.value != "LORA" or getattr(config, "use_dora", False):
@@ -254,7 +269,7 @@ def export_merged(trainer, path: str, adapter_name: str | None = None,
                if isinstance(m, LoraLayer) and (name in m.lora_A or name in getattr(m, "lora_embedding_A", {}))}
     targets, _ = base_tensors(module)
     entries = [_merged_entry(k, t, lora_of.get(id(t)), name) for k, t in targets.items()]
-    return models.save_hf(trainer, path, base, entries, max_shard_size, kind="model")
+    return models.save_hf(run, path, base, entries, max_shard_size, kind="model")
 
 
 def _merged_entry(key: str, weight: torch.Tensor, layer, adapter: str) -> models.Entry:

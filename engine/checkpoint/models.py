@@ -32,6 +32,7 @@ import torch
 from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors import safe_open
 
+from engine import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.atomic import CheckpointError, Comm
 from engine.checkpoint.stream_safetensors import StreamedSafetensors
@@ -158,38 +159,20 @@ def write_model_files(folder: Path, hf_model, tokenizer, dtype: torch.dtype) -> 
         tokenizer.save_pretrained(str(folder))
 
 
-def save_hf(trainer, path: str, hf_model: torch.nn.Module, entries: list[Entry],
+def save_hf(run, path: str, hf_model: torch.nn.Module, entries: list[Entry],
             max_shard_size: int | str, kind: str = "model") -> dict:
     """Publish a Hugging Face model folder at `path` atomically (every rank calls this)."""
     started = time.perf_counter()
     comm = Comm.current()
     dtype = entries[0].dtype if entries else torch.float32
-    meta = {"step": trainer.state.global_step}
+    meta = {"step": run.state.global_step}
     with atomic.writing(path, kind=kind, meta=meta, comm=comm) as w:
         info = write_weights(entries, w.local, comm, max_shard_size)
         if comm.rank == 0:
-            write_model_files(w.local, hf_model, trainer.tokenizer, dtype)
+            write_model_files(w.local, hf_model, run.tokenizer, dtype)
     info["seconds"] = time.perf_counter() - started
-    trainer.emit({"type": "export", "kind": kind, "path": str(path), "step": trainer.state.global_step, **info})
+    run.emit({"type": "export", "kind": kind, "path": str(path), "step": run.state.global_step, **info})
     return info
-
-
-def save_model(trainer, path: str, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> dict:
-    """The engine's model in Hugging Face format at `path` (local or fsspec URL); collective.
-
-    With a PEFT model this writes the adapter in PEFT's layout (as the run folder's `model/`
-    promises); `adapters.export_merged` writes base + LoRA as one plain model.
-    """
-    from engine.checkpoint import adapters
-    from engine.parallel import layouts
-    module = trainer.engine.module
-    if adapters.is_peft(module):
-        return adapters.save_peft(trainer, path)
-    if layouts.is_split(trainer):  # tp / pp: the whole model, gathered on rank 0 (engine.parallel)
-        state = layouts.full_state_dict(trainer) or {}
-        entries = [Entry(k, [], (lambda v=v: v), tuple(v.shape), v.dtype) for k, v in state.items()]
-        return save_hf(trainer, path, layouts.model_files_source(trainer), entries, max_shard_size)
-    return save_hf(trainer, path, module, model_entries(module), max_shard_size)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -319,14 +302,7 @@ def load_into(engine, targets: dict[str, torch.Tensor], source: dict[str, str], 
                 for e in shard:
                     if not e.params or comm.rank == 0:  # partitioned: rank 0 reads, the rest receive
                         targets[e.key].data.copy_(reader.get(source[e.key]).view(full_shape(targets[e.key])))
-    refresh_master_weights(engine)
-
-
-def refresh_master_weights(engine) -> None:
-    """Make the optimizer's fp32 master copy follow weights changed in the module."""
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is not None and hasattr(optimizer, "refresh_fp32_params"):
-        optimizer.refresh_fp32_params()
+    ds_config.refresh_master_weights(engine)
 
 
 def fetch_model_folder(path: str, comm: Comm) -> tuple[Path, bool]:
@@ -341,52 +317,29 @@ def fetch_model_folder(path: str, comm: Comm) -> tuple[Path, bool]:
     return atomic.fetch(folder, rels)
 
 
-def load_model(trainer, path: str) -> None:
-    """Weights of a Hugging Face folder (local or fsspec URL) into the running engine; collective.
-
-    With a PEFT model: an adapter folder loads as the trained adapter, a plain model folder into
-    the base model's weights.
-    """
-    from engine.checkpoint import adapters
-    module, comm = trainer.engine.module, Comm.current()
+def load_tensors(run, path: str, targets: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """The weights of a Hugging Face folder (local or fsspec URL) into the engine's tensors
+    `targets` (key -> tensor; `aliases`: other names of tied ones); collective. Every key and
+    shape is checked before any weight changes."""
+    comm = Comm.current()
     local, temporary = fetch_model_folder(path, comm)
     try:
-        if _split_layout(trainer):
-            return _load_split(trainer, local, str(path), comm)
-        if adapters.is_peft(module):
-            if (local / adapters.ADAPTER_CONFIG).is_file():
-                return adapters.load_adapter_files(trainer, local, str(path), trainer.config.method.adapter_name, True)
-            targets, aliases = adapters.base_tensors(module)
-        else:
-            targets, aliases = dict(named_tensors(module)), tensor_aliases(module)
-        _verify_if_marked(local, str(path), comm)
-        reader = WeightReader(local)
-        source = plan_load(reader, targets, aliases, str(path))
-        load_into(trainer.engine, targets, source, reader, comm, parse_size_to_int(DEFAULT_SHARD_SIZE))
+        load_local(run, local, str(path), targets, aliases, comm)
     finally:
         if temporary:
             shutil.rmtree(local, ignore_errors=True)
 
 
-def _split_layout(trainer) -> bool:
-    from engine.parallel import layouts
-    return layouts.is_split(trainer)
-
-
-def _load_split(trainer, local: Path, url: str, comm: Comm) -> None:
-    """Under tp / pp: check every key and shape against the whole model, then every rank reads
-    the folder and keeps its own shard or stage (engine.parallel.layouts)."""
-    from engine.parallel import layouts
-    _verify_if_marked(local, url, comm)
+def load_local(run, local: Path, url: str, targets: dict[str, torch.Tensor], aliases: dict[str, str],
+               comm: Comm) -> None:
+    """`load_tensors` from a local copy of the folder (`url`: where it came from, for messages)."""
+    verify_if_marked(local, url, comm)
     reader = WeightReader(local)
-    problems = layouts.shape_problems(trainer, {k: reader.shape(k) for k in reader.keys()})
-    if problems:
-        raise ModelLoadError(f"the weights in {url} do not fit this model ({'; '.join(problems)}); "
-                             "nothing was loaded")
-    layouts.load_full_state_dict(trainer, {k: reader.get(k) for k in reader.keys()})
+    source = plan_load(reader, targets, aliases, url)
+    load_into(run.engine, targets, source, reader, comm, parse_size_to_int(DEFAULT_SHARD_SIZE))
 
 
-def _verify_if_marked(local: Path, url: str, comm: Comm) -> None:
+def verify_if_marked(local: Path, url: str, comm: Comm) -> None:
     """A folder we wrote carries a manifest: check it (each rank a share of the files)."""
     marker = atomic.read_marker(atomic.location(str(local)))
     if marker is None:

@@ -1,10 +1,10 @@
-"""The checkpoint schedule and the best-model reload, as trainer callbacks.
+"""The checkpoint schedule and the best-model reload: a phase of the training loop.
 
-`CheckpointCallback` saves a training checkpoint to the run's `checkpoints/step-<N>` every n
-steps and/or every n epochs (read live from the run config, so the control plane's
-`save_every_n_steps` takes effect at once) and, when a schedule is on, once more at the end of
-training. When an evaluation falls on the same step, the save waits for it so that the
-checkpoint carries that step's metrics. After each save the rules run on what is on disk:
+`CheckpointSchedule` saves a training checkpoint to the run's `checkpoints/step-<N>` every n
+steps (the loop hands it the live value, so the control plane's `save_every_n_steps` takes
+effect at once) and/or every n epochs and, when a schedule is on, once more at the end of
+training. The loop calls it after the step's evaluation (engine.trainer), so a checkpoint of an
+evaluated step carries that step's metrics. After each save the rules run on what is on disk:
 
 - keep the newest `keep_last` scheduled checkpoints (0 keeps all),
 - and the best `keep_best` by `monitor` (`mode` min or max), among the checkpoints evaluated at
@@ -15,8 +15,11 @@ every other scheduled checkpoint is deleted. Checkpoints saved by hand (the cont
 `save`, `stop`) are never deleted by these rules. Because the rules read the markers on disk,
 they hold across resumes without any state of their own.
 
-`LoadBestModelCallback` reloads the best checkpoint's weights when training ends (before the
-final model is exported), leaving the trainer's position as it is.
+With `checkpoint.load_best_at_end` the best checkpoint's weights are reloaded when training ends
+(`load_best`, before the final model is exported), leaving the trainer's position as it is.
+
+The schedule works on the Trainer (`trainer.save_checkpoint`, `trainer.folder` ...), like a
+callback: it is part of the loop, above the checkpoint functions.
 """
 
 from __future__ import annotations
@@ -24,9 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.callbacks import Callback
 from engine.checkpoint import atomic, state
-from contract.config import RunConfig
 
 SCHEDULE = "schedule"
 
@@ -71,57 +72,54 @@ def best_checkpoint(checkpoints: list[dict], monitor: str, mode: str) -> dict | 
     return min(ranked, key=lambda c: (sign * metric_of(c["metrics"], monitor), -c["step"]))
 
 
-class CheckpointCallback(Callback):
+class CheckpointSchedule:
     """Saves on the run's schedule and applies keep-last / keep-best (module docstring)."""
+
+    state_key = "CheckpointCallback"  # the name its state has in checkpoints (callbacks.pt)
 
     def __init__(self, save_last: bool = True):
         self.save_last = save_last
         self.metrics: dict[str, Any] = {}
         self.metrics_step: int | None = None  # the step `metrics` were measured at
-        self._pending_step: int | None = None
         self._saved_step: int | None = None
 
-    def on_train_batch_end(self, trainer, loss: float) -> None:
-        step, cfg = trainer.state.global_step, trainer.config
-        if not _due(step, cfg.checkpoint.every_n_steps):
-            return
-        if trainer.eval_dataset is not None and _due(step, cfg.eval.every_n_steps):
-            self._pending_step = step  # the evaluation of this step comes next: save after it
-        else:
-            self.save(trainer)
-
-    def on_evaluate_end(self, trainer, results: dict[str, float]) -> None:
+    def note_evaluation(self, step: int, results: dict[str, float]) -> None:
+        """The metrics of an evaluation at `step` (they rank a checkpoint of that very step)."""
         self.metrics = {f"eval/{k}": v for k, v in results.items()}
-        self.metrics_step = trainer.state.global_step
-        if self._pending_step == trainer.state.global_step:
+        self.metrics_step = step
+
+    def after_step(self, trainer, every_n_steps: int) -> None:
+        """Save when the step is due (`every_n_steps`: the live value, set may change it)."""
+        if _due(trainer.state.global_step, every_n_steps):
             self.save(trainer)
 
-    def on_train_epoch_end(self, trainer) -> None:
+    def after_epoch(self, trainer) -> None:
         if _due(trainer.state.epoch, trainer.config.checkpoint.every_n_epochs):
             self.save(trainer)  # after the epoch's evaluation, at (next epoch, batch 0)
 
-    def on_train_end(self, trainer) -> None:
+    def at_end(self, trainer, every_n_steps: int) -> None:
+        """The last scheduled save (when a schedule is on), then the best model's reload."""
         c = trainer.config.checkpoint
-        scheduled = c.every_n_steps > 0 or c.every_n_epochs > 0
+        scheduled = every_n_steps > 0 or c.every_n_epochs > 0
         if self.save_last and scheduled and self._saved_step != trainer.state.global_step:
             self.save(trainer)
+        if c.load_best_at_end:
+            load_best(trainer)
 
-    def on_save_checkpoint(self, trainer) -> Any:
+    def state_dict(self) -> dict:
         return {"metrics": self.metrics, "metrics_step": self.metrics_step}
 
-    def on_load_checkpoint(self, trainer, saved: Any) -> None:
+    def load_state_dict(self, saved: Any) -> None:
         self.metrics = dict(saved.get("metrics", {}))
         self.metrics_step = saved.get("metrics_step")
 
     def save(self, trainer) -> str:
         """Save `checkpoints/step-<N>` now (collective) and prune by the rules."""
-        self._pending_step = None
-        self._saved_step = trainer.state.global_step
-        step = trainer.state.global_step
+        self._saved_step = step = trainer.state.global_step
         path = str(trainer.folder.checkpoints / checkpoint_name(step))
         # only metrics measured on these very weights rank a checkpoint
         metrics = self.metrics if self.metrics_step == step else {}
-        url = state.save_checkpoint(trainer, path, saved_by=SCHEDULE, metrics=metrics)
+        url = trainer.save_checkpoint(path, saved_by=SCHEDULE, metrics=metrics)
         if trainer.env.rank == 0:
             self.prune(trainer)
         return url
@@ -139,25 +137,14 @@ class CheckpointCallback(Callback):
         return doomed
 
 
-class LoadBestModelCallback(Callback):
-    """At the end of training, reload the weights of the best checkpoint by `monitor`."""
-
-    def on_train_end(self, trainer) -> None:
-        c = trainer.config.checkpoint
-        best = best_checkpoint(atomic.list_checkpoints(str(trainer.folder.checkpoints)), c.monitor, c.mode)
-        if best is None:
-            trainer.emit({"type": "warning", "message": f"load_best_at_end: no checkpoint has a "
-                          f"value of {c.monitor}; the final weights are kept"})
-            return
-        state.load_weights(trainer, best["url"])
-        trainer.emit({"type": "best_model", "path": best["url"], "step": best["step"],
-                      "monitor": c.monitor, "value": metric_of(best["metrics"], c.monitor)})
-
-
-def checkpoint_callbacks(cfg: RunConfig) -> list[Callback]:
-    """The callbacks a launched run gets: the schedule (always; it does nothing while no schedule
-    is set) and, when asked, the best-model reload, which must come after it."""
-    callbacks: list[Callback] = [CheckpointCallback()]
-    if cfg.checkpoint.load_best_at_end:
-        callbacks.append(LoadBestModelCallback())
-    return callbacks
+def load_best(trainer) -> None:
+    """Reload the weights of the run's best checkpoint by `checkpoint.monitor` (collective)."""
+    c = trainer.config.checkpoint
+    best = best_checkpoint(atomic.list_checkpoints(str(trainer.folder.checkpoints)), c.monitor, c.mode)
+    if best is None:
+        trainer.emit({"type": "warning", "message": f"load_best_at_end: no checkpoint has a "
+                      f"value of {c.monitor}; the final weights are kept"})
+        return
+    state.load_weights(trainer, best["url"])
+    trainer.emit({"type": "best_model", "path": best["url"], "step": best["step"],
+                  "monitor": c.monitor, "value": metric_of(best["metrics"], c.monitor)})

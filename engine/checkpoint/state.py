@@ -31,15 +31,16 @@ import json
 import re
 import shutil
 import time
-import weakref
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
+from engine import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.atomic import (CheckpointError, Comm, CorruptCheckpointError, LayoutMismatchError,
                                       MissingFilesError)
+from engine.model import count_parameters
 from engine.rng import rng_state, set_rng_state
 
 STATE_FILE = "trainer_state.json"
@@ -64,37 +65,25 @@ def ds_tag(step: int) -> str:
 
 
 # -- what a checkpoint records --------------------------------------------------------------------
-def layout_of(trainer) -> dict:
-    p = trainer.config.parallel
-    return {"world_size": trainer.env.world_size, "dp_size": trainer.env.dp_size, "tp_size": p.tp_size,
-            "pp_size": p.pp_size, "zero_stage": int(trainer.engine.zero_optimization_stage())}
+def layout_of(run) -> dict:
+    p = run.config.parallel
+    return {"world_size": run.env.world_size, "dp_size": run.env.dp_size, "tp_size": p.tp_size,
+            "pp_size": p.pp_size, "zero_stage": int(run.engine.zero_optimization_stage())}
 
 
-def model_of(trainer) -> dict:
-    from engine.model import count_parameters
-    total, trainable = count_parameters(trainer.engine.module)
-    return {"precision": trainer.precision, "method": trainer.config.method.name,
+def model_of(run) -> dict:
+    total, trainable = count_parameters(run.engine.module)
+    return {"precision": run.precision, "method": run.config.method.name,
             "parameters": total, "trainable_parameters": trainable}
 
 
-_samplers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _sampler(trainer):
-    """The run's batch sampler (built once per trainer): its state is the data order's identity."""
-    sampler = _samplers.get(trainer)
-    if sampler is None:
-        sampler = trainer.train_loader(0, start_batch=0).batch_sampler
-        _samplers[trainer] = sampler
-    return sampler
-
-
-def sampler_state(trainer) -> dict | None:
-    sampler = _sampler(trainer)
+def sampler_state(sampler, run) -> dict | None:
+    """The data order's identity and position: the run's batch sampler's state, at the run's
+    epoch and micro-batch (None for a sampler without state)."""
     if not hasattr(sampler, "state_dict"):
         return None
-    sampler.set_epoch(trainer.state.epoch)
-    return sampler.state_dict(batches_done=trainer.state.batch_in_epoch)
+    sampler.set_epoch(run.state.epoch)
+    return sampler.state_dict(batches_done=run.state.batch_in_epoch)
 
 
 def describe_layout(layout: dict) -> str:
@@ -104,87 +93,47 @@ def describe_layout(layout: dict) -> str:
 
 
 # -- saving ---------------------------------------------------------------------------------------
-class _RecordingEngine:
-    """Stands in for DeepSpeed's checkpoint engine during a save and notes every file it writes,
-    so that each rank hashes (and, for a remote URL, uploads) exactly its own files."""
-
-    def __init__(self, inner):
-        self._inner, self.written = inner, []
-
-    def save(self, state_dict, path):
-        self._inner.save(state_dict, path)
-        self.written.append(path)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-@contextlib.contextmanager
-def _recording(engine) -> Iterator[list[str]]:
-    inner = engine.checkpoint_engine
-    if inner is not None and inner.is_decoupled():
-        raise CheckpointError("DeepSpeed's decoupled (asynchronous) checkpoint engine is not supported: "
-                              "a checkpoint is published only once all of its files are written")
-    recorder = _RecordingEngine(inner)
-    engine.checkpoint_engine = recorder
-    try:
-        yield recorder.written
-    finally:
-        engine.checkpoint_engine = inner
-
-
-def _points_latest(trainer, path: str) -> bool:
-    folder = getattr(trainer, "folder", None)
+def _points_latest(run, path: str) -> bool:
+    folder = getattr(run, "folder", None)
     if folder is None:
         return False
     return atomic.location(path).parent.path.rstrip("/") == atomic.location(str(folder.checkpoints)).path.rstrip("/")
 
 
-def save_checkpoint(trainer, path: str, *, saved_by: str = "manual", metrics: dict | None = None,
-                    pointer: bool | None = None) -> str:
+def save_checkpoint(run, path: str, *, states: dict[str, Any], sampler, saved_by: str = "manual",
+                    metrics: dict | None = None, pointer: bool | None = None) -> str:
     """Write the full training state to `path` (local or fsspec URL); every rank calls this.
 
-    `pointer`: update `latest` in the parent folder (default: when the parent is the run's
-    checkpoints folder). `saved_by` and `metrics` go into the marker, where the checkpoint
-    callback's keep-last / keep-best rules read them. Returns the checkpoint's URL.
+    `states`: the callbacks' and the loop's parts' states (stored in callbacks.pt); `sampler`: the
+    run's batch sampler (its state is the data order's identity). `pointer`: update `latest` in
+    the parent folder (default: when the parent is the run's checkpoints folder). `saved_by` and
+    `metrics` go into the marker, where the schedule's keep-last / keep-best rules read them.
+    Returns the checkpoint's URL.
     """
     started, comm = time.perf_counter(), Comm.current()
-    state, engine = trainer.state, trainer.engine
-    callback_states = trainer.callbacks.state_dict(trainer)  # on every rank: a callback may be collective
+    state, engine = run.state, run.engine
     record = {"position": {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
                            "global_step": state.global_step, "total_steps": state.total_steps},
-              "ds_tag": ds_tag(state.global_step), "layout": layout_of(trainer), "model": model_of(trainer),
-              "sampler": sampler_state(trainer), "config": trainer.config.to_dict(), "versions": _versions()}
+              "ds_tag": ds_tag(state.global_step), "layout": layout_of(run), "model": model_of(run),
+              "sampler": sampler_state(sampler, run), "config": run.config.to_dict(), "versions": _versions()}
     meta = {"step": state.global_step, "epoch": state.epoch, "saved_by": saved_by,
             "metrics": dict(metrics or {})}
-    pointer = _points_latest(trainer, path) if pointer is None else pointer
+    pointer = _points_latest(run, path) if pointer is None else pointer
     with atomic.writing(path, kind="training", meta=meta, pointer=pointer, comm=comm) as w:
-        with _recording(engine) as written:
-            engine.save_checkpoint(str(w.local), tag=record["ds_tag"], client_state=_client_state(trainer),
-                                   save_latest=True)
+        with ds_config.recording_checkpoint_files(engine) as written:
+            engine.save_checkpoint(str(w.local), tag=record["ds_tag"],
+                                   client_state=run.layout.checkpoint_client_state(), save_latest=True)
         w.claim_paths(written)
         (w.local / RNG_DIR).mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), w.local / rng_file(comm.rank))
         w.claim(rng_file(comm.rank))
         if comm.rank == 0:
             (w.local / STATE_FILE).write_text(json.dumps(record, indent=1, default=str))
-            torch.save(callback_states, w.local / CALLBACKS_FILE)
+            torch.save(states, w.local / CALLBACKS_FILE)
     url = atomic.location(path).url
-    trainer.emit({"type": "checkpoint", "step": state.global_step, "epoch": state.epoch, "path": url,
+    run.emit({"type": "checkpoint", "step": state.global_step, "epoch": state.epoch, "path": url,
                   "saved_by": saved_by, "seconds": round(time.perf_counter() - started, 3)})
     return url
-
-
-def _client_state(trainer) -> dict:
-    """What DeepSpeed's universal checkpoint conversion asks of the client: with plain data
-    parallelism no tensor needs merge patterns, only the format version (with AutoTP DeepSpeed
-    records its own)."""
-    p = trainer.config.parallel
-    if p.tp_size > 1 or p.pp_size > 1:
-        return {}
-    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-    return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
 def _versions() -> dict:
@@ -218,22 +167,22 @@ def read_record(folder: atomic.Location) -> dict:
         raise CorruptCheckpointError(f"{folder.url}/{STATE_FILE} is damaged ({e}); nothing was loaded") from None
 
 
-def check_compatible(trainer, record: dict, url: str, data_order: bool = True) -> None:
-    """Same parallel layout, same model, same data order -- or an error naming both sides."""
-    saved, now = record.get("layout", {}), layout_of(trainer)
+def check_compatible(run, record: dict, url: str, sampler=None) -> None:
+    """Same parallel layout, same model, same data order (when `sampler`, the run's batch
+    sampler, is given) -- or an error naming both sides."""
+    saved, now = record.get("layout", {}), layout_of(run)
     if any(saved.get(k) != now[k] for k in LAYOUT_KEYS):
         raise LayoutMismatchError(
             f"{url} was written by {describe_layout(saved)}; this run is {describe_layout(now)}. An exact "
             f"resume needs the checkpoint's layout: set parallel.nproc={saved.get('world_size')} "
             f"zero_stage={saved.get('zero_stage')} tp={saved.get('tp_size')} pp={saved.get('pp_size')}. "
             + _universal_hint(url, record))
-    saved_model, model = record.get("model", {}), model_of(trainer)
+    saved_model, model = record.get("model", {}), model_of(run)
     differ = [f"{k}: checkpoint {saved_model.get(k)!r}, this run {model[k]!r}" for k in MODEL_KEYS
               if saved_model.get(k) != model[k]]
     if differ:
         raise LayoutMismatchError(f"{url} holds another model or method ({'; '.join(differ)}); nothing was loaded")
     saved_sampler = record.get("sampler")
-    sampler = _sampler(trainer) if data_order else None
     if saved_sampler is not None and hasattr(sampler, "load_state_dict"):
         try:
             sampler.load_state_dict(saved_sampler)
@@ -242,7 +191,7 @@ def check_compatible(trainer, record: dict, url: str, data_order: bool = True) -
 
 
 @contextlib.contextmanager
-def verified(trainer, path: str, data_order: bool = True) -> Iterator[tuple[atomic.Location, dict, dict, Path]]:
+def verified(run, path: str, sampler=None) -> Iterator[tuple[atomic.Location, dict, dict, Path]]:
     """Check a training checkpoint completely (collective) and yield (folder, marker, record,
     local copy of this rank's files); raises before anything is changed."""
     comm = Comm.current()
@@ -253,8 +202,8 @@ def verified(trainer, path: str, data_order: bool = True) -> Iterator[tuple[atom
         raise MissingFilesError(f"{folder.url} lacks {len(missing)} file(s) its manifest lists: "
                                 f"{', '.join(missing[:6])}; nothing was loaded")
     record = read_record(folder)
-    check_compatible(trainer, record, folder.url, data_order)
-    mine = files_read_by(sorted(marker["files"]), comm.rank, trainer.env.dp_rank)
+    check_compatible(run, record, folder.url, sampler)
+    mine = files_read_by(sorted(marker["files"]), comm.rank, run.env.dp_rank)
     local, temporary = atomic.fetch(folder, mine)
     try:
         problems = comm.agree("; ".join(atomic.verify(folder, marker, mine, local_root=local)) or None)
@@ -280,41 +229,42 @@ def _universal_hint(url: str, record: dict) -> str:
             'the DeepSpeed config {"checkpoint": {"load_universal": true}}')
 
 
-def load_checkpoint(trainer, path: str) -> dict:
-    """Restore the training state saved at `path`; every rank calls this. Returns the marker."""
+def load_checkpoint(run, path: str, *, sampler, restore_states: Callable[[dict], None]) -> dict:
+    """Restore the training state saved at `path`; every rank calls this. `sampler`: the run's
+    batch sampler (the data order must match); `restore_states` gets the saved states of the
+    callbacks and the loop's parts. Returns the marker."""
     started = time.perf_counter()
-    with verified(trainer, path) as (folder, marker, record, local):
-        _restore(trainer, local, record)
-    changes = _config_changes(record.get("config", {}), trainer.config.to_dict())
-    trainer.emit({"type": "resume", "checkpoint": folder.url, "step": trainer.state.global_step,
-                  "epoch": trainer.state.epoch, "batch_in_epoch": trainer.state.batch_in_epoch,
-                  "config_changes": changes, "seconds": round(time.perf_counter() - started, 3)})
+    with verified(run, path, sampler) as (folder, marker, record, local):
+        _restore(run, local, record, restore_states)
+    changes = _config_changes(record.get("config", {}), run.config.to_dict())
+    run.emit({"type": "resume", "checkpoint": folder.url, "step": run.state.global_step,
+              "epoch": run.state.epoch, "batch_in_epoch": run.state.batch_in_epoch,
+              "config_changes": changes, "seconds": round(time.perf_counter() - started, 3)})
     return marker
 
 
-def load_weights(trainer, path: str) -> None:
+def load_weights(run, path: str) -> None:
     """The model (and the optimizer state DeepSpeed keeps with it) of a training checkpoint; the
     position, scheduler, RNG streams and callbacks stay as they are. Collective."""
-    with verified(trainer, path, data_order=False) as (_, _, record, local):
-        load_path, _ = trainer.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_optimizer_states=True,
+    with verified(run, path) as (_, _, record, local):
+        load_path, _ = run.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_optimizer_states=True,
                                                       load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {path}")
 
 
-def _restore(trainer, local: Path, record: dict) -> None:
-    load_path, _ = trainer.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_module_strict=True,
+def _restore(run, local: Path, record: dict, restore_states: Callable[[dict], None]) -> None:
+    load_path, _ = run.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {local}")
-    states = torch.load(local / CALLBACKS_FILE, map_location="cpu", weights_only=False)
-    trainer.callbacks.load_state_dict(trainer, states)
+    restore_states(torch.load(local / CALLBACKS_FILE, map_location="cpu", weights_only=False))
     position = record["position"]
-    trainer.state.epoch = int(position["epoch"])
-    trainer.state.batch_in_epoch = int(position["batch_in_epoch"])
-    trainer.state.global_step = int(position["global_step"])
+    run.state.epoch = int(position["epoch"])
+    run.state.batch_in_epoch = int(position["batch_in_epoch"])
+    run.state.global_step = int(position["global_step"])
     # last: nothing may draw random numbers between here and the next step
-    set_rng_state(torch.load(local / rng_file(trainer.env.rank), map_location="cpu", weights_only=False))
+    set_rng_state(torch.load(local / rng_file(run.env.rank), map_location="cpu", weights_only=False))
 
 
 _NOT_TRAINING = ("resume", "logging.", "control.", "checkpoint.", "eval.")

@@ -36,7 +36,7 @@ class Boundary:
         waits up to that long for a command (the paused loop's heartbeat)."""
         started = time.perf_counter()
         items: list[Pending] = []
-        if self.rank == 0:
+        if self.commands is not None:  # rank 0
             if wait_s > 0:
                 self.commands.wait(wait_s)
             items = self.commands.drain()

@@ -24,17 +24,14 @@ outputs without a DeepSpeed optimizer, which its usage assumes.
 
 So: :mod:`engine.lomo.rules` (the two update rules, plain tensor math), :mod:`engine.lomo.scaler`
 (fp16 dynamic loss scaling), :mod:`engine.lomo.fused` (hooks, the measure and update passes,
-data-parallel averaging, ZeRO-3 partitions) and :mod:`engine.lomo.step` (the step strategy,
-registered here with the trainer's strategy registry, and the set-up builders).
+data-parallel averaging, ZeRO-3 partitions) and :mod:`engine.lomo.step` (the step strategy and
+the set-up builders, which the fused method object of :mod:`engine.methods` uses).
 """
 
 from engine.lomo.fused import FusedOptimizer
 from engine.lomo.rules import AdaLomoRule, LomoRule, UpdateRule
 from engine.lomo.scaler import DynamicLossScaler, scaler_from_ds_config
 from engine.lomo.step import FusedStep, build_optimizer, prepare_ds_setup, uses_fused_step
-from engine.steps import register_strategy
-
-register_strategy(uses_fused_step, FusedStep)
 
 __all__ = ["FusedOptimizer", "AdaLomoRule", "LomoRule", "UpdateRule", "DynamicLossScaler",
            "scaler_from_ds_config", "FusedStep", "build_optimizer", "prepare_ds_setup",

@@ -1,10 +1,11 @@
-"""The fused LOMO / AdaLomo step strategy and the builders engine setup calls for it."""
+"""The fused LOMO / AdaLomo step strategy and the builders its method object (engine.methods) calls."""
 
 from __future__ import annotations
 
 import torch
 
 from contract.config import FUSED_METHODS, RunConfig
+from engine import ds_config
 from engine.data import count_tokens
 from engine.lomo.fused import FusedOptimizer
 from engine.lomo.rules import AdaLomoRule, LomoRule, UpdateRule
@@ -24,8 +25,8 @@ class FusedStep:
     (partitioned under ZeRO-3, where its own hooks still gather the parameters).
     """
 
-    def __init__(self, cfg: RunConfig):
-        self.method = cfg.method.name
+    def __init__(self, method: str):
+        self.method = method  # "lomo" or "adalomo", for messages
 
     def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]:
         if len(micro_batches) != 1:
@@ -52,7 +53,7 @@ def build_optimizer(engine, cfg: RunConfig, ds_config: dict, dp_group, dp_size: 
     loss-scale settings."""
     # ZeRO-3 without a DeepSpeed optimizer: the engine's parameter offloader releases what no
     # module hook released in backward (DeepSpeed's own optimizer calls it at the end of backward)
-    release = getattr(engine.optimizer, "release_backward_leftovers", None)
+    release = ds_config.backward_leftovers_release(engine)
     return FusedOptimizer(engine.module.parameters(), rule_of(cfg), lr=cfg.optim.lr,
                           weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip,
                           scaler=scaler_from_ds_config(ds_config), dp_group=dp_group, dp_size=dp_size,

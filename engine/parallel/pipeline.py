@@ -37,6 +37,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from engine.data import count_tokens
+from engine.losses import call_by_names
 
 NO_MASK = -1  # an attention mask row of this value stands for "no mask" (packed batches)
 
@@ -146,7 +147,6 @@ class CausalLMLoss:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is None:
             return self.model_loss(logits=logits, labels=labels, vocab_size=self.vocab_size)
-        from engine.trainer import call_by_names
         return call_by_names(self.loss_fn, {"labels": labels}, {"logits": logits})
 
 
@@ -285,10 +285,9 @@ def broadcast_from_last_stage(engine, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def eval_loss(trainer, batch: dict) -> torch.Tensor:
+def eval_loss(engine, batch: dict) -> torch.Tensor:
     """The loss of one batch under pipeline parallelism, known on every stage (collective over
     the pipeline): what `Trainer.compute_loss` returns with one stage."""
-    engine = trainer.engine
     inputs, labels = pipe_inputs(batch, engine.device)
     logits = stage_forward(engine, inputs)
     loss = torch.zeros(1, dtype=torch.float32, device=engine.device)

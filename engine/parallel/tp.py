@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import ds_config
+
 
 def engine_mpu(tp_size: int):
     """The model-parallel unit handed to deepspeed.initialize: DeepSpeed's groups module under
@@ -40,7 +42,7 @@ def ds_config_entries(tp_size: int) -> dict:
 def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """The whole model's weights gathered from the shards (collective): a state dict with the
     model's own names on global rank 0, None elsewhere."""
-    return engine._consolidated_16bit_state_dict()
+    return ds_config.consolidated_state_dict(engine)
 
 
 @torch.no_grad()

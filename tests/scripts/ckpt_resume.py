@@ -32,7 +32,7 @@ def main() -> None:
         def on_train_batch_end(self, trainer, loss):
             losses.append(loss)
 
-    trainer = Trainer(config=cfg, callbacks=[Record(), *ck.checkpoint_callbacks(cfg)])
+    trainer = Trainer(config=cfg, callbacks=[Record()])  # the schedule comes from the config
     trainer.train()
     full, rank = list(losses), trainer.env.rank
     names = sorted(c["name"] for c in ck.list_checkpoints(str(trainer.folder.checkpoints)))
@@ -45,7 +45,10 @@ def main() -> None:
 
     for start in ("step-4", "step-6"):
         losses.clear()
-        resumed = Trainer(config=cfg, run_dir=str(trainer.folder.root), callbacks=[Record()])
+        # no schedule in the resumed runs: they must not write over the checkpoints they start from
+        quiet = load_config(overrides=overrides(task, a.out, "run", a.zero, extra + [
+            "checkpoint.every_n_steps=0", "checkpoint.every_n_epochs=0"]))
+        resumed = Trainer(config=quiet, run_dir=str(trainer.folder.root), callbacks=[Record()])
         resumed.load_checkpoint(str(trainer.folder.checkpoints / start))
         position = resumed.state.to_dict()
         resumed.train()
@@ -79,8 +82,8 @@ def export_and_reload(trainer, out: str) -> dict:
 
 def sharded_and_best(trainer, out: str, ck) -> dict:
     """A sharded export (several files + index) loads back; the best checkpoint's weights reload."""
-    from engine.checkpoint.callbacks import best_checkpoint
-    info = ck.models.save_model(trainer, f"{out}/sharded", max_shard_size=150_000)
+    from engine.checkpoint.schedule import best_checkpoint
+    info = ck.save_model(trainer, f"{out}/sharded", max_shard_size=150_000)
     ids = next(iter(trainer.train_loader(0)))["input_ids"][:2]
     trainer.engine.eval()
     with torch.no_grad():
@@ -89,7 +92,7 @@ def sharded_and_best(trainer, out: str, ck) -> dict:
         back = (trainer.engine(input_ids=ids).logits - ref).abs().max().item()
         c = trainer.config.checkpoint
         best = best_checkpoint(ck.list_checkpoints(str(trainer.folder.checkpoints)), c.monitor, c.mode)
-        ck.LoadBestModelCallback().on_train_end(trainer)
+        ck.load_best(trainer)
         best_loss = trainer.evaluate()["loss"]
     trainer.engine.train()
     return {"shards": info["shards"], "sharded_diff": back, "best": best["name"],

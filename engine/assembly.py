@@ -1,0 +1,133 @@
+"""The composition root: a run's parts, built once from its config, the same for every entry point.
+
+`Trainer(config=...)` calls these builders in its constructor, so a Trainer made in a script, in
+a notebook, or by the launched worker (`engine.worker`) is the same run: the same layout and
+method objects, the checkpoint schedule, the control plane when `control.enabled`, `resume`, and
+(in `Trainer.train`) the final save. Each decision is made here, once:
+
+    parse     the config (given)                        -> RunConfig
+    layout    the process groups                        -> DistEnv, Layout object
+    method    full / PEFT / fused                       -> Method object
+    data      tokenizer, datasets, loaders, step count
+    engine    DeepSpeed config, model, deepspeed.initialize -> RunContext
+    loop      step strategy, evaluators, checkpoint schedule, control plane, resume point
+
+Nothing here imports the Trainer; the Trainer imports this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from contract.config import RunConfig
+from engine import evaluators as evaluator_layer
+from engine import setup
+from engine.checkpoint import CheckpointSchedule, resolve_resume
+from engine.context import RunContext, TrainerState
+from engine.control import Control
+from engine.ds_config import DeepSpeedSetup
+from engine.methods import method_of
+from engine.model import count_parameters
+from engine.parallel.layouts import layout_of
+from engine.steps import StepStrategy
+
+
+@dataclass
+class Data:
+    """The run's data: tokenized datasets, the raw evaluation rows (for evaluators that generate
+    and compare text), the data reports, and the collate functions given."""
+    train: Any
+    eval: Any
+    eval_rows: list | None
+    reports: dict
+    train_collate_fn: Callable | None = None
+    eval_collate_fn: Callable | None = None
+
+
+@dataclass
+class Assembled:
+    """What `assemble` builds: the run context and the loop's parts."""
+    ctx: RunContext
+    data: Data
+    ds_setup: DeepSpeedSetup
+    step: StepStrategy
+    checkpoints: CheckpointSchedule
+    evaluators: list = field(default_factory=list)
+
+
+def assemble(cfg: RunConfig, *, model=None, tokenizer=None, loss_fn: Callable | None = None,
+             optimizer=None, lr_scheduler=None, train_dataset=None, eval_dataset=None,
+             train_collate_fn: Callable | None = None, eval_collate_fn: Callable | None = None,
+             evaluators=None, run_dir: str | None = None) -> Assembled:
+    """Build a run's parts from its config; given parts (a user's model, tokenizer, datasets,
+    optimizer ...) are used as they are. Every rank calls it (it joins the process group)."""
+    env = setup.init_distributed(cfg)
+    layout, method = layout_of(env), method_of(cfg)
+    folder, events = setup.open_run_folder(cfg, run_dir, env.rank == 0)
+    precision = setup.precision_of(cfg)
+    tokenizer = tokenizer or setup.tokenizer_of(cfg)
+    train, evaluation, eval_rows, reports = setup.datasets_of(cfg, tokenizer, train_dataset, eval_dataset)
+    data = Data(train, evaluation, eval_rows, reports, train_collate_fn, eval_collate_fn)
+    state = TrainerState()
+    ctx = RunContext(config=cfg, env=env, layout=layout, method=method, precision=precision,
+                     tokenizer=tokenizer, folder=folder, events=events, state=state)
+    state.total_steps = total_steps(cfg, micro_batches_per_epoch(ctx, data))
+    ds_setup = setup.ds_setup_of(cfg, env, model, state.total_steps, precision)
+    model = setup.model_of(cfg, ds_setup, precision, model)
+    model = method.prepare_model(model, cfg)
+    whole = layout.whole_model_parameters(model)
+    model = layout.prepare_model(model, cfg, loss_fn)
+    if whole is not None:  # the parameter count of the whole model, before the split
+        model.whole_model_parameters = whole
+    method.adjust_ds_setup(ds_setup)
+    ctx.engine, ctx.optimizer, ctx.lr_scheduler = setup.engine_of(
+        cfg, env, ds_setup, model, layout=layout, method=method, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, total_steps=state.total_steps)
+    return Assembled(ctx=ctx, data=data, ds_setup=ds_setup, step=method.step(layout),
+                     checkpoints=CheckpointSchedule(),
+                     evaluators=list(evaluators) if evaluators is not None else evaluator_layer.from_config(cfg))
+
+
+def train_loader(ctx: RunContext, data: Data, epoch: int, start_batch: int = 0):
+    """The training batches of `epoch`, this rank's share, from micro-batch `start_batch` on."""
+    return setup.train_loader_of(ctx.config, ctx.env, data.train, ctx.tokenizer, data.train_collate_fn,
+                                 epoch, start_batch)
+
+
+def eval_loader(ctx: RunContext, data: Data):
+    return setup.eval_loader_of(ctx.config, ctx.env, data.eval, ctx.tokenizer, data.eval_collate_fn)
+
+
+def micro_batches_per_epoch(ctx: RunContext, data: Data) -> int:
+    return train_loader(ctx, data, 0).batch_sampler.num_batches
+
+
+def total_steps(cfg: RunConfig, micro_batches: int) -> int:
+    """Optimizer steps of the run: train.max_steps, or every epoch's."""
+    return cfg.train.max_steps or (micro_batches // cfg.train.grad_accum) * cfg.train.epochs
+
+
+def epochs(cfg: RunConfig, micro_batches: int) -> int:
+    """Epochs the loop runs: enough to reach train.max_steps, or train.epochs."""
+    if cfg.train.max_steps:
+        return math.ceil(cfg.train.max_steps / max(1, micro_batches // cfg.train.grad_accum))
+    return cfg.train.epochs
+
+
+def control_plane(trainer, chat_page: bool) -> Control | None:
+    """The control plane of a built trainer when the config enables it (or `Trainer(server=True)`
+    asks for the chat page): rank 0's server, every rank's step boundary. Collective."""
+    if not (trainer.config.control.enabled or chat_page):
+        return None
+    return Control(trainer, chat_page=chat_page)
+
+
+def resume_point(ctx: RunContext) -> str | None:
+    """The training checkpoint `resume=` names (None when the run starts afresh)."""
+    return resolve_resume(ctx.config.resume, ctx.folder) if ctx.config.resume else None
+
+
+def parameter_counts(ctx: RunContext) -> tuple[int, int]:
+    return count_parameters(ctx.engine.module)

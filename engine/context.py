@@ -1,0 +1,78 @@
+"""The run context: the parts of one run, built once by `engine.assembly`, handed to the engine.
+
+The engine's layers (layouts, methods, checkpoints, generation) take a `RunContext` rather than
+the Trainer: it names what they may use, and keeps them from reaching into the loop. The
+Trainer holds one (`trainer.ctx`) and shows its fields as its own attributes, so a function that
+takes a context also accepts the Trainer (CoLLie's API hands the trainer to callbacks,
+monitors, evaluators and `train_fn`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from contract.config import RunConfig
+from contract.run_folder import EventLog, RunFolder
+
+if TYPE_CHECKING:  # annotations only: the objects are built by engine.assembly
+    from engine.methods import Method
+    from engine.parallel.layouts import Layout
+
+
+@dataclass
+class TrainerState:
+    """Where the trainer is; saved in checkpoints so that a resumed run skips exactly what it did."""
+    epoch: int = 0
+    batch_in_epoch: int = 0   # micro-batches of the current epoch already trained
+    global_step: int = 0      # optimizer steps done
+    total_steps: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DistEnv:
+    """This rank's place in the process group and the run's tp x pp x dp layout."""
+    rank: int
+    local_rank: int
+    world_size: int
+    dp_rank: int          # which data-parallel replica this rank is part of (its data shard)
+    dp_size: int
+    dp_group: object      # the ranks that hold the same layers on other data (None: the world)
+    device: torch.device
+    tp_size: int = 1      # tensor-parallel ranks per replica (engine.parallel.groups)
+    tp_rank: int = 0
+    pp_size: int = 1      # pipeline stages per replica
+    stage: int = 0        # this rank's pipeline stage
+    topology: object = None  # the pipeline's DeepSpeed ProcessTopology when pp_size > 1
+
+
+@dataclass
+class RunContext:
+    """Everything about one run that the engine's layers read: decided once, at assembly.
+
+    `layout` (data-parallel / tensor-parallel / pipeline) and `method` (full / PEFT / fused) are
+    the objects that carry every operation in which layouts or methods differ. `engine`,
+    `optimizer` and `lr_scheduler` are set once DeepSpeed has been initialised.
+    """
+    config: RunConfig
+    env: DistEnv
+    layout: "Layout"
+    method: "Method"
+    precision: str
+    tokenizer: Any
+    folder: RunFolder
+    events: EventLog | None
+    state: TrainerState
+    engine: Any = None
+    optimizer: Any = None
+    lr_scheduler: Any = None
+
+    def emit(self, event: dict) -> None:
+        """Write an event to events.jsonl (rank 0 only; other ranks' events are dropped)."""
+        if self.events is not None:
+            self.events.emit(event)

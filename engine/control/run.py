@@ -1,0 +1,47 @@
+"""What the control plane uses of the run it drives, written down as a typing Protocol.
+
+The Trainer provides all of it; the control plane never imports the trainer (arrows point down),
+it is handed one object with these attributes. Anything the handlers need from the run that is
+not listed here is a dependency to add here first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from contract.config import RunConfig
+from contract.run_folder import EventLog, RunFolder
+from engine.control.settings import LiveSettings
+
+
+class ControlledRun(Protocol):
+    config: RunConfig          # as started: the control plane never writes it
+    env: Any                   # engine.context.DistEnv: rank, world_size, device
+    folder: RunFolder
+    events: EventLog | None    # rank 0's event log (None on other ranks)
+    state: Any                 # engine.context.TrainerState: global_step, epoch, total_steps
+    tokenizer: Any
+    engine: Any                # the DeepSpeed engine (read: gradient_clipping(), module, optimizer)
+    optimizer: Any             # the engine's optimizer, or the fused LOMO one (None: no optimizer)
+    eval_dataset: Any          # None: the run has no evaluation data
+    paused: bool               # the loop holds at the boundary while true
+    should_stop: bool          # the loop ends after this boundary when true
+    live_settings: LiveSettings
+
+    def emit(self, event: dict) -> None:
+        """Write an event to events.jsonl (rank 0)."""
+
+    def current_lr(self) -> float:
+        """The learning rate of the next step."""
+
+    def set_lr(self, lr: float) -> None:
+        """Make the next step's learning rate `lr`; the schedule goes on from there, scaled."""
+
+    def scale_lr(self, factor: float) -> None:
+        """Scale the learning-rate schedule by `factor`."""
+
+    def evaluate(self) -> dict:
+        """Run the evaluation now (collective); its metrics."""
+
+    def save_checkpoint(self, path: str) -> Any:
+        """Write a training checkpoint of the present step at `path` (collective)."""

@@ -1,0 +1,245 @@
+"""The parallel layout of a run, one object chosen once at assembly: data-parallel (ZeRO 0-3),
+tensor-parallel (DeepSpeed AutoTP) or pipeline (a DeepSpeed PipelineModule).
+
+A layout carries every operation in which layouts differ, so no code elsewhere asks
+`pp_size > 1` or `tp_size > 1`:
+
+    prepare_model(model, cfg, loss_fn)   the model the engine is built on (pipeline: cut in stages)
+    mpu()                                the model-parallel unit deepspeed.initialize gets
+    step()                               the step strategy (engine step, pipeline schedule)
+    compute_loss(run, batch, forward, loss_fn)   the loss of one batch (pipeline: stage to stage)
+    generate(run, prompts, **options)    generation with the live weights (collective)
+    full_state_dict(run)                 whole-model weights, Hugging Face names, on rank 0
+    load_full_state_dict(run, state)     whole-model weights into this rank's share
+    save_model(run, path, max_shard_size) / load_model(run, path)   Hugging Face folders
+    checkpoint_client_state()            what DeepSpeed's universal checkpoint asks of the client
+    whole_model_parameters(model)        the parameter count of the whole model, before a split
+
+`run` is the run's `engine.context.RunContext` (a Trainer has the same attributes). The module-
+level `full_state_dict`, `load_full_state_dict`, `shape_problems` and `hf_config_of` are kept
+for scripts and tests: they call the run's layout.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from contract.config import RunConfig
+from engine import ds_config
+from engine.checkpoint import models
+from engine.checkpoint.atomic import Comm
+from engine.context import DistEnv
+from engine.generation import hf_generate
+from engine.losses import model_loss
+from engine.model import count_parameters
+from engine.parallel import pipeline, tp, weights
+from engine.pipeline_generate import pipeline_generate
+from engine.steps import EngineStep, StepStrategy
+
+
+class Layout(Protocol):
+    """What differs between data-parallel, tensor-parallel and pipeline runs."""
+    name: str
+    split: bool  # the engine holds a shard or a stage of the model, not all of it
+
+    def prepare_model(self, model: nn.Module, cfg: RunConfig, loss_fn: Callable | None) -> nn.Module: ...
+    def mpu(self) -> Any: ...
+    def step(self) -> StepStrategy: ...
+    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor: ...
+    def generate(self, run, prompts: list[str], **options) -> list[str]: ...
+    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None: ...
+    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None: ...
+    def save_model(self, run, path: str, max_shard_size: int | str) -> dict: ...
+    def load_model(self, run, path: str) -> None: ...
+    def checkpoint_client_state(self) -> dict: ...
+
+
+class DataParallel:
+    """Every rank holds the whole model (ZeRO 1-3 partition its states, and under stage 3 its
+    weights, which DeepSpeed gathers layer by layer)."""
+    name, split = "data-parallel", False
+
+    def __init__(self, env: DistEnv):
+        self.env = env
+
+    def prepare_model(self, model: nn.Module, cfg: RunConfig, loss_fn: Callable | None) -> nn.Module:
+        return model
+
+    def mpu(self) -> Any:
+        return None
+
+    def step(self) -> StepStrategy:
+        return EngineStep()
+
+    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
+        return model_loss(forward, batch, run.engine.device, loss_fn)
+
+    def generate(self, run, prompts: list[str], **options) -> list[str]:
+        return hf_generate(run, prompts, **options)
+
+    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None:
+        if self.env.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in run.engine.module.state_dict().items()}
+
+    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None:
+        module = run.engine.module
+        result = module.load_state_dict(state_dict, strict=False)
+        weights.raise_if_missing(weights.untied_missing(module, result.missing_keys, state_dict))
+        ds_config.refresh_master_weights(run.engine)
+
+    def save_model(self, run, path: str, max_shard_size: int | str) -> dict:
+        module = run.engine.module
+        return models.save_hf(run, path, module, models.model_entries(module), max_shard_size)
+
+    def load_model(self, run, path: str) -> None:
+        module = run.engine.module
+        models.load_tensors(run, path, dict(models.named_tensors(module)), models.tensor_aliases(module))
+
+    def checkpoint_client_state(self) -> dict:
+        # with plain data parallelism no tensor needs merge patterns, only the format version
+        return ds_config.universal_checkpoint_info()
+
+    def whole_model_parameters(self, model: nn.Module) -> int | None:
+        return None
+
+
+class _Split:
+    """What the tensor-parallel and pipeline layouts share: the whole model is gathered to rank
+    0 to be saved, and a folder is checked against the whole model before every rank reads it
+    and keeps its own part."""
+    split = True
+    env: DistEnv
+
+    def whole_model_parameters(self, model: nn.Module) -> int | None:
+        return count_parameters(model)  # counted whole, before AutoTP shards or stages cut it
+
+    def save_model(self, run, path: str, max_shard_size: int | str) -> dict:
+        state = self.full_state_dict(run) or {}  # type: ignore[attr-defined]
+        entries = [models.Entry(k, [], (lambda v=v: v), tuple(v.shape), v.dtype) for k, v in state.items()]
+        return models.save_hf(run, path, weights.model_files_source(run.engine.module), entries, max_shard_size)
+
+    def load_model(self, run, path: str) -> None:
+        comm = Comm.current()
+        local, temporary = models.fetch_model_folder(path, comm)
+        try:
+            models.verify_if_marked(local, str(path), comm)
+            reader = models.WeightReader(local)
+            problems = weights.shape_problems(weights.hf_config_of(run.engine.module),
+                                              {k: reader.shape(k) for k in reader.keys()})
+            if problems:
+                raise models.ModelLoadError(f"the weights in {path} do not fit this model "
+                                            f"({'; '.join(problems)}); nothing was loaded")
+            self.load_full_state_dict(run, {k: reader.get(k) for k in reader.keys()})  # type: ignore[attr-defined]
+        finally:
+            if temporary:
+                shutil.rmtree(local, ignore_errors=True)
+
+    def checkpoint_client_state(self) -> dict:
+        return {}  # DeepSpeed records its own (AutoTP), or has none to give (pipeline)
+
+
+class TensorParallel(_Split):
+    """DeepSpeed AutoTP: each tensor group shares a sharded model (engine.parallel.tp)."""
+    name = "tensor-parallel"
+
+    def __init__(self, env: DistEnv):
+        self.env = env
+
+    def prepare_model(self, model: nn.Module, cfg: RunConfig, loss_fn: Callable | None) -> nn.Module:
+        return model  # AutoTP shards it inside deepspeed.initialize (the DeepSpeed config says so)
+
+    def mpu(self) -> Any:
+        return tp.engine_mpu(self.env.tp_size)
+
+    def step(self) -> StepStrategy:
+        return EngineStep()
+
+    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
+        return model_loss(forward, batch, run.engine.device, loss_fn)
+
+    def generate(self, run, prompts: list[str], **options) -> list[str]:
+        return hf_generate(run, prompts, **options)
+
+    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None:
+        engine = run.engine
+        state = tp.full_state_dict(engine)
+        # DeepSpeed's consolidation lists a tied weight under both names; keep the first, as
+        # save_pretrained does
+        aliases = weights.tied_aliases(engine.module)
+        return None if state is None else {k: v for k, v in state.items() if k not in aliases}
+
+    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None:
+        weights.raise_if_missing(tp.load_full_state_dict(run.engine.module, state_dict))
+        ds_config.refresh_master_weights(run.engine)
+
+
+class Pipeline(_Split):
+    """A DeepSpeed PipelineModule: each rank runs one stage of the layers (engine.parallel.pipeline)."""
+    name = "pipeline"
+
+    def __init__(self, env: DistEnv):
+        self.env = env
+
+    def prepare_model(self, model: nn.Module, cfg: RunConfig, loss_fn: Callable | None) -> nn.Module:
+        return pipeline.build_pipeline_module(model, topology=self.env.topology,
+                                              partition=cfg.parallel.pp_partition, loss_fn=loss_fn)
+
+    def mpu(self) -> Any:
+        return None
+
+    def step(self) -> StepStrategy:
+        return pipeline.PipelineStep()
+
+    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
+        # the stages hold different layers: the batch goes from stage to stage (evaluation only)
+        return pipeline.eval_loss(run.engine, batch)
+
+    def generate(self, run, prompts: list[str], **options) -> list[str]:
+        return pipeline_generate(run, prompts, **options)
+
+    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None:
+        return weights.gather_stages(run.engine.module, self.env)
+
+    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None:
+        weights.raise_if_missing(run.engine.module.load_hf_state_dict(state_dict))
+        ds_config.refresh_master_weights(run.engine)
+
+
+def layout_of(env: DistEnv) -> Layout:
+    """The layout object of this rank's process groups (chosen once, at assembly)."""
+    if env.pp_size > 1:
+        return Pipeline(env)
+    if env.tp_size > 1:
+        return TensorParallel(env)
+    return DataParallel(env)
+
+
+# -- for scripts and tests: the run's layout does the work ---------------------------------------
+
+def full_state_dict(run) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights under their Hugging Face names on global rank 0, None on the
+    other ranks (collective)."""
+    return run.layout.full_state_dict(run)
+
+
+def load_full_state_dict(run, state_dict: dict[str, torch.Tensor]) -> None:
+    """Put whole-model weights (every rank passes the same) into the engine's layout; raises
+    ValueError naming the weights the model needs and did not get."""
+    run.layout.load_full_state_dict(run, state_dict)
+
+
+def hf_config_of(run):
+    return weights.hf_config_of(run.engine.module)
+
+
+def shape_problems(run, file_shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    return weights.shape_problems(hf_config_of(run), file_shapes)
+
+
+__all__ = ["Layout", "DataParallel", "TensorParallel", "Pipeline", "layout_of", "full_state_dict",
+           "load_full_state_dict", "hf_config_of", "shape_problems"]
