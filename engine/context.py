@@ -10,16 +10,14 @@ monitors, evaluators and `train_fn`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, ContextManager, Protocol
 
 import torch
+from torch import nn
 
 from contract.config import RunConfig
 from contract.run_folder import EventLog, RunFolder
-
-if TYPE_CHECKING:  # annotations only: the objects are built by engine.assembly
-    from engine.methods import Method
-    from engine.parallel.layouts import Layout
+from engine.steps import StepStrategy
 
 
 @dataclass
@@ -51,6 +49,43 @@ class DistEnv:
     topology: object = None  # the pipeline's DeepSpeed ProcessTopology when pp_size > 1
 
 
+class Layout(Protocol):
+    """What differs between data-parallel, tensor-parallel and pipeline runs (the objects are in
+    engine.parallel.layouts; `run` is the RunContext)."""
+    name: str
+    split: bool  # the engine holds a shard or a stage of the model, not all of it
+
+    def prepare_model(self, model: nn.Module, cfg: RunConfig, loss_fn: Callable | None) -> nn.Module: ...
+    def whole_model_parameters(self, model: nn.Module) -> int | None: ...
+    def mpu(self) -> Any: ...
+    def step(self) -> StepStrategy: ...
+    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor: ...
+    def generate(self, run, prompts: list[str], **options) -> list[str]: ...
+    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None: ...
+    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None: ...
+    def save_model(self, run, path: str, max_shard_size: int | str) -> dict: ...
+    def load_model(self, run, path: str) -> None: ...
+    def checkpoint_client_state(self) -> dict: ...
+
+
+class Method(Protocol):
+    """What differs between full fine-tuning, PEFT adapters and the fused LOMO / AdaLomo update
+    (the objects are in engine.methods; `run` is the RunContext)."""
+    name: str
+    builds_optimizer: bool  # False: the method makes its own optimizer once the engine exists
+
+    def prepare_model(self, model: nn.Module, cfg: RunConfig) -> nn.Module: ...
+    def adjust_ds_setup(self, setup) -> None: ...
+    def check_optimizer(self, optimizer) -> None: ...
+    def optimizer_after_engine(self, engine, cfg: RunConfig, setup, env: "DistEnv") -> Any: ...
+    def step(self, layout: Layout) -> StepStrategy: ...
+    def base_model(self, module) -> ContextManager: ...
+    def save_model(self, run, path: str, max_shard_size: int | str) -> dict: ...
+    def load_model(self, run, path: str) -> None: ...
+    def save_peft(self, run, path: str, selected_adapters: list[str] | None) -> dict: ...
+    def load_peft(self, run, path: str, adapter_name: str, is_trainable: bool) -> None: ...
+
+
 @dataclass
 class RunContext:
     """Everything about one run that the engine's layers read: decided once, at assembly.
@@ -61,8 +96,8 @@ class RunContext:
     """
     config: RunConfig
     env: DistEnv
-    layout: "Layout"
-    method: "Method"
+    layout: Layout
+    method: Method
     precision: str
     tokenizer: Any
     folder: RunFolder

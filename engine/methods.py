@@ -35,13 +35,14 @@ that adapter is made the active one, and peft then trains only it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Protocol
+from typing import Any, ContextManager
 
 import torch
 
 from contract.config import FUSED_METHODS, PEFT_METHODS, RunConfig
 from engine import lomo
 from engine.checkpoint import adapters
+from engine.context import Method
 from engine.steps import StepStrategy
 
 # Module names LoRA wraps when the config names none: the attention and MLP projections of the
@@ -143,23 +144,6 @@ def trainable_parameter_names(model: torch.nn.Module) -> list[str]:
 
 
 # -- the method objects ---------------------------------------------------------------------------
-
-class Method(Protocol):
-    """What differs between full fine-tuning, PEFT adapters and the fused LOMO / AdaLomo update."""
-    name: str
-    builds_optimizer: bool  # False: the method makes its own optimizer once the engine exists
-
-    def prepare_model(self, model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module: ...
-    def adjust_ds_setup(self, setup) -> None: ...
-    def check_optimizer(self, optimizer) -> None: ...
-    def optimizer_after_engine(self, engine, cfg: RunConfig, setup, env) -> Any: ...
-    def step(self, layout) -> StepStrategy: ...
-    def base_model(self, module) -> ContextManager: ...
-    def save_model(self, run, path: str, max_shard_size: int | str) -> dict: ...
-    def load_model(self, run, path: str) -> None: ...
-    def save_peft(self, run, path: str, selected_adapters: list[str] | None) -> dict: ...
-    def load_peft(self, run, path: str, adapter_name: str, is_trainable: bool) -> None: ...
-
 
 class FullMethod:
     """Every parameter trains through the engine's optimizer; weights are saved by the layout."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from transformers import get_scheduler
 
 from contract.config import RunConfig
-from contract.run_folder import EventLog, RunFolder
+from contract.run_folder import EventLog, RunFolder, make_run_folder
 from engine import data as data_layer
 from engine import ds_config
 from engine import model as model_layer
@@ -28,9 +28,6 @@ from engine.ds_config import DeepSpeedSetup
 from engine.monitors import open_sinks
 from engine.parallel.groups import build_layout
 from engine.rng import seed_everything
-# TODO(issue 11): make_run_folder belongs in contract.run_folder (the engine may import only the
-# contract); it is here until it moves there
-from supervisor.launch import make_run_folder
 
 
 def init_distributed(cfg: RunConfig | None = None) -> DistEnv:

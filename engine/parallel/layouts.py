@@ -23,7 +23,7 @@ for scripts and tests: they call the run's layout.
 from __future__ import annotations
 
 import shutil
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -32,30 +32,13 @@ from contract.config import RunConfig
 from engine import ds_config
 from engine.checkpoint import models
 from engine.checkpoint.atomic import Comm
-from engine.context import DistEnv
+from engine.context import DistEnv, Layout
 from engine.generation import hf_generate
 from engine.losses import model_loss
 from engine.model import count_parameters
 from engine.parallel import pipeline, tp, weights
 from engine.pipeline_generate import pipeline_generate
 from engine.steps import EngineStep, StepStrategy
-
-
-class Layout(Protocol):
-    """What differs between data-parallel, tensor-parallel and pipeline runs."""
-    name: str
-    split: bool  # the engine holds a shard or a stage of the model, not all of it
-
-    def prepare_model(self, model: nn.Module, cfg: RunConfig, loss_fn: Callable | None) -> nn.Module: ...
-    def mpu(self) -> Any: ...
-    def step(self) -> StepStrategy: ...
-    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor: ...
-    def generate(self, run, prompts: list[str], **options) -> list[str]: ...
-    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None: ...
-    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None: ...
-    def save_model(self, run, path: str, max_shard_size: int | str) -> dict: ...
-    def load_model(self, run, path: str) -> None: ...
-    def checkpoint_client_state(self) -> dict: ...
 
 
 class DataParallel:
