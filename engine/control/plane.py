@@ -41,8 +41,9 @@ class Control:
         self.trainer = trainer
         env = trainer.env
         self.rank, self.world_size = env.rank, env.world_size
-        self.commands = CommandQueue() if self.rank == 0 else None
-        self.boundary = Boundary(self.rank, self.world_size, env.device, self.commands)
+        commands = CommandQueue() if self.rank == 0 else None
+        self.commands = commands
+        self.boundary = Boundary(self.rank, self.world_size, env.device, commands)
         # the live settings `set` changed: recorded in every checkpoint, re-applied on resume;
         # the loop reads its schedule from them (engine.control.settings.live_settings)
         self.settings = LiveSettings()
@@ -53,12 +54,12 @@ class Control:
         self.last_eval: dict | None = None
         self.server: ControlServer | None = None
         self.page: ChatPage | None = None
-        if self.rank == 0:
+        if commands is not None:  # rank 0
             cfg = trainer.config.control
             # a prompt longer than the model's context is refused before it is queued
             prompts = PromptLimit.of(trainer.engine.module, trainer.tokenizer, handlers.prompt_text,
                                      lambda: self.settings.generation_params()["max_new_tokens"])
-            self.server = ControlServer(trainer.folder, self.commands, self.status_snapshot,
+            self.server = ControlServer(trainer.folder, commands, self.status_snapshot,
                                         host=cfg.host, port=cfg.port, on_queued=self._on_queued,
                                         admit=prompts)
             if trainer.events is not None:
