@@ -128,25 +128,48 @@ class EventTail:
         self.offset = 0  # bytes of the file consumed (complete lines only)
         self.line = 0    # lines consumed, skipped ones included
 
-    def poll_numbered(self) -> list[tuple[int, dict[str, Any]]]:
-        """The new events as (line number, event)."""
+    def read(self, max_bytes: int | None = None) -> list[tuple[int, bytes]]:
+        """The complete lines written since the last read, as (line number, raw bytes), for
+        passing on without parsing (the control server feeds subscribers with them). With
+        `max_bytes`, about that much (at least one whole line): a slow reader's backlog stays in
+        the file, not in memory. A line that is not a JSON object keeps its number and is skipped.
+        Returns [] only when no complete line is left."""
+        while True:
+            before = self.offset
+            lines = self._read_chunk(max_bytes)
+            if lines or self.offset == before:  # something to return, or the end of the file
+                return lines
+
+    def _read_chunk(self, max_bytes: int | None) -> list[tuple[int, bytes]]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                chunk = f.read()
+                chunk = f.read() if max_bytes is None else f.read(max_bytes)
+                while max_bytes is not None and chunk and b"\n" not in chunk:  # one long line
+                    more = f.read(max_bytes)
+                    if not more:
+                        break
+                    chunk += more
         except FileNotFoundError:
             return []
-        end = chunk.rfind(b"\n") + 1  # leave a partly written last line for the next poll
+        end = chunk.rfind(b"\n") + 1  # leave a partly written last line for the next read
+        self.offset += end
         out = []
         for raw in chunk[:end].splitlines():
             n, self.line = self.line, self.line + 1
-            if n < self.start_line:
-                continue
+            raw = raw.strip()
+            if n >= self.start_line and raw.startswith(b"{") and raw.endswith(b"}"):
+                out.append((n, raw))
+        return out
+
+    def poll_numbered(self) -> list[tuple[int, dict[str, Any]]]:
+        """The new events as (line number, event)."""
+        out = []
+        for n, raw in self.read():
             try:
                 out.append((n, json.loads(raw)))
             except json.JSONDecodeError:  # keep the numbering; a broken line is just not returned
                 continue
-        self.offset += end
         return out
 
     def poll(self) -> list[dict[str, Any]]:

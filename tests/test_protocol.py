@@ -212,3 +212,21 @@ def test_the_tailer_numbers_lines_like_the_file_and_waits_for_whole_lines(tmp_pa
     log.close()
     lines = path.read_text().splitlines()
     assert json.loads(lines[0])["time"] > 0 and len(lines) == 4
+
+
+def test_the_tailer_reads_raw_lines_in_bounded_chunks(tmp_path):
+    """The control server's use: lines passed on unparsed, a slow reader's backlog read a chunk
+    at a time from the file."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    for i in range(100):
+        log.emit({"type": "train", "step": i, "pad": "x" * 50})
+    log.emit({"type": "train", "step": 100, "pad": "y" * 5000})  # longer than a chunk
+    log.close()
+    tail, got = EventTail(path, start_line=10), []
+    while chunk := tail.read(max_bytes=1000):
+        assert sum(len(raw) for _, raw in chunk) < 1000 or len(chunk) == 1
+        got += chunk
+    assert [n for n, _ in got] == list(range(10, 101))
+    assert all(json.loads(raw)["step"] == n for n, raw in got)
+    assert tail.read() == [] and tail.line == 101
