@@ -23,6 +23,7 @@ from contract.run_folder import EventLog, RunFolder, make_run_folder
 from engine import data as data_layer
 from engine import ds_config
 from engine import model as model_layer
+from engine import rendezvous
 from engine.context import DistEnv
 from engine.ds_config import DeepSpeedSetup
 from engine.monitors import open_sinks
@@ -39,7 +40,9 @@ def init_distributed(cfg: RunConfig | None = None) -> DistEnv:
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        rendezvous.join_on_loopback(backend)  # one machine: nothing listens beyond loopback
+        deepspeed.init_distributed(dist_backend=backend)
         _unlink_shm_buffers()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])

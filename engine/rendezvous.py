@@ -1,0 +1,55 @@
+"""Where the ranks of a run meet: on one machine, on loopback only.
+
+torch's `env://` rendezvous makes rank 0 host a TCPStore on MASTER_PORT that listens on every
+address (`::`), whatever MASTER_ADDR says, so anyone who can reach the machine could talk to the
+run's store. When MASTER_ADDR is a loopback address (every run on one machine), rank 0 binds the
+store's socket itself, to MASTER_ADDR only, and hands it to the TCPStore (`master_listen_fd`);
+gloo's own sockets (and NCCL's bootstrap) are put on the loopback interface (GLOO_SOCKET_IFNAME /
+NCCL_SOCKET_IFNAME = lo, unless already set). Across machines (any other MASTER_ADDR) nothing
+changes: the store listens on MASTER_PORT on every address of the first node, and gloo / NCCL on
+the interface that reaches the others.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+
+def on_loopback(address: str) -> bool:
+    """Whether `address` (an IP or host name) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def join_on_loopback(backend: str) -> bool:
+    """Initialise torch.distributed from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT with a
+    store that listens on MASTER_ADDR only, when that is loopback; returns whether it did (if
+    not, the caller's usual env:// initialisation runs)."""
+    address = os.environ["MASTER_ADDR"]
+    if dist.is_initialized() or not on_loopback(address):
+        return False
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    rank, world, port = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])
+    listen_fd = _listen(address, port) if rank == 0 else None
+    store = dist.TCPStore(address, port, world, rank == 0, default_pg_timeout,
+                          master_listen_fd=listen_fd, multi_tenant=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout)
+    return True
+
+
+def _listen(address: str, port: int) -> int:
+    """A socket listening on `address`:`port` only; the store owns its descriptor from now on."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen(1024)
+    return sock.detach()
