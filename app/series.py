@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from contract.protocol import RunState
 from supervisor.summary import RunSummary
 
 Point = tuple[int, float]
@@ -97,7 +98,7 @@ class RunHistory:
         """Seconds left until the last step, from the recent speed; None when not known."""
         s = self.summary
         per_step = self.seconds_per_step()
-        if per_step is None or not s.total_steps or s.final or s.state == "paused":
+        if per_step is None or not s.total_steps or s.final or s.state == RunState.PAUSED:
             return None
         left = max(0, s.total_steps - s.step) * per_step
         if self._times:  # time already spent on the step under way

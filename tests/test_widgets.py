@@ -11,6 +11,7 @@ import textwrap
 
 import ipywidgets as widgets
 import pytest
+import yaml
 
 from app.form import Form
 from app.notebook.form import ConfigForm
@@ -290,3 +291,40 @@ def test_the_panel_drives_a_run_by_clicks_while_other_cells_run(tmp_path, monkey
     commands = [e["cmd"] for e in events if e["type"] == "command" and e["status"] == "done"]
     assert commands[:5] == ["set", "pause", "generate", "evaluate", "resume"]
     assert commands[-1] == "stop"
+
+
+# -- resuming from an fsspec URL through the plain calls --------------------------------------
+
+QUICK = ("max_steps=20", "batch_size=16", "data.max_length=32", "precision=fp32", "eval.every_n_steps=0",
+         "eval.at_end=false", "logging.tensorboard=false", "checkpoint.save_at_end=false")
+
+
+@pytest.mark.slow
+def test_resume_from_an_fsspec_url_through_the_notebook_api(tmp_path, monkeypatch):
+    """A checkpoint named by URL reaches the run as that URL: `file://` (which the ranks can
+    read) resumes exactly; `memory://` (which lives in one process only) gets the engine's own
+    message about that very URL, not one about a local path made from it."""
+    from app.notebook import api
+    from contract.run_folder import read_events
+
+    monkeypatch.setenv("LIVETUNE_OUTPUT_DIR", str(tmp_path / "runs"))
+    monkeypatch.chdir(tmp_path)
+
+    def losses(run) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in read_events(run.handle.folder.events) if e["type"] == "train"}
+
+    first = api.start(None, *QUICK, "checkpoint.every_n_steps=10", "checkpoint.keep_last=0", "run_name=first")
+    assert first.wait(timeout=300).state == "finished", first.failure()
+    url = (first.path / "checkpoints" / "step-10").as_uri()  # file:///.../checkpoints/step-10
+    resumed = api.start(None, *QUICK, f"resume={url}", "run_name=resumed")
+    memory = "memory://livetune-test/run/checkpoints/step-10"
+    elsewhere = api.start(None, *QUICK, f"resume={memory}", "run_name=memory")
+    assert resumed.wait(timeout=300).state == "finished", resumed.failure()
+    assert yaml.safe_load((resumed.path / "config.yaml").read_text())["resume"] == url
+    before, after = losses(first), losses(resumed)
+    assert sorted(after) == list(range(11, 21)) and after == {s: before[s] for s in range(11, 21)}
+
+    assert yaml.safe_load((elsewhere.path / "config.yaml").read_text())["resume"] == memory
+    with pytest.raises(api.RunFailed) as failed:
+        elsewhere.wait(timeout=300)
+    assert f"resume={memory}: no such checkpoint folder" in str(failed.value), failed.value

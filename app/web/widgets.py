@@ -15,10 +15,12 @@ import gradio as gr
 from app.session import SessionError
 from app.web.backend.watch import Snapshot
 from contract.config import ConfigError
+from contract.protocol import RunState
 from supervisor import Failure
 
-STATE_COLORS = {"starting": "#6b7280", "running": "#059669", "paused": "#d97706",
-                "stopping": "#7c3aed", "finished": "#2563eb", "failed": "#dc2626"}
+STATE_COLORS = {RunState.STARTING.value: "#6b7280", RunState.RUNNING.value: "#059669",
+                RunState.PAUSED.value: "#d97706", RunState.STOPPING.value: "#7c3aed",
+                RunState.FINISHED.value: "#2563eb", RunState.FAILED.value: "#dc2626"}
 
 CSS = """
 .cfg-field.invalid .info-text { color: #dc2626 !important; }
@@ -138,7 +140,7 @@ def status_html(snap: Snapshot | None, note: str | None = None) -> str:
     parts = [f"<span class='state-chip' style='background:{color}' id='run-state'>{html.escape(p.state)}</span>",
              f"<b>{html.escape(info.name)}</b>",
              f"<span id='run-step'>step {p.step}{total}</span>", f"epoch {p.epoch}"]
-    if p.state == "running":
+    if p.state == RunState.RUNNING:
         parts.append(f"ETA {duration(p.eta_s)}")
     parts.append(f"elapsed {duration(p.elapsed_s)}")
     for key, label, fmt in (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.2e}"), ("tokens_per_s", "tok/s", "{:.0f}")):

@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from app.series import RunHistory
+from contract.protocol import RunState
 from contract.run_folder import EventTail, RunFolder, tail_lines
 
 # the most points a series sends to the browser; longer runs are thinned evenly (last kept)
@@ -91,8 +92,8 @@ class RunView:
         wins over the last state event."""
         with self._lock:
             s = self.history.summary
-            state = state or s.state or "starting"
-            eta = self.history.eta() if state == "running" else None
+            state = state or s.state or RunState.STARTING.value
+            eta = self.history.eta() if state == RunState.RUNNING else None
             elapsed = (s.end_time or time.time()) - s.start_time if s.start_time else None
             return Progress(state, s.step, s.total_steps, s.epoch, eta, elapsed, dict(s.train_metrics),
                             dict(s.eval_metrics), s.method)
