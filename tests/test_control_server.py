@@ -1,7 +1,7 @@
 """The control server and the client over real loopback sockets, without an engine.
 
 The test itself plays the training thread: it drains the command queue and answers, the way
-the step boundary does on rank 0. (The engine end to end is in test_control_run.py.)
+the step boundary does on rank 0. (End to end with the engine: test_control_live.py.)
 """
 
 import json
