@@ -157,6 +157,44 @@ def test_run_view_thins_long_runs_keeping_the_newest_point(tmp_path):
     assert len(raw) == MAX_POINTS and raw.step.iloc[-1] == 1000 and raw.step.iloc[0] == 1
 
 
+# -- the Train tab's look at a run -------------------------------------------------------------------
+
+def test_the_train_tabs_look_is_keyed_by_component_and_follows_the_run_state(tmp_path):
+    import gradio as gr
+
+    from app.web import train
+    from app.web.backend import Backend
+    from app.web.widgets import make_plots
+
+    folder = RunFolder(tmp_path / "runs" / "done").create()
+    _log(folder, [{"type": "state", "state": "starting", "time": 1.0}, {"type": "setup", "total_steps": 3, "time": 1.0}]
+         + [{"type": "train", "step": s, "loss": 3.0 - s, "lr": 0.1, "time": 1.0 + s} for s in (1, 2, 3)]
+         + [{"type": "state", "state": "finished", "step": 3, "time": 5.0}])
+    backend = Backend(tmp_path / "runs")
+    try:
+        with gr.Blocks():
+            view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(),
+                                   make_plots("t"), gr.Code(), gr.Number(),
+                                   {name: gr.Button() for name in train.COMMAND_OF})
+        out = train.refresh(backend, view, None, None, 0.0)  # the page's first look: the newest run
+        assert set(out) <= set(view.outputs()) and out[view.run_state] == str(folder.root)
+        assert "finished" in out[view.status] and out[view.open_train] is False  # ended: stay put
+        assert [b["interactive"] for b in (out[button] for button in view.buttons.values())] == \
+            [False] * len(view.buttons)  # allowed_commands("finished") is empty
+        loss = out[view.plots.loss]
+        assert list(loss[loss.series == "raw"]["loss"]) == [2.0, 1.0, 0.0]
+        assert out[view.lr] == 0.1 and out[view.seen] == {"path": str(folder.root), "version": 1}
+        again = train.refresh(backend, view, str(folder.root), out[view.seen], 0.0)
+        assert view.plots.loss not in again and view.log not in again  # nothing new: not sent again
+        assert set(view.controls("paused")) == set(view.buttons.values())
+        enabled = {name for name, b in view.buttons.items() if view.controls("paused")[b]["interactive"]}
+        assert enabled == {"resume", "stop", "stop_other", "save", "evaluate", "set_lr"}
+        enabled = {name for name, b in view.buttons.items() if view.controls("stopping")[b]["interactive"]}
+        assert enabled == {"stop", "stop_other"}  # a second stop ends the group at once
+    finally:
+        backend.close()
+
+
 # -- saved things, CLI ----------------------------------------------------------------------------
 
 def test_list_saved(tmp_path):
