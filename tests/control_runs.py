@@ -12,10 +12,13 @@ import pytest
 
 from engine import default_task
 from contract.config import load_config
-from supervisor.launch import LaunchedRun, group_alive, kill_group, make_run_folder, spawn
+from contract.run_folder import make_run_folder
+from supervisor.launch import LaunchedRun, spawn
+from supervisor.procs import group_alive, kill_group
 from contract.run_folder import read_events, tail_lines
 
 HEARTBEAT_S = 0.5  # the runs' paused heartbeat, short so a test pause spans many of them
+_LAUNCHED: list[LaunchedRun] = []  # ended by `end_leftover_runs` after each test
 
 
 def task_files(root: Path) -> dict[str, str]:
@@ -37,8 +40,22 @@ def launch(tmp_path: Path, name: str, task: dict, *overrides: str) -> LaunchedRu
         "precision=fp32", "logging.tensorboard=false", "checkpoint.save_at_end=false",
         "eval.at_end=false", "eval.batch_size=16", "optim.warmup_steps=3", *overrides])
     folder = make_run_folder(cfg)
-    return spawn(cfg, folder, extra_env={"LIVETUNE_CACHE": task["cache"],
-                                         "LIVETUNE_HEARTBEAT_S": str(HEARTBEAT_S)})
+    run = spawn(cfg, folder, extra_env={"LIVETUNE_CACHE": task["cache"],
+                                        "LIVETUNE_HEARTBEAT_S": str(HEARTBEAT_S)})
+    _LAUNCHED.append(run)
+    return run
+
+
+@pytest.fixture(autouse=True)
+def end_leftover_runs():
+    """After each test, end every run it launched that is still going: a failed assertion in the
+    middle of a test must not leave a paused 2-rank run holding the machine's cores. (Autouse in
+    every test module that imports it.)"""
+    yield
+    while _LAUNCHED:
+        run = _LAUNCHED.pop()
+        if run.process.poll() is None or group_alive(run.pid):
+            kill_group(run.pid, grace_s=5.0)
 
 
 def logs_of(run: LaunchedRun) -> str:
@@ -87,3 +104,13 @@ def wait_for_step(run: LaunchedRun, step: int, timeout: float = 180.0) -> int:
 
 def states(run: LaunchedRun) -> list[str]:
     return [e["state"] for e in events(run) if e["type"] == "state"]
+
+
+def logged_commands(run: LaunchedRun, cmd: str) -> list[dict]:
+    """The run's record of each `cmd` command it finished, in order: the request's `args` (from
+    its "queued" event) joined by id with its "done" event (`result`, `step`)."""
+    log = events(run)
+    args = {e["id"]: e.get("args", {}) for e in log
+            if e["type"] == "command" and e["cmd"] == cmd and e["status"] == "queued"}
+    return [{**e, "args": args.get(e["id"])} for e in log
+            if e["type"] == "command" and e["cmd"] == cmd and e["status"] == "done"]

@@ -1,7 +1,6 @@
 """Driving a live 2-rank ZeRO-2 run through its control socket: refused messages, `set lr`,
 50 chats at once, an events stream that disconnects and reconnects, and stop-and-save."""
 
-import importlib.util
 import json
 import socket
 import threading
@@ -9,9 +8,9 @@ import threading
 import pytest
 
 from supervisor.client import CommandError, RunClient
-from control_runs import events, launch, logs_of, states, task_files, wait_exit, wait_for_step
+from control_runs import end_leftover_runs  # noqa: F401 - autouse: no run outlives its test
+from control_runs import events, launch, logged_commands, logs_of, states, task_files, wait_exit, wait_for_step
 
-HAS_CHECKPOINTS = importlib.util.find_spec("engine.checkpoint") is not None
 STEPS = 400  # never reached: the test stops the run
 
 
@@ -64,16 +63,17 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
     at = changed["step"]
     assert changed["changes"]["grad_clip"] == 0.5
 
-    # 50 chats sent at once, all answered (the default max_new_tokens just set: 5)
-    words = [f"w{i:02d}ab" for i in range(50)]
-    chats = [client.generate(f"reverse: {w}\n") for w in words]
-    answers = [c.wait() for c in chats]
-    assert len(answers) == 50 and all(a["step"] >= at for a in answers)
-    assert all(len(client_text) <= 5 for client_text in (a["text"] for a in answers))
+    # 50 chats sent at once, each answered with its own reply (the default max_new_tokens just set: 5)
+    prompts = [f"reverse: w{i:02d}ab\n" for i in range(50)]
+    chats = [client.generate(p) for p in prompts]
+    streamed = [list(c) for c in chats]
+    answers = [c.result for c in chats]
+    assert all(a["step"] >= at and len(a["text"]) <= 5 for a in answers)
+    assert ["".join(pieces) for pieces in streamed] == [a["text"] for a in answers]
 
     stop_step = wait_for_step(run, at + 3)
-    stopped = client.stop(save=HAS_CHECKPOINTS)
-    assert stopped["state"] == "stopping" and stopped["final_model"] is HAS_CHECKPOINTS
+    stopped = client.stop(save=True)
+    assert stopped["state"] == "stopping" and stopped["final_model"] is True
     assert wait_exit(run) == 0, logs_of(run)
     followed.wait(30)
     follower.join(5)
@@ -86,14 +86,14 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
     assert states(run) == ["running", "stopping", "finished"]
     sets = [e for e in log if e["type"] == "set"]
     assert len(sets) == 1 and sets[0]["changes"]["lr"] == pytest.approx(1e-4)
-    done = [e for e in log if e["type"] == "command" and e["cmd"] == "generate" and e["status"] == "done"]
-    assert len(done) == 50
+    # the run recorded one answer per prompt, the one the client got for that prompt
+    logged = logged_commands(run, "generate")
+    recorded = {e["args"]["prompt"]: (e["result"]["text"], e["result"]["step"]) for e in logged}
+    assert len(logged) == 50 and recorded == {p: (a["text"], a["step"]) for p, a in zip(prompts, answers)}
     # the follower hung up once and reconnected: every line exactly once, in order
     assert [e["line"] for e in got] == list(range(len(log)))
     assert [e["type"] for e in got] == [e["type"] for e in log]
     assert not run.folder.control.exists()
-    if not HAS_CHECKPOINTS:
-        pytest.xfail("engine.checkpoint is not there yet: stop-and-save could not save")
     assert stopped["checkpoint"] and (run.folder.root / stopped["checkpoint"]).exists()
     assert (run.folder.model / "config.json").exists()
 
