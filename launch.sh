@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for everything:
 #   ./launch.sh                      set up on first use, then serve the web app on 127.0.0.1:7860
-#   ./launch.sh train [CONFIG.yaml] [key=value ...]   train from the terminal (no config: the default)
+#   ./launch.sh train [--detach] [CONFIG.yaml] [key=value ...]   train from the terminal (no config:
+#                                    the default); Ctrl-C / closing the terminal stops the run
+#   ./launch.sh watch RUN_FOLDER     follow a run (a detached one) to its end
+#   ./launch.sh stop RUN_FOLDER [save=false]   stop a run (saving first unless save=false)
 #   ./launch.sh test [pytest args]   install what the tests need, then run them
 set -euo pipefail
 CALLER_DIR="$PWD"  # `train` reads its config and data paths relative to where it was typed
@@ -34,11 +37,11 @@ case "$cmd" in
     fi
     exec "$PY" -m pytest "$@"
     ;;
-  train)
+  train|watch|stop)
     shift
     setup test
     cd "$CALLER_DIR"  # paths are made absolute against it, so the engine (in this folder) finds them
-    exec "$PY" -m engine.cli train "$@"
+    exec "$PY" -m app.cli "$cmd" "$@"  # the repo is installed editable: importable from anywhere
     ;;
   app)
     [ $# -gt 0 ] && shift

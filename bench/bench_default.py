@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "engine.cli", "train", f"output_dir={tmp}", "run_name=bench",
+        cmd = [sys.executable, "-m", "app.cli", "train", f"output_dir={tmp}", "run_name=bench",
                "checkpoint.save_at_end=false", *sys.argv[1:]]
         subprocess.run(cmd, cwd=REPO, check=True)
         events = [json.loads(line) for line in (Path(tmp) / "bench" / "events.jsonl").read_text().splitlines()]

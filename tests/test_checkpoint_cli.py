@@ -29,7 +29,7 @@ def events_of(run: Path) -> list[dict]:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "engine.cli", "train", *args]
+    return [sys.executable, "-m", "app.cli", "train", *args]
 
 
 def env() -> dict:

@@ -19,7 +19,7 @@ PROMPT = "sort: dcba"
 
 
 def train(out: Path, name: str, *overrides: str) -> Path:
-    cmd = [sys.executable, "-m", "engine.cli", "train", "nproc=2", "max_steps=3", "batch_size=8",
+    cmd = [sys.executable, "-m", "app.cli", "train", "nproc=2", "max_steps=3", "batch_size=8",
            "checkpoint.every_n_steps=3", "eval.every_n_steps=0", f"output_dir={out}", f"run_name={name}",
            "logging.progress_bar=false", "logging.tensorboard=false", *overrides]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,

@@ -1,24 +1,83 @@
-"""The terminal entry point end to end: `./launch.sh train` on the embedded default."""
+"""The terminal front end end to end: `./launch.sh train` (`python -m app.cli train`) on the
+embedded default, through the supervisor. A signal to the terminal's command stops its run the
+way Stop does (save first) and leaves no process; a killed rank is named with its signal and its
+last log lines, printed as text."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# a short, cheap run of the embedded default (no evaluation, no tensorboard)
+SMALL = ["data.max_length=32", "batch_size=8", "precision=fp32", "logging.tensorboard=false",
+         "eval.every_n_steps=0", "eval.at_end=false", "checkpoint.save_at_end=false"]
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "app.cli", "train", *args]
 
 
 def run_cli(args, tmp_path, timeout=600):
     env = dict(os.environ, LIVETUNE_CACHE=str(tmp_path / "cache"))
-    return subprocess.run([sys.executable, "-m", "engine.cli", "train", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cli(*args), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def events_of(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def group_of(pgid: int) -> list[psutil.Process]:
+    """Every process (zombies too) of process group `pgid`."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                found.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def start_cli(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path, Path]:
+    """The terminal command in the background (its own session, as a terminal would give it),
+    output to a file; returns (process, run folder, output file)."""
+    out = tmp_path / f"{name}.out"
+    env = dict(os.environ, LIVETUNE_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.Popen(cli(f"output_dir={tmp_path / 'runs'}", f"run_name={name}", *SMALL, *args),
+                            cwd=REPO, env=env, stdout=open(out, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, tmp_path / "runs" / name, out
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, out: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["type"] == "train" and e["step"] >= step for e in events_of(run_dir)):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the command ended early ({proc.returncode}):\n{out.read_text()}")
+        time.sleep(0.2)
+    end_everything(proc, run_dir)
+    pytest.fail(f"no step {step} within {timeout} s:\n{out.read_text()}")
+
+
+def end_everything(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Leave nothing running behind a failed test."""
+    for pgid in (proc.pid, int((run_dir / "launcher.pid").read_text() or 0)):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
 
 
 @pytest.mark.slow
@@ -54,3 +113,82 @@ def test_bad_config_exits_nonzero_with_every_problem(tmp_path):
 def test_missing_config_file(tmp_path):
     out = run_cli([str(tmp_path / "nope.yaml")], tmp_path, timeout=60)
     assert out.returncode == 2 and "file not found" in out.stderr
+
+
+def test_help_names_the_stop_rule_and_detach(tmp_path):
+    out = run_cli(["--help"], tmp_path, timeout=60)
+    assert out.returncode == 0
+    assert "--detach" in out.stdout and "saving a checkpoint and the final model first" in out.stdout
+    bad = run_cli(["--nonsense"], tmp_path, timeout=60)
+    assert bad.returncode == 2 and "--nonsense" in bad.stderr
+
+
+def test_log_lines_with_brackets_are_printed_as_text(capsys):
+    from app.cli import print_failure
+    from supervisor import Failure
+    lines = ("[E ProcessGroupGloo.cpp:143] Gloo connectFullMesh failed with "
+             "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed by peer",
+             "[/__w/pytorch/third_party/gloo/pair.cc:537]", "[bold]not bold[/bold] [red]")
+    failure = Failure("r", "rank_died", "rank 1 (pid 7) ended with signal SIGKILL [/x]", 1,
+                      "/runs/r/logs/rank1.log", lines)
+    print_failure(failure)  # rich would raise MarkupError on a closing tag that opens nothing
+    err = capsys.readouterr().err
+    assert "rank 1 (pid 7) ended with signal SIGKILL [/x]" in err
+    assert "last lines of rank1.log" in err
+    for line in lines:
+        assert line in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing(tmp_path, sig):
+    proc, run_dir, out = start_cli(tmp_path, "signalled", "max_steps=5000")
+    wait_for_step(run_dir, proc, 2, out)
+    pgid = int((run_dir / "launcher.pid").read_text())
+    members = group_of(pgid)
+    assert len(members) >= 2, members  # the launcher and its rank
+
+    os.kill(proc.pid, sig)  # the terminal closed (SIGHUP) or the command was asked to end
+    try:
+        code = proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        end_everything(proc, run_dir)
+        pytest.fail(f"the command did not end:\n{out.read_text()}")
+    text = out.read_text()
+    assert code == 128 + sig, text
+    assert group_of(pgid) == [], "processes of the run were left behind"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in members)
+
+    events = events_of(run_dir)
+    states = [e["state"] for e in events if e["type"] == "state"]
+    assert states[-2:] == ["stopping", "finished"], states
+    stopped_at = [e for e in events if e["type"] == "state"][-2]["step"]
+    saved = [e for e in events if e["type"] == "checkpoint"]
+    assert saved and saved[-1]["step"] == stopped_at, saved  # Stop's default: save first
+    assert (run_dir / "checkpoints" / Path(saved[-1]["path"]).name).is_dir()
+    assert "finished (stopped by the user)" in text
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path):
+    proc, run_dir, out = start_cli(tmp_path, "killed", "nproc=2", "max_steps=5000")
+    wait_for_step(run_dir, proc, 2, out)
+    pgid = int((run_dir / "launcher.pid").read_text())
+    workers = [p for p in group_of(pgid) if "engine.worker" in p.cmdline()]
+    rank1 = [p for p in workers if p.environ().get("RANK") == "1" and p.ppid() not in {w.pid for w in workers}]
+    assert rank1, "rank 1 not found"
+    with open(run_dir / "logs" / "rank1.log", "a") as log:  # a line as gloo writes them
+        log.write("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] read error\n")
+    rank1[0].kill()
+    try:
+        code = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        end_everything(proc, run_dir)
+        pytest.fail(f"the command did not end:\n{out.read_text()}")
+    text = out.read_text()
+    assert code == 1, text
+    assert "rank 1" in text and "SIGKILL" in text, text
+    assert "last lines of rank1.log" in text and "pair.cc:537] read error" in text, text
+    assert "MarkupError" not in text
+    assert group_of(pgid) == []
+    final = [e for e in events_of(run_dir) if e["type"] == "state"][-1]
+    assert final["state"] == "failed" and final.get("rank") == 1, final

@@ -1,0 +1,331 @@
+"""The terminal front end: `./launch.sh train [--detach] [CONFIG.yaml] [key=value ...]`.
+
+parse the config -> start the run through the supervisor (`supervisor.RunManager`, the same one
+the web app and the notebook use) -> follow its event log with a progress bar while waiting on
+its processes -> exit 0, or non-zero with the reason.
+
+The terminal owns the run it started: SIGINT (Ctrl-C), SIGTERM and SIGHUP (the terminal window
+closed) stop it the way Stop does everywhere (`contract.protocol.Stop`: save first, by default),
+then end its whole process group; nothing is left behind. A second signal ends it at once,
+without waiting for the save. `--detach` starts a run meant to outlive the terminal: the command
+returns once it is started, and the run shows in the web app's run list (which lists the run
+folders of its output folder) and can be followed or stopped from there, or with
+`./launch.sh watch RUN_FOLDER` / `./launch.sh stop RUN_FOLDER`.
+
+Text that comes from a run (log lines, errors, warnings) is printed as text, never as rich
+markup: a log line such as `[/__w/pytorch/third_party/gloo/pair.cc:537]` is not a closing tag.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+
+from contract.args import config_from_args
+from contract.config import SHORTCUTS, ConfigError
+from contract.protocol import RunState, Stop
+from contract.run_folder import EventTail
+from supervisor import Failure, RunError, RunHandle, RunManager
+from supervisor.procs import signal_group
+
+console = Console(stderr=True)
+
+# How long a stop asked for by a signal may take before the group is ended without its save.
+STOP_TIMEOUT_S = 120.0
+# How often the progress bar takes in new events (the run's end wakes the wait at once).
+REFRESH_S = 0.25
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+TRAIN_HELP = """usage: ./launch.sh train [--detach] [CONFIG.yaml] [key=value ...]
+       ./launch.sh watch RUN_FOLDER
+       ./launch.sh stop RUN_FOLDER [save=false]
+
+Train from the terminal. No config: the embedded default task. Overrides are dotted field names
+(optim.lr=1e-4, data.train=my.jsonl) or the short names:
+  {shortcuts}
+Every field, its type and its meaning: README.md, "Run config" (contract/config.py declares them).
+Paths are read relative to the directory the command is typed in.
+
+Ctrl-C, closing the terminal or SIGTERM stop the run{save}, and end every
+process of it; a second Ctrl-C ends it at once. --detach: start the run and return; it goes on
+without this terminal (watch or stop it in the web app's run list, or with watch / stop)."""
+
+
+class Signals:
+    """The stop signals received so far. The handler only records them; the follow loop, which
+    wakes at least every REFRESH_S, acts on them (nothing is interrupted half-way)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+
+def say(text: str, style: str | None = None) -> None:
+    """Print run text as text (never markup). A terminal that is gone (SIGHUP) is not an error:
+    the run is still stopped properly."""
+    try:
+        console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+    except OSError:
+        pass
+
+
+# -- train -----------------------------------------------------------------------------------
+
+def train(argv: list[str]) -> int:
+    """`train [--detach] [CONFIG.yaml] [key=value ...]`; returns the exit code."""
+    if any(a in ("-h", "--help") for a in argv):
+        save = " (saving a checkpoint and the final model first)" if Stop().save else ""
+        print(TRAIN_HELP.format(shortcuts="\n  ".join(f"{k:<11} {v}" for k, v in SHORTCUTS.items()),
+                                save=save))
+        return 0
+    detach = "--detach" in argv
+    args = [a for a in argv if a != "--detach"]
+    unknown = [a for a in args if a.startswith("--")]
+    if unknown:
+        say(f"unknown option {unknown[0]}; allowed: --detach, --help", "red")
+        return 2
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        say(str(e), "red")
+        return 2
+    if detach:
+        return _start_detached(RunManager(cfg.logging.output_dir), cfg)
+    signals = Signals()
+    previous = {sig: signal.signal(sig, signals) for sig in HANDLED_SIGNALS}
+    try:
+        try:
+            handle = RunManager(cfg.logging.output_dir).start(cfg)
+        except RunError as e:
+            say(str(e), "red")
+            return 1
+        say(f"run folder: {handle.folder.root}")
+        code = follow(handle, signals)
+        if signals.received:
+            return _stop_on_signal(handle, signals.received[0])
+        return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_on_signal(handle: RunHandle, signum: int) -> int:
+    """Stop the run as Stop does by default (save first); a second signal ends it at once."""
+    pgid = handle.pid
+
+    def end_now(again: int, frame: FrameType | None) -> None:
+        if pgid is not None:
+            signal_group(pgid, signal.SIGCONT)
+            signal_group(pgid, signal.SIGKILL)
+
+    for sig in HANDLED_SIGNALS:
+        signal.signal(sig, end_now)
+    how = "saving, then stopping" if Stop().save else "stopping"
+    say(f"{signal.Signals(signum).name}: {how} the run (again to end it at once) ...", "yellow")
+    info = handle.stop(timeout=STOP_TIMEOUT_S)
+    say(f"stopped at step {info.step}: {info.state}" + (f" ({info.error})" if info.error else ""))
+    return 128 + signum
+
+
+def _start_detached(manager: RunManager, cfg: Any) -> int:
+    try:
+        handle = manager.start(cfg)
+    except RunError as e:
+        say(str(e), "red")
+        return 1
+    say(f"run folder: {handle.folder.root}")
+    say(f"detached (process group {handle.pid}): the run goes on without this terminal. It is "
+        f"in the web app's run list (output folder {manager.output_dir}); or follow it with "
+        f"`./launch.sh watch {handle.folder.root}`, stop it with `./launch.sh stop {handle.folder.root}`.")
+    return 0
+
+
+# -- following a run -------------------------------------------------------------------------
+
+def follow(handle: RunHandle, signals: Signals | None = None) -> int:
+    """Show the run's progress until no process of it is left (or a stop signal came: then
+    -1 at once); then its outcome. Liveness is the supervisor's: `handle.wait` wakes when a
+    process of the run exits, and `evaluate` judges (a dead rank, a hang) and ends what is left
+    of a failed run."""
+    reported: Failure | None = None
+    with _progress_bar() as progress:
+        task = progress.add_task("starting", total=None, metrics="")
+        shown = _Shown(progress, task)
+        events = _current_run_events(EventTail(handle.folder.events))
+        while True:
+            for event in events():
+                shown.event(event)
+            if signals is not None and signals.received:
+                return -1
+            if handle.wait(REFRESH_S):
+                break
+            failure = handle.evaluate()
+            if failure is not None and failure.kind != "hung":
+                reported = failure  # the supervisor now ends the rest of the group
+            elif failure is not None:
+                say(str(failure), "yellow")
+        for event in events():
+            shown.event(event)
+    handle.wait_cleaned_up()
+    return report(handle, reported)
+
+
+def report(handle: RunHandle, reported: Failure | None = None) -> int:
+    """The run's outcome: 0 when it finished; else its failure, naming the rank, how it ended
+    and the last lines of its log, printed as text."""
+    info = handle.info()
+    if info.state == RunState.FINISHED:
+        by_user = " (stopped by the user)" if info.stopped_by_user else ""
+        say(f"finished{by_user}: {handle.folder.root}", "green")
+        return 0
+    failure = reported or handle.failure()
+    if failure is None:
+        say(f"run failed: {info.error or info.state}", "red")
+    else:
+        print_failure(failure)
+    return 1
+
+
+def print_failure(failure: Failure) -> None:
+    """The failure as the terminal shows it: the reason (which rank, how it ended), then the
+    last lines of its log, as text."""
+    say(f"run failed: {failure.message}", "red")
+    if failure.lines:
+        where = Path(failure.log).name if failure.log else "the rank logs"
+        say(f"--- last lines of {where} ---", "dim")
+        say("\n".join(failure.lines))
+
+
+@contextmanager
+def _progress_bar() -> Iterator[Progress]:
+    """A progress bar (plain lines when the output is no terminal) that survives its terminal
+    going away (SIGHUP): the run is still stopped and reported properly."""
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[metrics]}", markup=False), TimeElapsedColumn(),
+               TimeRemainingColumn()]
+    progress = Progress(*columns, console=console, transient=False, disable=not console.is_terminal)
+    try:
+        progress.start()
+    except OSError:
+        pass
+    try:
+        yield progress
+    finally:
+        try:
+            progress.stop()
+        except OSError:
+            pass
+
+
+def _current_run_events(tail: EventTail) -> Any:
+    """A poll of the run's new events that skips what a run before it (resumed in the same
+    folder) wrote: the history starts over at the last `starting` state."""
+    first = True
+
+    def poll() -> Iterator[dict]:
+        nonlocal first
+        batch = tail.poll()
+        if first:
+            first = False
+            starts = [i for i, e in enumerate(batch)
+                      if e.get("type") == "state" and e.get("state") == RunState.STARTING]
+            batch = batch[starts[-1]:] if starts else batch
+        return iter(batch)
+    return poll
+
+
+class _Shown:
+    """What the progress bar shows, fed one event at a time."""
+
+    def __init__(self, progress: Progress, task: Any):
+        self.progress, self.task = progress, task
+        self.metrics: dict[str, str] = {}
+        self.plain = not console.is_terminal
+
+    def event(self, event: dict) -> None:
+        kind, p = event.get("type"), self.progress
+        if kind == "setup":
+            p.update(self.task, description="training", total=event.get("total_steps"))
+            for w in event.get("warnings", []):
+                say(f"warning: {w}", "yellow")
+        elif kind == "train":
+            self.metrics.update(loss=f"loss {event.get('loss', float('nan')):.4f}",
+                                lr=f"lr {event.get('lr', float('nan')):.2e}",
+                                tps=f"{event.get('tokens_per_s', 0):.0f} tok/s")
+            p.update(self.task, completed=event.get("step", 0), total=event.get("total_steps"),
+                     description=f"epoch {event.get('epoch', 0)}")
+            if self.plain:
+                say(f"step {event.get('step')}/{event.get('total_steps')} {self.metrics['loss']}")
+        elif kind == "eval":
+            shown = {k: v for k, v in event.items() if k.startswith("eval/")}
+            text = "  ".join(f"{k[5:]} {v:.4g}" for k, v in shown.items())
+            self.metrics["eval"] = text
+            say(f"step {event.get('step')} eval: {text}")
+        elif kind == "state" and event.get("state") in (RunState.STOPPING, RunState.PAUSED):
+            say(f"{event['state']} at step {event.get('step', '?')}", "yellow")
+        p.update(self.task, metrics="  ".join(self.metrics.values()))
+
+
+# -- runs started elsewhere ------------------------------------------------------------------
+
+def _handle_of(run_folder: str) -> RunHandle:
+    root = Path(run_folder).resolve()
+    return RunManager(root.parent).get(root.name)
+
+
+def watch(argv: list[str]) -> int:
+    """`watch RUN_FOLDER`: follow a run (a detached one, say) to its end. Ctrl-C stops watching,
+    not the run."""
+    if len(argv) != 1:
+        say("usage: ./launch.sh watch RUN_FOLDER", "red")
+        return 2
+    try:
+        handle = _handle_of(argv[0])
+        return follow(handle)
+    except RunError as e:
+        say(str(e), "red")
+        return 2
+    except KeyboardInterrupt:
+        say("stopped watching; the run goes on")
+        return 130
+
+
+def stop(argv: list[str]) -> int:
+    """`stop RUN_FOLDER [save=false]`: stop a run as Stop does (save unless save=false)."""
+    if not argv or any(a not in ("save=false", "save=true") for a in argv[1:]):
+        say("usage: ./launch.sh stop RUN_FOLDER [save=false]", "red")
+        return 2
+    save = "save=false" not in argv[1:] and ("save=true" in argv[1:] or Stop().save)
+    try:
+        handle = _handle_of(argv[0])
+    except RunError as e:
+        say(str(e), "red")
+        return 2
+    info = handle.stop(save=save, timeout=STOP_TIMEOUT_S)
+    say(f"{info.name}: {info.state} at step {info.step}" + (f" ({info.error})" if info.error else ""))
+    return 0 if info.state == RunState.FINISHED else 1
+
+
+COMMANDS = {"train": train, "watch": watch, "stop": stop}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        say(f"usage: python -m app.cli {{{','.join(COMMANDS)}}} ...  (train --help for more)", "red")
+        sys.exit(2)
+    sys.exit(COMMANDS[argv[0]](argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
