@@ -114,6 +114,9 @@ def write_private_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+READ_CHUNK = 64 * 1024  # what one EventTail.read takes from the file at most (about)
+
+
 class EventTail:
     """Follows a growing events.jsonl from line `start_line` (0-based) on: each poll returns the
     complete lines written since the last one. The one reader of the event log: front ends
@@ -128,12 +131,12 @@ class EventTail:
         self.offset = 0  # bytes of the file consumed (complete lines only)
         self.line = 0    # lines consumed, skipped ones included
 
-    def read(self, max_bytes: int | None = None) -> list[tuple[int, bytes]]:
+    def read(self, max_bytes: int | None = READ_CHUNK) -> list[tuple[int, bytes]]:
         """The complete lines written since the last read, as (line number, raw bytes), for
-        passing on without parsing (the control server feeds subscribers with them). With
-        `max_bytes`, about that much (at least one whole line): a slow reader's backlog stays in
-        the file, not in memory. A line that is not a JSON object keeps its number and is skipped.
-        Returns [] only when no complete line is left."""
+        passing on without parsing (the control server feeds subscribers with them): about
+        `max_bytes` of them (at least one whole line; None: all), so that a slow reader's backlog
+        stays in the file, not in memory. A line that is not a JSON object keeps its number and is
+        skipped. Returns [] only when no complete line is left."""
         while True:
             before = self.offset
             lines = self._read_chunk(max_bytes)
@@ -165,7 +168,7 @@ class EventTail:
     def poll_numbered(self) -> list[tuple[int, dict[str, Any]]]:
         """The new events as (line number, event)."""
         out = []
-        for n, raw in self.read():
+        for n, raw in self.read(max_bytes=None):
             try:
                 out.append((n, json.loads(raw)))
             except json.JSONDecodeError:  # keep the numbering; a broken line is just not returned
