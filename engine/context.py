@@ -73,6 +73,7 @@ class Method(Protocol):
     (the objects are in engine.methods; `run` is the RunContext)."""
     name: str
     builds_optimizer: bool  # False: the method makes its own optimizer once the engine exists
+    has_adapter: bool       # True: `base_model` answers without the trained adapter
 
     def prepare_model(self, model: nn.Module, cfg: RunConfig) -> nn.Module: ...
     def adjust_ds_setup(self, setup) -> None: ...

@@ -553,3 +553,50 @@ def recording_checkpoint_files(engine) -> Iterator[list[str]]:
         yield recorder.written
     finally:
         engine.checkpoint_engine = inner
+
+
+# -- ZeRO-3 partitioned parameters and AutoTP layers ----------------------------------------------
+
+def is_partitioned(t: Any) -> bool:
+    """True for a ZeRO-3 parameter (its data is this rank's flat shard)."""
+    return hasattr(t, "ds_id")
+
+
+def full_shape(t: Any) -> tuple[int, ...]:
+    """A tensor's real shape (ZeRO-3 keeps it in ds_shape while the data is a flat shard)."""
+    return tuple(getattr(t, "ds_shape", t.shape))
+
+
+def gathered(params: list, modifier_rank: int | None = None):
+    """A context in which the ZeRO-3 parameters `params` are whole on every rank (collective);
+    with `modifier_rank`, what that rank writes into them is partitioned again on exit. Does
+    nothing for parameters that are not partitioned."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    return GatheredParameters(params, modifier_rank=modifier_rank)
+
+
+def write_partition(p: Any, full: Any) -> None:
+    """Copy this rank's slice of the updated whole parameter `full` into its ZeRO-3 partition
+    (the partition is what the next gather reads)."""
+    import torch.distributed as dist
+    shard = p.ds_tensor
+    start = dist.get_rank(group=p.ds_process_group) * shard.numel()
+    n = max(0, min(shard.numel(), full.numel() - start))
+    if n:
+        shard.view(-1)[:n].copy_(full.reshape(-1)[start:start + n])
+
+
+def init_tensor_parallel_mesh(tp_size: int) -> Any:
+    """Create DeepSpeed's data x tensor mesh (what deepspeed.initialize calls when it is not
+    given an mpu; a second call in the same process keeps the first mesh) and return DeepSpeed's
+    groups module, which answers the ranks and groups of that mesh."""
+    from deepspeed.utils import groups
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp_size)
+    return groups
+
+
+def gathered_autotp_layer(params: list, module: Any):
+    """A context in which the AutoTP-sharded parameters `params` of `module` are whole; what is
+    written into them is cut into this rank's shard again on exit (collective over the tensor group)."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+    return GatherReplacedLayerParams(params, module, enabled=True)

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from engine.context import RunContext
 from engine.rng import preserved_rng
 
 
@@ -57,7 +58,7 @@ def encode_prompts(tokenizer, prompts: list[str], device,
     return {k: v.to(device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
 
-def generate(run, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
+def generate(run: RunContext, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
              stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
              use_base: bool = False, add_special_tokens: bool = False) -> list[str]:
@@ -73,7 +74,7 @@ def generate(run, prompts: list[str], *, max_new_tokens: int = 32, temperature: 
                                add_special_tokens=add_special_tokens)
 
 
-def hf_generate(run, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
+def hf_generate(run: RunContext, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
                 stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
                 use_base: bool = False, add_special_tokens: bool = False) -> list[str]:

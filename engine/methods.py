@@ -13,7 +13,7 @@ A method object carries every operation in which methods differ, so no code else
     builds_optimizer                     False: the method builds its own after the engine
     optimizer_after_engine(engine, cfg, setup, env)   that optimizer (fused), else None
     step(layout)                         the step strategy (fused, else the layout's)
-    base_model(module)                   a context in which the model answers without its adapter
+    base_model(module), has_adapter      a context in which the model answers without its adapter
     save_model / load_model / save_peft / load_peft   weights in and out (PEFT: adapters)
 
 What peft (0.21) does by itself for prompt tuning and P-tuning, and tests/test_peft.py checks:
@@ -42,7 +42,7 @@ import torch
 from contract.config import FUSED_METHODS, PEFT_METHODS, RunConfig
 from engine import lomo
 from engine.checkpoint import adapters
-from engine.context import Method
+from engine.context import Method, RunContext
 from engine.steps import StepStrategy
 
 # Module names LoRA wraps when the config names none: the attention and MLP projections of the
@@ -148,6 +148,7 @@ def trainable_parameter_names(model: torch.nn.Module) -> list[str]:
 class FullMethod:
     """Every parameter trains through the engine's optimizer; weights are saved by the layout."""
     builds_optimizer = True
+    has_adapter = False  # no base model apart from the trained one (chat's compare_base)
 
     def __init__(self, name: str = "full"):
         self.name = name
@@ -170,22 +171,23 @@ class FullMethod:
     def base_model(self, module) -> ContextManager:
         return contextlib.nullcontext()  # there is no adapter: the model is its own base
 
-    def save_model(self, run, path: str, max_shard_size: int | str) -> dict:
+    def save_model(self, run: RunContext, path: str, max_shard_size: int | str) -> dict:
         return run.layout.save_model(run, path, max_shard_size)
 
-    def load_model(self, run, path: str) -> None:
+    def load_model(self, run: RunContext, path: str) -> None:
         run.layout.load_model(run, path)
 
-    def save_peft(self, run, path: str, selected_adapters: list[str] | None) -> dict:
+    def save_peft(self, run: RunContext, path: str, selected_adapters: list[str] | None) -> dict:
         return self.save_model(run, path, adapters.models.DEFAULT_SHARD_SIZE)  # as in CoLLie
 
-    def load_peft(self, run, path: str, adapter_name: str, is_trainable: bool) -> None:
+    def load_peft(self, run: RunContext, path: str, adapter_name: str, is_trainable: bool) -> None:
         self.load_model(run, path)
 
 
 class PeftMethod(FullMethod):
     """A PEFT adapter trains; saving the model writes the adapter in PEFT's layout (as the run
     folder's `model/` promises); `engine.checkpoint.export_merged` writes base + LoRA."""
+    has_adapter = True
 
     def prepare_model(self, model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
         return wrap_with_adapter(model, cfg)
@@ -193,16 +195,16 @@ class PeftMethod(FullMethod):
     def base_model(self, module) -> ContextManager:
         return module.disable_adapter()
 
-    def save_model(self, run, path: str, max_shard_size: int | str) -> dict:
+    def save_model(self, run: RunContext, path: str, max_shard_size: int | str) -> dict:
         return adapters.save_peft(run, path)
 
-    def load_model(self, run, path: str) -> None:
+    def load_model(self, run: RunContext, path: str) -> None:
         adapters.load_model_folder(run, path)
 
-    def save_peft(self, run, path: str, selected_adapters: list[str] | None) -> dict:
+    def save_peft(self, run: RunContext, path: str, selected_adapters: list[str] | None) -> dict:
         return adapters.save_peft(run, path, selected_adapters)
 
-    def load_peft(self, run, path: str, adapter_name: str, is_trainable: bool) -> None:
+    def load_peft(self, run: RunContext, path: str, adapter_name: str, is_trainable: bool) -> None:
         adapters.load_peft(run, path, adapter_name, is_trainable)
 
 

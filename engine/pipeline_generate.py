@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Repetit
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
+from engine.context import RunContext
 from engine.generation import CallbackStreamer, cut_at_stop, encode_prompts
 from engine.parallel.pipeline import broadcast_from_last_stage, stage_forward
 from engine.rng import preserved_rng
@@ -53,7 +54,7 @@ def next_tokens(logits: torch.Tensor, generated: torch.Tensor, processors: Logit
     return scores.argmax(dim=-1)
 
 
-def pipeline_generate(run, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
+def pipeline_generate(run: RunContext, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
                       stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
                       use_base: bool = False, add_special_tokens: bool = False) -> list[str]:

@@ -18,6 +18,7 @@ Writes are atomic (atomic.py): a folder appears whole, with its completion marke
 
 from __future__ import annotations
 
+from engine.context import RunContext
 from engine.checkpoint.adapters import AdapterError, export_merged
 from engine.checkpoint.atomic import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                       IncompleteCheckpointError, LayoutMismatchError, MissingFilesError,
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 
-def save_model(run, path: str, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> dict:
+def save_model(run: RunContext, path: str, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> dict:
     """The engine's model in Hugging Face format at `path` (local or fsspec URL); collective.
 
     With a PEFT model this writes the adapter in PEFT's layout (as the run folder's `model/`
@@ -43,19 +44,19 @@ def save_model(run, path: str, max_shard_size: int | str = DEFAULT_SHARD_SIZE) -
     return run.method.save_model(run, path, max_shard_size)
 
 
-def load_model(run, path: str) -> None:
+def load_model(run: RunContext, path: str) -> None:
     """Weights of a Hugging Face folder (local or fsspec URL) into the running engine; collective.
     With a PEFT model: an adapter folder loads as the trained adapter, a plain model folder into
     the base model's weights."""
     run.method.load_model(run, path)
 
 
-def save_peft(run, path: str, selected_adapters: list[str] | None = None) -> dict:
+def save_peft(run: RunContext, path: str, selected_adapters: list[str] | None = None) -> dict:
     """Selected adapters (all when None) in PEFT's layout; without PEFT, the model (as CoLLie)."""
     return run.method.save_peft(run, path, selected_adapters)
 
 
-def load_peft(run, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
+def load_peft(run: RunContext, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
     """The adapter saved at `path` into the engine's adapter `adapter_name`; without PEFT, the model."""
     run.method.load_peft(run, path, adapter_name, is_trainable)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine.context import RunContext
 from engine import ds_config
 from engine.checkpoint import atomic, models
 from engine.checkpoint.atomic import CheckpointError, Comm
@@ -60,7 +61,7 @@ def _any_partitioned(params) -> bool:
 
 
 # -- saving ------------------------------------------------------------------------------------
-def save_peft(run, path: str, selected_adapters: list[str] | None = None) -> dict:
+def save_peft(run: RunContext, path: str, selected_adapters: list[str] | None = None) -> dict:
     """Selected adapters (all when None) in PEFT's layout at `path`; collective, rank 0 writes."""
     module = run.engine.module
     if not is_peft(module):
@@ -112,7 +113,7 @@ def _saving_prompts(module, prompts: dict[str, torch.Tensor]):
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load_peft(run, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
+def load_peft(run: RunContext, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
     """Load the adapter saved at `path` (or its `adapter_name` sub-folder) into the engine."""
     if not is_peft(run.engine.module):
         raise AdapterError("load_peft needs a PEFT model; this run trains the model itself (load_model)")
@@ -125,7 +126,7 @@ def load_peft(run, path: str, adapter_name: str = "default", is_trainable: bool 
             shutil.rmtree(local, ignore_errors=True)
 
 
-def load_model_folder(run, path: str) -> None:
+def load_model_folder(run: RunContext, path: str) -> None:
     """A folder into a PEFT model (collective): an adapter folder loads as the trained adapter,
     a plain model folder into the base model's weights."""
     comm = Comm.current()
@@ -140,7 +141,7 @@ def load_model_folder(run, path: str) -> None:
             shutil.rmtree(local, ignore_errors=True)
 
 
-def load_adapter_files(run, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
+def load_adapter_files(run: RunContext, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
     """Adapter weights from a local PEFT folder into the engine's adapter `adapter_name`."""
     import peft
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
@@ -165,7 +166,7 @@ def load_adapter_files(run, folder: Path, where: str, adapter_name: str, is_trai
     ds_config.refresh_master_weights(run.engine)
 
 
-def _add_inference_adapter(run, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
+def _add_inference_adapter(run: RunContext, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
     module = run.engine.module
     known = ", ".join(module.peft_config)
     if is_trainable:
@@ -248,7 +249,7 @@ def base_tensors(module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     return targets, models.tensor_aliases(base, rename=hf_key)
 
 
-def export_merged(run, path: str, adapter_name: str | None = None,
+def export_merged(run: RunContext, path: str, adapter_name: str | None = None,
                   max_shard_size: int | str = models.DEFAULT_SHARD_SIZE) -> dict:
     """Base weights + the LoRA adapter `adapter_name` (the trained one when None) as a plain
     Hugging Face model at `path`; collective, the engine's weights are left as they are."""

@@ -1,5 +1,9 @@
 """Models in Hugging Face format: the engine's weights to and from a folder `from_pretrained` reads.
 
+The primitives (`save_hf`, `model_entries`, `load_tensors` ...); which of them a run uses is
+decided by its layout and method objects (engine.parallel.layouts, engine.methods), reached
+through `engine.checkpoint.save_model` / `load_model`.
+
 Saving streams: the tensors are cut into shards of at most `max_shard_size` bytes, and under
 ZeRO-3 each tensor is gathered (deepspeed.zero.GatheredParameters), appended by rank 0 to its
 shard's safetensors file (stream_safetensors.py) and released before the next one is gathered.
@@ -32,6 +36,7 @@ import torch
 from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors import safe_open
 
+from engine.context import RunContext
 from engine import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.atomic import CheckpointError, Comm
@@ -159,7 +164,7 @@ def write_model_files(folder: Path, hf_model, tokenizer, dtype: torch.dtype) -> 
         tokenizer.save_pretrained(str(folder))
 
 
-def save_hf(run, path: str, hf_model: torch.nn.Module, entries: list[Entry],
+def save_hf(run: RunContext, path: str, hf_model: torch.nn.Module, entries: list[Entry],
             max_shard_size: int | str, kind: str = "model") -> dict:
     """Publish a Hugging Face model folder at `path` atomically (every rank calls this)."""
     started = time.perf_counter()
@@ -317,7 +322,7 @@ def fetch_model_folder(path: str, comm: Comm) -> tuple[Path, bool]:
     return atomic.fetch(folder, rels)
 
 
-def load_tensors(run, path: str, targets: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+def load_tensors(run: RunContext, path: str, targets: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """The weights of a Hugging Face folder (local or fsspec URL) into the engine's tensors
     `targets` (key -> tensor; `aliases`: other names of tied ones); collective. Every key and
     shape is checked before any weight changes."""
@@ -330,7 +335,7 @@ def load_tensors(run, path: str, targets: dict[str, torch.Tensor], aliases: dict
             shutil.rmtree(local, ignore_errors=True)
 
 
-def load_local(run, local: Path, url: str, targets: dict[str, torch.Tensor], aliases: dict[str, str],
+def load_local(run: RunContext, local: Path, url: str, targets: dict[str, torch.Tensor], aliases: dict[str, str],
                comm: Comm) -> None:
     """`load_tensors` from a local copy of the folder (`url`: where it came from, for messages)."""
     verify_if_marked(local, url, comm)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from engine.context import RunContext
 from engine import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.atomic import (CheckpointError, Comm, CorruptCheckpointError, LayoutMismatchError,
@@ -65,13 +66,13 @@ def ds_tag(step: int) -> str:
 
 
 # -- what a checkpoint records --------------------------------------------------------------------
-def layout_of(run) -> dict:
+def layout_of(run: RunContext) -> dict:
     p = run.config.parallel
     return {"world_size": run.env.world_size, "dp_size": run.env.dp_size, "tp_size": p.tp_size,
             "pp_size": p.pp_size, "zero_stage": int(run.engine.zero_optimization_stage())}
 
 
-def model_of(run) -> dict:
+def model_of(run: RunContext) -> dict:
     total, trainable = count_parameters(run.engine.module)
     return {"precision": run.precision, "method": run.config.method.name,
             "parameters": total, "trainable_parameters": trainable}
@@ -93,14 +94,14 @@ def describe_layout(layout: dict) -> str:
 
 
 # -- saving ---------------------------------------------------------------------------------------
-def _points_latest(run, path: str) -> bool:
+def _points_latest(run: RunContext, path: str) -> bool:
     folder = getattr(run, "folder", None)
     if folder is None:
         return False
     return atomic.location(path).parent.path.rstrip("/") == atomic.location(str(folder.checkpoints)).path.rstrip("/")
 
 
-def save_checkpoint(run, path: str, *, states: dict[str, Any], sampler, saved_by: str = "manual",
+def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampler, saved_by: str = "manual",
                     metrics: dict | None = None, pointer: bool | None = None) -> str:
     """Write the full training state to `path` (local or fsspec URL); every rank calls this.
 
@@ -167,7 +168,7 @@ def read_record(folder: atomic.Location) -> dict:
         raise CorruptCheckpointError(f"{folder.url}/{STATE_FILE} is damaged ({e}); nothing was loaded") from None
 
 
-def check_compatible(run, record: dict, url: str, sampler=None) -> None:
+def check_compatible(run: RunContext, record: dict, url: str, sampler=None) -> None:
     """Same parallel layout, same model, same data order (when `sampler`, the run's batch
     sampler, is given) -- or an error naming both sides."""
     saved, now = record.get("layout", {}), layout_of(run)
@@ -191,7 +192,7 @@ def check_compatible(run, record: dict, url: str, sampler=None) -> None:
 
 
 @contextlib.contextmanager
-def verified(run, path: str, sampler=None) -> Iterator[tuple[atomic.Location, dict, dict, Path]]:
+def verified(run: RunContext, path: str, sampler=None) -> Iterator[tuple[atomic.Location, dict, dict, Path]]:
     """Check a training checkpoint completely (collective) and yield (folder, marker, record,
     local copy of this rank's files); raises before anything is changed."""
     comm = Comm.current()
@@ -229,7 +230,7 @@ def _universal_hint(url: str, record: dict) -> str:
             'the DeepSpeed config {"checkpoint": {"load_universal": true}}')
 
 
-def load_checkpoint(run, path: str, *, sampler, restore_states: Callable[[dict], None]) -> dict:
+def load_checkpoint(run: RunContext, path: str, *, sampler, restore_states: Callable[[dict], None]) -> dict:
     """Restore the training state saved at `path`; every rank calls this. `sampler`: the run's
     batch sampler (the data order must match); `restore_states` gets the saved states of the
     callbacks and the loop's parts. Returns the marker."""
@@ -243,7 +244,7 @@ def load_checkpoint(run, path: str, *, sampler, restore_states: Callable[[dict],
     return marker
 
 
-def load_weights(run, path: str) -> None:
+def load_weights(run: RunContext, path: str) -> None:
     """The model (and the optimizer state DeepSpeed keeps with it) of a training checkpoint; the
     position, scheduler, RNG streams and callbacks stay as they are. Collective."""
     with verified(run, path) as (_, _, record, local):
@@ -253,7 +254,7 @@ def load_weights(run, path: str) -> None:
             raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {path}")
 
 
-def _restore(run, local: Path, record: dict, restore_states: Callable[[dict], None]) -> None:
+def _restore(run: RunContext, local: Path, record: dict, restore_states: Callable[[dict], None]) -> None:
     load_path, _ = run.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:

@@ -32,7 +32,7 @@ from contract.config import RunConfig
 from engine import ds_config
 from engine.checkpoint import models
 from engine.checkpoint.atomic import Comm
-from engine.context import DistEnv, Layout
+from engine.context import DistEnv, Layout, RunContext
 from engine.generation import hf_generate
 from engine.losses import model_loss
 from engine.model import count_parameters
@@ -58,28 +58,28 @@ class DataParallel:
     def step(self) -> StepStrategy:
         return EngineStep()
 
-    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
+    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
         return model_loss(forward, batch, run.engine.device, loss_fn)
 
-    def generate(self, run, prompts: list[str], **options) -> list[str]:
+    def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
 
-    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         if self.env.rank != 0:
             return None
         return {k: v.detach().cpu() for k, v in run.engine.module.state_dict().items()}
 
-    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, run: RunContext, state_dict: dict[str, torch.Tensor]) -> None:
         module = run.engine.module
         result = module.load_state_dict(state_dict, strict=False)
         weights.raise_if_missing(weights.untied_missing(module, result.missing_keys, state_dict))
         ds_config.refresh_master_weights(run.engine)
 
-    def save_model(self, run, path: str, max_shard_size: int | str) -> dict:
+    def save_model(self, run: RunContext, path: str, max_shard_size: int | str) -> dict:
         module = run.engine.module
         return models.save_hf(run, path, module, models.model_entries(module), max_shard_size)
 
-    def load_model(self, run, path: str) -> None:
+    def load_model(self, run: RunContext, path: str) -> None:
         module = run.engine.module
         models.load_tensors(run, path, dict(models.named_tensors(module)), models.tensor_aliases(module))
 
@@ -101,12 +101,12 @@ class _Split:
     def whole_model_parameters(self, model: nn.Module) -> int | None:
         return count_parameters(model)  # counted whole, before AutoTP shards or stages cut it
 
-    def save_model(self, run, path: str, max_shard_size: int | str) -> dict:
+    def save_model(self, run: RunContext, path: str, max_shard_size: int | str) -> dict:
         state = self.full_state_dict(run) or {}  # type: ignore[attr-defined]
         entries = [models.Entry(k, [], (lambda v=v: v), tuple(v.shape), v.dtype) for k, v in state.items()]
         return models.save_hf(run, path, weights.model_files_source(run.engine.module), entries, max_shard_size)
 
-    def load_model(self, run, path: str) -> None:
+    def load_model(self, run: RunContext, path: str) -> None:
         comm = Comm.current()
         local, temporary = models.fetch_model_folder(path, comm)
         try:
@@ -142,13 +142,13 @@ class TensorParallel(_Split):
     def step(self) -> StepStrategy:
         return EngineStep()
 
-    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
+    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
         return model_loss(forward, batch, run.engine.device, loss_fn)
 
-    def generate(self, run, prompts: list[str], **options) -> list[str]:
+    def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
 
-    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         engine = run.engine
         state = tp.full_state_dict(engine)
         # DeepSpeed's consolidation lists a tied weight under both names; keep the first, as
@@ -156,7 +156,7 @@ class TensorParallel(_Split):
         aliases = weights.tied_aliases(engine.module)
         return None if state is None else {k: v for k, v in state.items() if k not in aliases}
 
-    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, run: RunContext, state_dict: dict[str, torch.Tensor]) -> None:
         weights.raise_if_missing(tp.load_full_state_dict(run.engine.module, state_dict))
         ds_config.refresh_master_weights(run.engine)
 
@@ -178,17 +178,17 @@ class Pipeline(_Split):
     def step(self) -> StepStrategy:
         return pipeline.PipelineStep()
 
-    def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
+    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
         # the stages hold different layers: the batch goes from stage to stage (evaluation only)
         return pipeline.eval_loss(run.engine, batch)
 
-    def generate(self, run, prompts: list[str], **options) -> list[str]:
+    def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return pipeline_generate(run, prompts, **options)
 
-    def full_state_dict(self, run) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         return weights.gather_stages(run.engine.module, self.env)
 
-    def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, run: RunContext, state_dict: dict[str, torch.Tensor]) -> None:
         weights.raise_if_missing(run.engine.module.load_hf_state_dict(state_dict))
         ds_config.refresh_master_weights(run.engine)
 
@@ -204,23 +204,23 @@ def layout_of(env: DistEnv) -> Layout:
 
 # -- for scripts and tests: the run's layout does the work ---------------------------------------
 
-def full_state_dict(run) -> dict[str, torch.Tensor] | None:
+def full_state_dict(run: RunContext) -> dict[str, torch.Tensor] | None:
     """The whole model's weights under their Hugging Face names on global rank 0, None on the
     other ranks (collective)."""
     return run.layout.full_state_dict(run)
 
 
-def load_full_state_dict(run, state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(run: RunContext, state_dict: dict[str, torch.Tensor]) -> None:
     """Put whole-model weights (every rank passes the same) into the engine's layout; raises
     ValueError naming the weights the model needs and did not get."""
     run.layout.load_full_state_dict(run, state_dict)
 
 
-def hf_config_of(run):
+def hf_config_of(run: RunContext):
     return weights.hf_config_of(run.engine.module)
 
 
-def shape_problems(run, file_shapes: dict[str, tuple[int, ...]]) -> list[str]:
+def shape_problems(run: RunContext, file_shapes: dict[str, tuple[int, ...]]) -> list[str]:
     return weights.shape_problems(hf_config_of(run), file_shapes)
 
 

@@ -34,11 +34,6 @@ def engine_mpu(tp_size: int):
     return groups
 
 
-def ds_config_entries(tp_size: int) -> dict:
-    """What the DeepSpeed config needs for AutoTP training (merged under "tensor_parallel")."""
-    return {"autotp_size": tp_size, "vocab_parallel_lm_head": False}
-
-
 def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """The whole model's weights gathered from the shards (collective): a state dict with the
     model's own names on global rank 0, None elsewhere."""
