@@ -241,6 +241,10 @@ class RunClient:
 
     def _drop_connection(self) -> None:
         if self._sock is not None:
+            try:  # shutdown first: the reader thread's makefile keeps the socket open otherwise
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 self._sock.close()
             except OSError:
