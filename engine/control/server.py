@@ -51,12 +51,11 @@ import socket
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable
 
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
 from contract.protocol import MAX_MESSAGE_BYTES, Command, Generate, ProtocolError, Subscribe, decode, encode, parse_command
-from contract.run_folder import RunFolder, write_private_json
+from contract.run_folder import EventTail, RunFolder, write_private_json
 
 MAX_CONNECTIONS = 64
 LISTEN_BACKLOG = 1024
@@ -94,36 +93,6 @@ class Limits:
                 "max_pending": self.max_pending, "max_message_bytes": MAX_MESSAGE_BYTES}
 
 
-class EventLines:
-    """events.jsonl from line `start` on, read in bounded chunks as (line number, raw line)."""
-
-    def __init__(self, path: Path, start: int = 0):
-        self.path, self.start, self.line, self.offset = Path(path), start, 0, 0
-
-    def read(self, max_bytes: int = 64 * 1024) -> list[tuple[int, bytes]]:
-        """The complete lines after the last read, about `max_bytes` of them (at least one)."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read(max_bytes)
-                while chunk and b"\n" not in chunk:  # one line longer than max_bytes
-                    more = f.read(max_bytes)
-                    if not more:
-                        break
-                    chunk += more
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1  # a partly written last line waits for the next read
-        self.offset += end
-        out = []
-        for raw in chunk[:end].splitlines():
-            n, self.line = self.line, self.line + 1
-            raw = raw.strip()
-            if n >= self.start and raw.startswith(b"{") and raw.endswith(b"}"):
-                out.append((n, raw))  # a broken line keeps its number and is not sent
-        return out
-
-
 class Connection(asyncio.Protocol):
     """One client, served by the event loop. Everything but `enqueue` runs on the loop thread."""
 
@@ -135,7 +104,7 @@ class Connection(asyncio.Protocol):
         self.last_heard = self.stalled_since = 0.0
         self.pending, self.eof = 0, False  # commands sent here and not yet answered; half-closed
         self.ids: deque[str] = deque(maxlen=4)
-        self.events: EventLines | None = None
+        self.events: EventTail | None = None
 
     # -- asyncio callbacks -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -332,7 +301,15 @@ class ControlServer:
     def stats(self) -> dict[str, Any]:
         """Connections now and since the start, refusals, recent drops and the limits."""
         return {"connections": len(self.clients), "accepted": self.accepted, "refused": self.refused,
-                "pending": self.pending, "dropped": self._recent_drops(), "limits": self.limits.as_dict()}
+                "pending": self.pending, "buffered_bytes": self._buffered(), "dropped": self._recent_drops(),
+                "limits": self.limits.as_dict()}
+
+    def _buffered(self) -> int:
+        """Bytes waiting in rank 0's send buffers, all clients together."""
+        try:
+            return sum(c.transport.get_write_buffer_size() for c in list(self.clients) if c.transport)
+        except RuntimeError:  # the set changed while another thread read it
+            return -1
 
     def _recent_drops(self) -> list[dict]:
         try:
@@ -411,7 +388,7 @@ class ControlServer:
         if conn.events is not None:
             return conn.send_error(req_id, "refused: this connection is already subscribed; open another")
         conn.write(encode({"type": "ack", "id": req_id, "queued": 0}))
-        conn.events = EventLines(self.folder.events, from_line)
+        conn.events = EventTail(self.folder.events, from_line)
         self.feed(conn)
 
     def _feed_all(self) -> None:
