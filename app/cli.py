@@ -7,7 +7,9 @@ its processes -> exit 0, or non-zero with the reason.
 The terminal owns the run it started: SIGINT (Ctrl-C), SIGTERM and SIGHUP (the terminal window
 closed) stop it the way Stop does everywhere (`contract.protocol.Stop`: save first, by default),
 then end its whole process group; nothing is left behind. A second signal ends it at once,
-without waiting for the save. `--detach` starts a run meant to outlive the terminal: the command
+without waiting for the save. Should the command itself be killed (SIGKILL: no handler runs),
+the kernel sends its run's launcher SIGTERM (a parent-death signal), which ends the ranks: no
+save then, but no orphan either. `--detach` starts a run meant to outlive the terminal: the command
 returns once it is started, and the run shows in the web app's run list (which lists the run
 folders of its output folder) and can be followed or stopped from there, or with
 `./launch.sh watch RUN_FOLDER` / `./launch.sh stop RUN_FOLDER`.
@@ -105,7 +107,8 @@ def train(argv: list[str]) -> int:
     previous = {sig: signal.signal(sig, signals) for sig in HANDLED_SIGNALS}
     try:
         try:
-            handle = RunManager(cfg.logging.output_dir).start(cfg)
+            # the run is this terminal's: it ends with this process, even one killed by SIGKILL
+            handle = RunManager(cfg.logging.output_dir).start(cfg, die_with_this_process=True)
         except RunError as e:
             say(str(e), "red")
             return 1
@@ -133,7 +136,8 @@ def _stop_on_signal(handle: RunHandle, signum: int) -> int:
     how = "saving, then stopping" if Stop().save else "stopping"
     say(f"{signal.Signals(signum).name}: {how} the run (again to end it at once) ...", "yellow")
     info = handle.stop(timeout=STOP_TIMEOUT_S)
-    say(f"stopped at step {info.step}: {info.state}" + (f" ({info.error})" if info.error else ""))
+    say(f"stopped at step {info.step}")
+    report(handle)
     return 128 + signum
 
 

@@ -53,10 +53,13 @@ class RunManager:
         self._monitor_stop = threading.Event()
 
     # -- runs -----------------------------------------------------------------------------------
-    def start(self, cfg: RunConfig, env: dict[str, str] | None = None) -> RunHandle:
+    def start(self, cfg: RunConfig, env: dict[str, str] | None = None,
+              die_with_this_process: bool = False) -> RunHandle:
         """Start a run of `cfg` (a copy, placed under this manager's output folder): its folder,
         a `starting` state event, then its launcher in a new session. `env`: extra environment
-        variables for every process of the run."""
+        variables for every process of the run. `die_with_this_process`: the run ends if this
+        process (the thread calling here) ends, however it ends: for a terminal's own run.
+        Otherwise the run outlives its front end (the web app, the notebook, a detached run)."""
         cfg = copy.deepcopy(cfg)
         cfg.logging.output_dir = str(self.output_dir)
         with self._lock:
@@ -66,7 +69,7 @@ class RunManager:
                 log.emit({"type": "state", "state": "starting", "nproc": cfg.parallel.nproc,
                           "method": cfg.method.name, "model": cfg.model.path or "default"})
                 try:
-                    launched = spawn(cfg, folder, extra_env=env)
+                    launched = spawn(cfg, folder, extra_env=env, die_with_parent=die_with_this_process)
                 except OSError as e:
                     log.emit({"type": "state", "state": "failed", "source": "manager",
                               "error": f"the launcher could not be started: {e}"})
@@ -116,6 +119,11 @@ class RunManager:
         s; then every rank and the launcher are ended."""
         return self.get(name).stop(save=save, timeout=timeout)
 
+    def wait(self, name: str, timeout: float | None = None) -> bool:
+        """Wait until no process of run `name` is left (True) or `timeout` s passed (False);
+        woken by the processes' exits, not by polling."""
+        return self.get(name).wait(timeout)
+
     def failure(self, name: str) -> Failure | None:
         """Why run `name` failed (or is failing): rank and last log lines; None if it is fine."""
         return self.get(name).failure()
@@ -124,7 +132,7 @@ class RunManager:
     def check(self) -> list[Failure]:
         """Look at every live run once: a rank that died, a launcher gone, a hang. Returns the
         failures seen for the first time (each is reported once); what is left of a failed run
-        is ended right after, and its failure recorded. Cheap: one pass over /proc for all runs."""
+        is ended right after, and its failure recorded. Cheap: one pass over the processes for all runs."""
         with self._check_lock:
             handles = [h for h in self._all_handles() if not h.settled()]
             groups = procs.snapshot({h.pid for h in handles if h.pid})

@@ -71,12 +71,40 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, out: Path, t
     pytest.fail(f"no step {step} within {timeout} s:\n{out.read_text()}")
 
 
+def runs_worker(proc: psutil.Process) -> bool:
+    """Runs `python -m engine.worker` (the launchers name it after their own `-m ...`)."""
+    argv = proc.cmdline()
+    return "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["engine.worker"]
+
+
+@pytest.fixture
+def cleanup():
+    """Commands a test started: they and their runs are ended after it, whatever happened."""
+    started: list[tuple[subprocess.Popen, Path]] = []
+    yield started
+    for proc, run_dir in started:
+        if proc.poll() is None or (run_dir / "launcher.pid").exists() and group_of(launcher_pid(run_dir)):
+            end_everything(proc, run_dir)
+
+
+def still_running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def launcher_pid(run_dir: Path) -> int:
+    return int((run_dir / "launcher.pid").read_text())
+
+
 def end_everything(proc: subprocess.Popen, run_dir: Path) -> None:
     """Leave nothing running behind a failed test."""
-    for pgid in (proc.pid, int((run_dir / "launcher.pid").read_text() or 0)):
+    groups = [proc.pid] + ([launcher_pid(run_dir)] if (run_dir / "launcher.pid").exists() else [])
+    for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+        except ProcessLookupError:
             pass
 
 
@@ -140,10 +168,11 @@ def test_log_lines_with_brackets_are_printed_as_text(capsys):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
-def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing(tmp_path, sig):
+def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing(tmp_path, sig, cleanup):
     proc, run_dir, out = start_cli(tmp_path, "signalled", "max_steps=5000")
+    cleanup.append((proc, run_dir))
     wait_for_step(run_dir, proc, 2, out)
-    pgid = int((run_dir / "launcher.pid").read_text())
+    pgid = launcher_pid(run_dir)
     members = group_of(pgid)
     assert len(members) >= 2, members  # the launcher and its rank
 
@@ -156,7 +185,7 @@ def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing
     text = out.read_text()
     assert code == 128 + sig, text
     assert group_of(pgid) == [], "processes of the run were left behind"
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in members)
+    assert not [p for p in members if still_running(p)]
 
     events = events_of(run_dir)
     states = [e["state"] for e in events if e["type"] == "state"]
@@ -168,14 +197,32 @@ def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing
     assert "finished (stopped by the user)" in text
 
 
-@pytest.mark.slow
-def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path):
-    proc, run_dir, out = start_cli(tmp_path, "killed", "nproc=2", "max_steps=5000")
+def test_a_killed_command_takes_its_run_with_it(tmp_path, cleanup):
+    """SIGKILL runs no handler: the run's launcher gets SIGTERM from the kernel instead (a
+    parent-death signal) and ends its rank. Nothing can be saved then; nothing is left either."""
+    proc, run_dir, out = start_cli(tmp_path, "orphan", "max_steps=5000")
+    cleanup.append((proc, run_dir))
     wait_for_step(run_dir, proc, 2, out)
-    pgid = int((run_dir / "launcher.pid").read_text())
-    workers = [p for p in group_of(pgid) if "engine.worker" in p.cmdline()]
-    rank1 = [p for p in workers if p.environ().get("RANK") == "1" and p.ppid() not in {w.pid for w in workers}]
-    assert rank1, "rank 1 not found"
+    pgid = launcher_pid(run_dir)
+    members = group_of(pgid)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while group_of(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group_of(pgid) == [], "the run outlived its killed command"
+    assert not [p for p in members if still_running(p)]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path, cleanup):
+    proc, run_dir, out = start_cli(tmp_path, "killed", "nproc=2", "max_steps=5000")
+    cleanup.append((proc, run_dir))
+    wait_for_step(run_dir, proc, 2, out)
+    pgid = launcher_pid(run_dir)
+    rank1 = [p for p in group_of(pgid) if runs_worker(p) and p.environ().get("RANK") == "1"
+             and not runs_worker(p.parent())]  # not a data-loader child of the rank
+    assert len(rank1) == 1, "rank 1 not found"
     with open(run_dir / "logs" / "rank1.log", "a") as log:  # a line as gloo writes them
         log.write("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] read error\n")
     rank1[0].kill()
@@ -192,3 +239,24 @@ def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path):
     assert group_of(pgid) == []
     final = [e for e in events_of(run_dir) if e["type"] == "state"][-1]
     assert final["state"] == "failed" and final.get("rank") == 1, final
+
+
+def test_a_detached_run_outlives_its_command_is_listed_and_stopped_from_its_folder(tmp_path, cleanup):
+    from supervisor import RunManager
+    proc, run_dir, out = start_cli(tmp_path, "detached", "--detach", "max_steps=5000")
+    cleanup.append((proc, run_dir))
+    assert proc.wait(timeout=60) == 0, out.read_text()  # back at once: the run goes on
+    assert "detached" in out.read_text() and str(run_dir) in out.read_text()
+    deadline = time.monotonic() + 300
+    while not any(e["type"] == "train" for e in events_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    [listed] = RunManager(tmp_path / "runs").list_runs()  # as the web app's run list sees it
+    assert (listed.name, listed.state, listed.alive) == ("detached", "running", True)
+    pgid = launcher_pid(run_dir)
+    stop = subprocess.run([sys.executable, "-m", "app.cli", "stop", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=180)
+    assert stop.returncode == 0 and "finished" in stop.stderr, stop.stderr
+    assert group_of(pgid) == []
+    states = [e["state"] for e in events_of(run_dir) if e["type"] == "state"]
+    assert states[-2:] == ["stopping", "finished"]
+    assert any(e["type"] == "checkpoint" for e in events_of(run_dir))  # Stop's default: save
