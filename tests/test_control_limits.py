@@ -212,7 +212,7 @@ def test_subscribers_that_never_read_cost_a_bounded_buffer_are_dropped_and_do_no
     wait_until(lambda: len(s.server.stats()["dropped"]) == 4)  # dropped after the stall
     drops = s.server.stats()["dropped"]
     assert sorted(d["ids"][-1] for d in drops) == [f"viewer-{i}" for i in range(4)]
-    assert all("read nothing for 1 s" in d["reason"] and "resubscribe from line" in d["reason"] for d in drops)
+    assert all("took nothing for 1 s" in d["reason"] and "resubscribe from line" in d["reason"] for d in drops)
     # a dropped viewer that starts reading within the grace period gets what was buffered for it,
     # then the reason as its last line
     got = answers(stuck[0])

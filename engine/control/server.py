@@ -25,7 +25,7 @@ Limits (module constants; a test may pass others to the constructor):
   together); past it a command is refused at once.
 - Send buffer per client: events are fed only while less than SEND_HIGH_WATER = 256 KiB waits
   for the client; answers are never held back. A client whose unsent data passes
-  SEND_BUFFER_MAX = 4 MiB, or that has read nothing for STALL_TIMEOUT_S = 30 s while the buffer
+  SEND_BUFFER_MAX = 4 MiB, or that has taken nothing for STALL_TIMEOUT_S = 30 s while the buffer
   sat above the high-water mark, is dropped: an error line saying why is its last message
   (readable for DROP_GRACE_S = 5 s if it starts reading), and the drop is listed in `status`
   under `control.dropped` (peer, request ids, reason), where it can read it when it reconnects.
@@ -105,6 +105,7 @@ class Connection(asyncio.Protocol):
         self.pending, self.eof = 0, False  # commands sent here and not yet answered; half-closed
         self.ids: deque[str] = deque(maxlen=4)
         self.events: EventTail | None = None
+        self.last_buffered = 0  # unsent bytes at the last sweep
 
     # -- asyncio callbacks -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -233,14 +234,22 @@ class Connection(asyncio.Protocol):
         self.transport.write_eof()
         self.loop.call_later(2.0, self.transport.abort)
 
+    def _stalled(self, now: float) -> float:
+        """Seconds the buffer has stayed above the high-water mark without shrinking."""
+        buffered = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        if self.stalled_since and buffered < self.last_buffered:
+            self.stalled_since = now  # it is reading, slowly
+        self.last_buffered = buffered
+        return now - self.stalled_since if self.stalled_since else 0.0
+
     def check_timeouts(self, now: float) -> None:
         limits = self.server.limits
         if (self.buf or self.skipping) and now - self.partial_since > limits.read_timeout:
             self.buf.clear()
             self.skipping = False
             self.drop(f"no complete message within {limits.read_timeout:g} s of its first byte")
-        elif self.stalled_since and now - self.stalled_since > limits.stall_timeout:
-            self.drop(f"it read nothing for {limits.stall_timeout:g} s while more than "
+        elif self._stalled(now) > limits.stall_timeout:
+            self.drop(f"it took nothing for {limits.stall_timeout:g} s while more than "
                       f"{SEND_HIGH_WATER} bytes waited for it")
         elif self.pending == 0 and self.events is None and now - self.last_heard > limits.idle_timeout:
             self.send_error(None, f"closed: idle for {limits.idle_timeout:g} s; connect again to go on")
@@ -338,7 +347,8 @@ class ControlServer:
         except ProtocolError as e:
             return conn.send_error(raw_id, str(e))
         except (ValueError, TypeError, OverflowError, RecursionError) as e:  # e.g. 10**400 as lr
-            return conn.send_error(raw_id, f"refused: {type(e).__name__}: {str(e)[:200]}")
+            return conn.send_error(raw_id, f"refused: {str(msg.get('cmd'))[:40]}: an argument is out of "
+                                           f"range ({type(e).__name__}: {str(e)[:200]})")
         conn.ids.append(req_id)
         if isinstance(command, Subscribe):
             return self._subscribe(conn, req_id, command.from_line)
