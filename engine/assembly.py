@@ -30,7 +30,7 @@ from engine.control import Control
 from engine.ds_config import DeepSpeedSetup
 from engine.methods import method_of
 from engine.model import count_parameters
-from engine.parallel.layouts import layout_of
+from engine.parallel.layouts import layout_class
 from engine.steps import StepStrategy
 
 
@@ -63,8 +63,9 @@ def assemble(cfg: RunConfig, *, model=None, tokenizer=None, loss_fn: Callable | 
              evaluators=None, run_dir: str | None = None) -> Assembled:
     """Build a run's parts from its config; given parts (a user's model, tokenizer, datasets,
     optimizer ...) are used as they are. Every rank calls it (it joins the process group)."""
-    env = setup.init_distributed(cfg)
-    layout, method = layout_of(env), method_of(cfg)
+    kind = layout_class(cfg.parallel)
+    env = setup.init_distributed(lambda rank, world: kind.groups(cfg.parallel, rank, world))
+    layout, method = kind(env), method_of(cfg)
     folder, events = setup.open_run_folder(cfg, run_dir, env.rank == 0)
     precision = setup.precision_of(cfg)
     tokenizer = tokenizer or setup.tokenizer_of(cfg)

@@ -600,3 +600,10 @@ def gathered_autotp_layer(params: list, module: Any):
     written into them is cut into this rank's shard again on exit (collective over the tensor group)."""
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
     return GatherReplacedLayerParams(params, module, enabled=True)
+
+
+def tensor_parallel_groups() -> Any:
+    """DeepSpeed's groups module: the model-parallel unit deepspeed.initialize gets under tensor
+    parallelism (its data x tensor mesh, made by :func:`init_tensor_parallel_mesh`)."""
+    from deepspeed.utils import groups
+    return groups

@@ -27,14 +27,15 @@ from engine import rendezvous
 from engine.context import DistEnv
 from engine.ds_config import DeepSpeedSetup
 from engine.monitors import open_sinks
-from engine.parallel.groups import build_layout
+from engine.parallel.groups import Groups, data_groups
 from engine.rng import seed_everything
 
 
-def init_distributed(cfg: RunConfig | None = None) -> DistEnv:
+def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) -> DistEnv:
     """Join the launcher's process group (gloo on CPU, nccl on GPU), or make a one-rank group
     when a script or notebook runs the Trainer without a launcher; then create the groups of
-    the config's tp x pp x dp layout."""
+    the run's layout: `make_groups(rank, world_size)` (the layout object's; plain data
+    parallelism by default)."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -49,8 +50,7 @@ def init_distributed(cfg: RunConfig | None = None) -> DistEnv:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    p = cfg.parallel if cfg is not None else None
-    layout = build_layout(p.tp_size if p else 1, p.pp_size if p else 1, rank, world)
+    layout = make_groups(rank, world)
     return DistEnv(rank, local_rank, world, dp_rank=layout.dp_rank, dp_size=layout.dp_size,
                    dp_group=layout.dp_group, device=device, tp_size=layout.tp_size,
                    tp_rank=layout.tp_rank, pp_size=layout.pp_size, stage=layout.stage,
@@ -211,8 +211,8 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimi
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            # ZeRO-3 parameters are flat shards; their real shape is in ds_shape
-            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+            # ZeRO-3 parameters are flat shards: the rule goes by their real shape
+            (decay if len(ds_config.full_shape(p)) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]

@@ -67,14 +67,12 @@ def save_peft(run: RunContext, path: str, selected_adapters: list[str] | None = 
     if not is_peft(module):
         raise AdapterError("save_peft needs a PEFT model; this run trains the model itself (save_model)")
     names = check_adapter_names(module, selected_adapters)
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
     started, comm = time.perf_counter(), Comm.current()
     params = adapter_params(module, names)
     meta = {"step": run.state.global_step, "adapters": names}
     prompts = _prompt_embeddings(module, names, params)
     with atomic.writing(path, kind="adapter", meta=meta, comm=comm) as w, _saving_prompts(module, prompts):
-        with GatheredParameters(params, modifier_rank=None):
+        with ds_config.gathered(params, modifier_rank=None):
             if comm.rank == 0:
                 # under ZeRO-3 the module's own state_dict is read inside the gather, where the
                 # adapter tensors are whole (the base tensors are empty shards, and filtered out)
@@ -144,7 +142,6 @@ def load_model_folder(run: RunContext, path: str) -> None:
 def load_adapter_files(run: RunContext, folder: Path, where: str, adapter_name: str, is_trainable: bool) -> None:
     """Adapter weights from a local PEFT folder into the engine's adapter `adapter_name`."""
     import peft
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
     module, comm = run.engine.module, Comm.current()
@@ -157,7 +154,7 @@ def load_adapter_files(run: RunContext, folder: Path, where: str, adapter_name: 
     weights = load_peft_weights(str(folder), device="cpu")
     _check_weights(module, weights, adapter_name, where)
     params = adapter_params(module, [adapter_name])
-    with torch.no_grad(), GatheredParameters(params, modifier_rank=0):
+    with torch.no_grad(), ds_config.gathered(params, modifier_rank=0):
         if comm.rank == 0 or not _any_partitioned(params):
             result = set_peft_model_state_dict(module, weights, adapter_name=adapter_name)
             unexpected = [k for k in getattr(result, "unexpected_keys", []) if f".{adapter_name}." in f".{k}."]

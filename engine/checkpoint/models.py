@@ -69,13 +69,8 @@ class Entry:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def full_shape(t: torch.Tensor) -> tuple[int, ...]:
-    """A tensor's real shape (ZeRO-3 keeps it in ds_shape while the data is a flat shard)."""
-    return tuple(getattr(t, "ds_shape", t.shape))
-
-
-def is_partitioned(t: torch.Tensor) -> bool:
-    return hasattr(t, "ds_id")
+full_shape = ds_config.full_shape          # a tensor's real shape, ZeRO-3 partitioned or not
+is_partitioned = ds_config.is_partitioned  # a ZeRO-3 parameter (its data is this rank's shard)
 
 
 def _tensor_entry(key: str, t: torch.Tensor) -> Entry:
@@ -124,8 +119,6 @@ def write_weights(entries: list[Entry], folder: Path, comm: Comm,
                   max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> dict:
     """Write `entries` as safetensors shards in `folder` (rank 0; collective under ZeRO-3).
     Returns {"shards": n, "bytes": total, "largest_shard": bytes}."""
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
     limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     shards = plan_shards(entries, limit)
     names = shard_names(len(shards))
@@ -137,7 +130,7 @@ def write_weights(entries: list[Entry], folder: Path, comm: Comm,
         writer = StreamedSafetensors(str(folder / name), layout, {"format": "pt"}) if comm.rank == 0 else None
         with writer or contextlib.nullcontext():
             for e in shard:
-                with GatheredParameters(e.params, modifier_rank=None):
+                with ds_config.gathered(e.params, modifier_rank=None):
                     if writer is not None:
                         writer.write(e.key, e.make())
         weight_map.update({e.key: name for e in shard})
@@ -297,13 +290,11 @@ def _few(items: list[str], n: int = 6) -> str:
 def load_into(engine, targets: dict[str, torch.Tensor], source: dict[str, str], reader: WeightReader,
               comm: Comm, max_bytes: int) -> None:
     """Copy the folder's tensors (`source`: engine key -> file key) into the engine; collective."""
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
     entries = [_tensor_entry(k, targets[k]) for k in source]
     with torch.no_grad():
         for shard in plan_shards(entries, max_bytes):
             params = [p for e in shard for p in e.params]
-            with GatheredParameters(params, modifier_rank=0):
+            with ds_config.gathered(params, modifier_rank=0):
                 for e in shard:
                     if not e.params or comm.rank == 0:  # partitioned: rank 0 reads, the rest receive
                         targets[e.key].data.copy_(reader.get(source[e.key]).view(full_shape(targets[e.key])))

@@ -66,7 +66,7 @@ def ds_tag(step: int) -> str:
 
 
 # -- what a checkpoint records --------------------------------------------------------------------
-def layout_of(run: RunContext) -> dict:
+def layout_record(run: RunContext) -> dict:
     p = run.config.parallel
     return {"world_size": run.env.world_size, "dp_size": run.env.dp_size, "tp_size": p.tp_size,
             "pp_size": p.pp_size, "zero_stage": int(run.engine.zero_optimization_stage())}
@@ -115,7 +115,7 @@ def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampl
     state, engine = run.state, run.engine
     record = {"position": {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
                            "global_step": state.global_step, "total_steps": state.total_steps},
-              "ds_tag": ds_tag(state.global_step), "layout": layout_of(run), "model": model_of(run),
+              "ds_tag": ds_tag(state.global_step), "layout": layout_record(run), "model": model_of(run),
               "sampler": sampler_state(sampler, run), "config": run.config.to_dict(), "versions": _versions()}
     meta = {"step": state.global_step, "epoch": state.epoch, "saved_by": saved_by,
             "metrics": dict(metrics or {})}
@@ -171,7 +171,7 @@ def read_record(folder: atomic.Location) -> dict:
 def check_compatible(run: RunContext, record: dict, url: str, sampler=None) -> None:
     """Same parallel layout, same model, same data order (when `sampler`, the run's batch
     sampler, is given) -- or an error naming both sides."""
-    saved, now = record.get("layout", {}), layout_of(run)
+    saved, now = record.get("layout", {}), layout_record(run)
     if any(saved.get(k) != now[k] for k in LAYOUT_KEYS):
         raise LayoutMismatchError(
             f"{url} was written by {describe_layout(saved)}; this run is {describe_layout(now)}. An exact "

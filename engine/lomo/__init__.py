@@ -31,8 +31,7 @@ the set-up builders, which the fused method object of :mod:`engine.methods` uses
 from engine.lomo.fused import FusedOptimizer
 from engine.lomo.rules import AdaLomoRule, LomoRule, UpdateRule
 from engine.lomo.scaler import DynamicLossScaler, scaler_from_ds_config
-from engine.lomo.step import FusedStep, build_optimizer, prepare_ds_setup, uses_fused_step
+from engine.lomo.step import FusedStep, build_optimizer, prepare_ds_setup
 
 __all__ = ["FusedOptimizer", "AdaLomoRule", "LomoRule", "UpdateRule", "DynamicLossScaler",
-           "scaler_from_ds_config", "FusedStep", "build_optimizer", "prepare_ds_setup",
-           "uses_fused_step"]
+           "scaler_from_ds_config", "FusedStep", "build_optimizer", "prepare_ds_setup"]

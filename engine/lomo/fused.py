@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from engine import ds_config
 from engine.lomo.rules import UpdateRule
 from engine.lomo.scaler import DynamicLossScaler
 from engine.rng import rng_state, set_rng_state
@@ -41,7 +42,7 @@ class _Pass(enum.Enum):
 
 def full_shape(p: torch.Tensor) -> torch.Size:
     """A parameter's real shape (ZeRO-3 parameters are empty placeholders outside forward)."""
-    return getattr(p, "ds_shape", p.shape)
+    return torch.Size(ds_config.full_shape(p))
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -64,7 +65,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.rule, self.max_grad_norm, self.scaler = rule, max_grad_norm, scaler
         self.dp_group, self.dp_size, self.after_backward = dp_group, dp_size, after_backward
-        self.partitioned = any(hasattr(p, "ds_tensor") for p in params)  # ZeRO-3
+        self.partitioned = any(ds_config.is_partitioned(p) for p in params)  # ZeRO-3
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._pass = _Pass.OFF
         self._sq_norm: torch.Tensor | None = None
@@ -166,7 +167,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if weight.data_ptr() != full.data_ptr():
             full.copy_(weight)
         if self.partitioned:
-            _write_shard(p, full)
+            ds_config.write_partition(p, full)  # the partition is what the next gather reads
 
     def remove_hooks(self) -> None:
         """Detach from the model (the parameters go back to ordinary gradients)."""
@@ -188,13 +189,3 @@ class FusedOptimizer(torch.optim.Optimizer):
         if scaler_state is not None and self.scaler is not None:
             self.scaler.load_state_dict(scaler_state)
 
-
-def _write_shard(p: torch.nn.Parameter, full: torch.Tensor) -> None:
-    """Copy this rank's slice of the updated full parameter into its ZeRO-3 partition (the
-    partition is what the next gather reads; the gathered copy is released or, for persistent
-    small parameters, kept, which is why `full` was updated too)."""
-    shard = p.ds_tensor
-    start = dist.get_rank(group=p.ds_process_group) * shard.numel()
-    n = max(0, min(shard.numel(), full.numel() - start))
-    if n:
-        shard.view(-1)[:n].copy_(full.reshape(-1)[start:start + n])

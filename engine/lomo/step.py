@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from contract.config import FUSED_METHODS, RunConfig
+from contract.config import RunConfig
 from engine import ds_config
 from engine.data import count_tokens
 from engine.lomo.fused import FusedOptimizer
 from engine.lomo.rules import AdaLomoRule, LomoRule, UpdateRule
 from engine.lomo.scaler import scaler_from_ds_config
-
-
-def uses_fused_step(cfg: RunConfig) -> bool:
-    return cfg.method.name in FUSED_METHODS
 
 
 class FusedStep:

@@ -11,7 +11,8 @@ evaluators agree with the engine:
   stage * dp + data rank. The PipelineModule is built on this topology.
 
 Every rank of one data-parallel replica (the tensor ranks of a tensor group, the stages of a
-pipeline) has the same `dp_rank`, so it loads the same batches.
+pipeline) has the same `dp_rank`, so it loads the same batches. Which of these a run uses is
+decided once, by its layout object (engine.parallel.layouts.layout_class).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from engine import ds_config
+
 
 @dataclass(frozen=True)
-class Layout:
-    """This rank's place in the run's layout."""
+class Groups:
+    """This rank's place in the run's process groups."""
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
@@ -32,38 +35,38 @@ class Layout:
     stage: int = 0        # pipeline stage of this rank
     dp_rank: int = 0
     dp_group: Any = None  # process group of this rank's data-parallel peers; None: the world
-    topology: Any = None  # the pipeline's ProcessTopology when pp_size > 1
+    topology: Any = None  # the pipeline's ProcessTopology under pipeline parallelism
 
 
-def build_layout(tp_size: int, pp_size: int, rank: int, world_size: int) -> Layout:
-    """Create the groups of a tp_size x pp_size x dp layout (collective: every rank calls it)."""
-    if tp_size < 1 or pp_size < 1 or world_size % (tp_size * pp_size):
-        raise ValueError(f"parallel.nproc: {world_size} ranks cannot be split into tp_size {tp_size} x "
-                         f"pp_size {pp_size}; the world size must be a multiple of {tp_size * pp_size}")
-    if tp_size > 1 and pp_size > 1:
-        raise ValueError("parallel.pp_size: tensor and pipeline parallelism cannot be combined")
-    dp = world_size // (tp_size * pp_size)
-    if tp_size > 1:
-        return _tensor_layout(tp_size, dp)
-    if pp_size > 1:
-        return _pipeline_layout(pp_size, dp, rank)
-    return Layout(dp_size=world_size, dp_rank=rank)
+def replicas(model_parallel: int, world_size: int, what: str) -> int:
+    """How many data-parallel replicas `world_size` ranks make when each holds `model_parallel`
+    ranks; an error naming the field when they do not divide."""
+    if model_parallel < 1 or world_size % model_parallel:
+        raise ValueError(f"parallel.nproc: {world_size} ranks cannot be split into {what} "
+                         f"{model_parallel}; the world size must be a multiple of {model_parallel}")
+    return world_size // model_parallel
 
 
-def _tensor_layout(tp: int, dp: int) -> Layout:
-    from deepspeed.utils import groups
-    # DeepSpeed's own initialiser of its TP mesh (what deepspeed.initialize calls when it is
-    # not given an mpu); a second call in the same process keeps the first mesh.
-    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
+def data_groups(rank: int, world_size: int) -> Groups:
+    """Plain data parallelism: every rank is a replica; the data group is the world."""
+    return Groups(dp_size=world_size, dp_rank=rank)
+
+
+def tensor_groups(tp: int, world_size: int) -> Groups:
+    """DeepSpeed's data x tensor mesh (collective: every rank calls it)."""
+    dp = replicas(tp, world_size, "tp_size")
+    groups = ds_config.init_tensor_parallel_mesh(tp)  # a second call keeps the first mesh
     if groups.get_tensor_model_parallel_world_size() != tp:
         raise RuntimeError(f"this process already has a tensor-parallel mesh of size "
                            f"{groups.get_tensor_model_parallel_world_size()}, not {tp}")
-    return Layout(tp_size=tp, dp_size=dp, tp_rank=groups.get_tensor_model_parallel_rank(),
+    return Groups(tp_size=tp, dp_size=dp, tp_rank=groups.get_tensor_model_parallel_rank(),
                   dp_rank=groups.get_data_parallel_rank(), dp_group=groups.get_data_parallel_group())
 
 
-def _pipeline_layout(pp: int, dp: int, rank: int) -> Layout:
+def pipeline_groups(pp: int, rank: int, world_size: int) -> Groups:
+    """DeepSpeed's pipe x data topology and its data-parallel groups (collective)."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    dp = replicas(pp, world_size, "pp_size")
     topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp)
     coord = topology.get_coord(rank)
     mine = None
@@ -71,5 +74,5 @@ def _pipeline_layout(pp: int, dp: int, rank: int) -> Layout:
         group = dist.new_group(ranks=ranks)
         if rank in ranks:
             mine = group
-    return Layout(pp_size=pp, dp_size=dp, stage=coord.pipe, dp_rank=coord.data, dp_group=mine,
+    return Groups(pp_size=pp, dp_size=dp, stage=coord.pipe, dp_rank=coord.data, dp_group=mine,
                   topology=topology)

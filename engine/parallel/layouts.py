@@ -4,6 +4,7 @@ tensor-parallel (DeepSpeed AutoTP) or pipeline (a DeepSpeed PipelineModule).
 A layout carries every operation in which layouts differ, so no code elsewhere asks
 `pp_size > 1` or `tp_size > 1`:
 
+    groups(parallel, rank, world)        the process groups (a static method: before the instance)
     prepare_model(model, cfg, loss_fn)   the model the engine is built on (pipeline: cut in stages)
     mpu()                                the model-parallel unit deepspeed.initialize gets
     step()                               the step strategy (engine step, pipeline schedule)
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from contract.config import RunConfig
+from contract.config import ParallelConfig, RunConfig
 from engine import ds_config
 from engine.checkpoint import models
 from engine.checkpoint.atomic import Comm
@@ -36,6 +37,7 @@ from engine.context import DistEnv, Layout, RunContext
 from engine.generation import hf_generate
 from engine.losses import model_loss
 from engine.model import count_parameters
+from engine.parallel import groups as process_groups
 from engine.parallel import pipeline, tp, weights
 from engine.pipeline_generate import pipeline_generate
 from engine.steps import EngineStep, StepStrategy
@@ -45,6 +47,10 @@ class DataParallel:
     """Every rank holds the whole model (ZeRO 1-3 partition its states, and under stage 3 its
     weights, which DeepSpeed gathers layer by layer)."""
     name, split = "data-parallel", False
+
+    @staticmethod
+    def groups(parallel: ParallelConfig, rank: int, world_size: int) -> process_groups.Groups:
+        return process_groups.data_groups(rank, world_size)
 
     def __init__(self, env: DistEnv):
         self.env = env
@@ -130,6 +136,10 @@ class TensorParallel(_Split):
     """DeepSpeed AutoTP: each tensor group shares a sharded model (engine.parallel.tp)."""
     name = "tensor-parallel"
 
+    @staticmethod
+    def groups(parallel: ParallelConfig, rank: int, world_size: int) -> process_groups.Groups:
+        return process_groups.tensor_groups(parallel.tp_size, world_size)
+
     def __init__(self, env: DistEnv):
         self.env = env
 
@@ -165,6 +175,10 @@ class Pipeline(_Split):
     """A DeepSpeed PipelineModule: each rank runs one stage of the layers (engine.parallel.pipeline)."""
     name = "pipeline"
 
+    @staticmethod
+    def groups(parallel: ParallelConfig, rank: int, world_size: int) -> process_groups.Groups:
+        return process_groups.pipeline_groups(parallel.pp_size, rank, world_size)
+
     def __init__(self, env: DistEnv):
         self.env = env
 
@@ -193,13 +207,19 @@ class Pipeline(_Split):
         ds_config.refresh_master_weights(run.engine)
 
 
-def layout_of(env: DistEnv) -> Layout:
-    """The layout object of this rank's process groups (chosen once, at assembly)."""
-    if env.pp_size > 1:
-        return Pipeline(env)
-    if env.tp_size > 1:
-        return TensorParallel(env)
-    return DataParallel(env)
+LayoutClass = type[DataParallel] | type[TensorParallel] | type[Pipeline]
+
+
+def layout_class(parallel: ParallelConfig) -> LayoutClass:
+    """The run's layout (the one place that asks tp_size and pp_size): its class makes the
+    process groups (`groups`), an instance on the resulting DistEnv does the rest."""
+    if parallel.tp_size > 1 and parallel.pp_size > 1:
+        raise ValueError("parallel.pp_size: tensor and pipeline parallelism cannot be combined")
+    if parallel.pp_size > 1:
+        return Pipeline
+    if parallel.tp_size > 1:
+        return TensorParallel
+    return DataParallel
 
 
 # -- for scripts and tests: the run's layout does the work ---------------------------------------
@@ -224,5 +244,5 @@ def shape_problems(run: RunContext, file_shapes: dict[str, tuple[int, ...]]) -> 
     return weights.shape_problems(hf_config_of(run), file_shapes)
 
 
-__all__ = ["Layout", "DataParallel", "TensorParallel", "Pipeline", "layout_of", "full_state_dict",
+__all__ = ["Layout", "DataParallel", "TensorParallel", "Pipeline", "layout_class", "full_state_dict",
            "load_full_state_dict", "hf_config_of", "shape_problems"]

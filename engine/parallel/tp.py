@@ -30,8 +30,7 @@ def engine_mpu(tp_size: int):
     tensor parallelism (so ZeRO and the batch size use the data-parallel group), else None."""
     if tp_size <= 1:
         return None
-    from deepspeed.utils import groups
-    return groups
+    return ds_config.tensor_parallel_groups()
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
@@ -45,8 +44,6 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor])
     """Copy whole (unsharded) weights into an AutoTP-sharded module (collective over the
     tensor group: every rank calls it with the same `state_dict`). Each replaced layer gathers
     its shards, takes the whole weight, and cuts its own shard again. Returns the missing keys."""
-    from deepspeed.module_inject.layers import GatherReplacedLayerParams
-
     missing, seen = [], set()
     for prefix, sub in module.named_modules():
         # a tied weight (lm_head = embed_tokens) is loaded once, under the name that comes first
@@ -54,7 +51,7 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor])
         seen.update(id(p) for _, p in params)
         if not params:
             continue
-        with GatherReplacedLayerParams([p for _, p in params], sub, enabled=True):
+        with ds_config.gathered_autotp_layer([p for _, p in params], sub):
             for name, param in params:
                 key = f"{prefix}.{name}" if prefix else name
                 if key not in state_dict:
