@@ -75,7 +75,8 @@ def test_live_run_under_hostile_clients(tmp_path, task):
     while client.status()["control"]["connections"] > 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert client.status()["control"]["connections"] == 1
-    assert rank0.num_threads() <= threads_before, (threads_before, rank0.num_threads())
+    # (+2: room for a thread torch may start late; a thread per client would be +100)
+    assert rank0.num_threads() <= threads_before + 2, (threads_before, rank0.num_threads())
 
     # hostile messages and an overlong prompt: an error answer each, nothing queued
     token = address["token"]
