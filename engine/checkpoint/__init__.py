@@ -8,8 +8,8 @@ collective); only rank 0 writes what is shared.
                                       how (models.py primitives; adapters for PEFT; engine.parallel
                                       for tensor / pipeline parallelism)
 - `save_peft` / `load_peft`           PEFT adapter folders; `export_merged`: base + LoRA (adapters.py)
-- `save_checkpoint` / `load_checkpoint`  full training state for an exact resume (state.py; the
-                                      Trainer's methods of those names hand it the callbacks' states)
+- `save_checkpoint` / `load_checkpoint`  full training state for an exact resume (state.py; these
+                                      take the Trainer, whose methods add the callbacks' states)
 - `CheckpointSchedule`, `load_best`   the save schedule, keep rules, best-model reload (schedule.py)
 - `resolve_resume(value, folder)`     the checkpoint `resume=` names (atomic.py)
 
@@ -28,7 +28,8 @@ from engine.checkpoint.schedule import CheckpointSchedule, load_best
 from engine.checkpoint.state import DataMismatchError, load_weights
 
 __all__ = [
-    "save_model", "load_model", "save_peft", "load_peft", "export_merged", "load_weights",
+    "save_model", "load_model", "save_peft", "load_peft", "export_merged", "save_checkpoint",
+    "load_checkpoint", "load_weights",
     "resolve_resume", "list_checkpoints", "CheckpointSchedule", "load_best", "CheckpointError",
     "CheckpointNotFoundError", "IncompleteCheckpointError", "MissingFilesError", "CorruptCheckpointError",
     "LayoutMismatchError", "WrongKindError", "DataMismatchError", "ModelLoadError", "AdapterError",
@@ -59,6 +60,18 @@ def save_peft(run: RunContext, path: str, selected_adapters: list[str] | None = 
 def load_peft(run: RunContext, path: str, adapter_name: str = "default", is_trainable: bool = True) -> None:
     """The adapter saved at `path` into the engine's adapter `adapter_name`; without PEFT, the model."""
     run.method.load_peft(run, path, adapter_name, is_trainable)
+
+
+def save_checkpoint(trainer, path: str) -> str:
+    """Everything an exact resume needs at `path`; collective. `trainer`: the Trainer, whose
+    callbacks' and loop parts' states go in too (this calls `trainer.save_checkpoint`; the
+    writing is state.py's). Returns the checkpoint's URL."""
+    return trainer.save_checkpoint(path)
+
+
+def load_checkpoint(trainer, path: str) -> None:
+    """Restore the training state saved at `path` into the Trainer; collective."""
+    trainer.load_checkpoint(path)
 
 
 def resolve_resume(value: str, folder) -> str:
