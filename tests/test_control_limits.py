@@ -283,3 +283,18 @@ def test_a_prompt_longer_than_the_context_is_refused_at_once_with_the_limit(tmp_
         sock.close()
     finally:
         s.close()
+
+
+def test_a_long_backlog_reaches_a_reader_whole_and_in_order(served):
+    blob = "y" * 2000
+    for step in range(3000):  # ~6 MB: several turns of the loop for this one subscriber
+        served.events.emit({"type": "train", "step": step, "blob": blob})
+    client = RunClient.connect(served.folder.root, timeout=10)
+    lines = []
+    for event in client.events(from_line=0):
+        lines.append(event["line"])
+        if event["step"] == 2999:
+            break
+    assert lines == list(range(3000))
+    assert client.status()["control"]["dropped"] == []
+    client.close()

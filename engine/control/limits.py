@@ -48,6 +48,7 @@ STALL_TIMEOUT_S = 30.0
 DROP_GRACE_S = 5.0
 KERNEL_SNDBUF = 256 * 1024
 CLOSE_GRACE_S = 1.0
+FEED_TURN_BYTES = 1024 * 1024  # events sent to one subscriber before the loop serves the others
 SWEEP_S = 0.25  # how often timeouts are checked (and lines written by other processes fed)
 
 

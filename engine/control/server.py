@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
 from engine.control.limits import (CLOSE_GRACE_S, DROP_GRACE_S, KERNEL_SNDBUF, LISTEN_BACKLOG, MAX_ID_CHARS,
-                                   SEND_HIGH_WATER, SWEEP_S, Limits)
+                                   FEED_TURN_BYTES, SEND_HIGH_WATER, SWEEP_S, Limits)
 from engine.control.limits import PromptLimit, context_tokens  # noqa: F401 - the plane builds it from here
 from contract.protocol import MAX_MESSAGE_BYTES, Command, ProtocolError, Subscribe, decode, encode, parse_command
 from contract.run_folder import EventTail, RunFolder, write_private_json
@@ -352,13 +352,17 @@ class ControlServer:
 
     def feed(self, conn: Connection) -> None:
         """Send `conn` the event lines it has not had, while its buffer is under the high-water mark."""
-        transport = conn.transport
+        transport, sent = conn.transport, 0
         while conn.open and conn.events is not None and transport is not None and not conn.stalled_since:
+            if sent >= FEED_TURN_BYTES:  # a long backlog to a fast reader: the other clients' turn
+                self.loop.call_soon(self.feed, conn)
+                return
             lines = conn.events.read()
             if not lines:
                 return
-            conn.write(b"".join(b'{"type": "event", "line": %d, "event": %s}\n' % (n, raw)
-                                for n, raw in lines))
+            data = b"".join(b'{"type": "event", "line": %d, "event": %s}\n' % (n, raw) for n, raw in lines)
+            sent += len(data)
+            conn.write(data)
 
     def _sweep(self) -> None:
         now = time.monotonic()
