@@ -19,6 +19,7 @@ from supervisor.client import RunClient
 from engine.control.limits import SEND_HIGH_WATER, PromptLimit, context_tokens
 from engine.control.server import ControlServer
 from engine.default_task import build_tokenizer, default_model_config
+from engine.control import handlers
 from engine.control.pending import CommandQueue
 from contract.protocol import MAX_MESSAGE_BYTES
 from contract.run_folder import EventLog, RunFolder
@@ -259,18 +260,18 @@ def test_a_prompt_longer_than_the_context_is_refused_at_once_with_the_limit(tmp_
     model = type("Model", (), {"config": default_model_config(tokenizer.vocab_size)})()
     assert context_tokens(model, tokenizer) == 256
 
-    def text(tok, command):
-        return tok.bos_token + command.prompt
-
-    limit = PromptLimit.of(model, tokenizer, text, lambda: 64)
+    # the prompt is counted as the handler builds it (BOS first; chat template for messages)
+    limit = PromptLimit.of(model, tokenizer, handlers.prompt_text, lambda: 64)
     s = Served(tmp_path / "run", admit=limit)
     try:
         sock = s.connect()
-        for prompt, expected in (("a" * 100_000, "100000 characters"), ("a" * 300, "301 tokens")):
-            answer = ask(sock, s.line("generate", prompt=prompt))
-            assert answer["type"] == "error" and "context of 256 tokens" in answer["message"] \
-                or "context is 256 tokens" in answer["message"], answer
-            assert expected in answer["message"]
+        long_chat = [{"role": "user", "content": "b" * 300}]
+        for args, expected in (({"prompt": "a" * 100_000}, "has 100000 characters, far more than the model's "
+                                                           "context of 256 tokens"),
+                               ({"prompt": "a" * 300}, "is 301 tokens, and the model's context is 256"),
+                               ({"messages": long_chat}, "and the model's context is 256")):
+            answer = ask(sock, s.line("generate", **args))
+            assert answer["type"] == "error" and expected in answer["message"], answer
         # a prompt that fits gets its answer capped to the room left: 256 - 1 - 250 = 5 tokens
         sock.sendall(s.line("generate", "capped", prompt="a" * 250, max_new_tokens=100) +
                      s.line("generate", "fits", prompt="a" * 10))
