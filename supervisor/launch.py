@@ -7,10 +7,8 @@ nobody drains.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -82,9 +80,9 @@ class LaunchedRun:
 def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
           die_with_parent: bool = False) -> LaunchedRun:
     """Start the run's launcher in a new session; its output goes to logs/launcher.log.
-    `die_with_parent`: the launcher gets SIGTERM (and ends its ranks) when the thread that
-    started it ends, even by SIGKILL: for a run owned by its terminal. Call it from the main
-    thread then (Linux ties the parent-death signal to the creating thread)."""
+    `die_with_parent`: the whole group is ended when the thread that started it ends, even by
+    SIGKILL (`supervisor.guard` leads the group): for a run owned by its terminal. Call it from
+    the main thread then (Linux ties the parent-death signal to the creating thread)."""
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 "LIVETUNE_RUN_DIR": str(folder.root)})
@@ -96,20 +94,11 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
     cmd = launch_command(cfg, folder)
     folder.logs.mkdir(parents=True, exist_ok=True)
     (folder.logs / "command.txt").write_text(" ".join(cmd) + "\n")
+    if die_with_parent:
+        cmd = [sys.executable, "-m", "supervisor.guard", *cmd]
     log = open(folder.logs / "launcher.log", "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=str(REPO_ROOT), env=env, start_new_session=True,
-                            preexec_fn=_terminate_with_parent if die_with_parent else None)
+                            cwd=str(REPO_ROOT), env=env, start_new_session=True)
     log.close()
     (folder.root / "launcher.pid").write_text(str(proc.pid))
     return LaunchedRun(folder, proc)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _terminate_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent ends (prctl PR_SET_PDEATHSIG). Both
-    launchers end their ranks on SIGTERM."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -253,10 +253,32 @@ def test_a_detached_run_outlives_its_command_is_listed_and_stopped_from_its_fold
     [listed] = RunManager(tmp_path / "runs").list_runs()  # as the web app's run list sees it
     assert (listed.name, listed.state, listed.alive) == ("detached", "running", True)
     pgid = launcher_pid(run_dir)
+    members = group_of(pgid)
     stop = subprocess.run([sys.executable, "-m", "app.cli", "stop", str(run_dir)], cwd=REPO,
                           capture_output=True, text=True, timeout=180)
     assert stop.returncode == 0 and "finished" in stop.stderr, stop.stderr
+    assert not [p for p in members if still_running(p)]
+    deadline = time.monotonic() + 30  # the launcher is init's child now: reaped when init gets to it
+    while group_of(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert group_of(pgid) == []
     states = [e["state"] for e in events_of(run_dir) if e["type"] == "state"]
     assert states[-2:] == ["stopping", "finished"]
     assert any(e["type"] == "checkpoint" for e in events_of(run_dir))  # Stop's default: save
+
+
+def test_after_a_resume_the_outcome_is_the_resumed_runs(tmp_path, capsys):
+    """A failure recorded before a resume in the same folder is history, not the outcome."""
+    from app.cli import report
+    from supervisor import RunManager
+    run_dir = tmp_path / "runs" / "resumed"
+    run_dir.mkdir(parents=True)
+    events = [{"type": "state", "state": "starting"}, {"type": "state", "state": "running"},
+              {"type": "state", "state": "failed", "error": "RuntimeError: unexpected pos 881216", "rank": 0},
+              {"type": "state", "state": "starting"}, {"type": "resume", "step": 10},
+              {"type": "state", "state": "running", "step": 10},
+              {"type": "state", "state": "finished", "step": 20}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert report(RunManager(tmp_path / "runs").get("resumed")) == 0
+    err = capsys.readouterr().err
+    assert "finished" in err and "unexpected pos" not in err

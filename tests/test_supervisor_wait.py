@@ -62,3 +62,51 @@ def test_stop_saves_by_default_and_says_so_when_it_cannot(tmp_path):
     for name, proc in procs.items():
         assert proc.wait(timeout=10) is not None
         assert not members[name].is_running()
+
+
+def test_the_guard_ends_its_group_when_its_parent_is_killed(tmp_path):
+    """`supervisor.guard` leads a terminal's run: SIGKILL of the terminal's command (no handler
+    runs) still ends every process of the group, grandchildren included."""
+    import os
+    import signal
+    sleeper = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+               "'import time; time.sleep(600)']); time.sleep(600)")  # a child with a child
+    parent_code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-m', "
+                   f"'supervisor.guard', sys.executable, '-c', {sleeper!r}], start_new_session=True); "
+                   "print(p.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parent.parent)
+    guard = int(parent.stdout.readline())
+    deadline = time.monotonic() + 30
+    while len(group(guard)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    members = group(guard)
+    assert len(members) == 3, members  # the guard, the launcher stand-in, its child
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while [p for p in members if running(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in members if running(p)]
+    for p in left:
+        os.kill(p.pid, signal.SIGKILL)
+    assert not left
+
+
+def group(pgid: int) -> list[psutil.Process]:
+    import os
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                found.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return found
+
+
+def running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,58 @@
+"""`python -m supervisor.guard LAUNCHER ARGS...`: run a launcher as the leader of a run's process
+group, and end the whole group when the process that started it ends, however it ends.
+
+For a run owned by a terminal (`./launch.sh train` without --detach). The kernel sends the guard
+SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG), even by SIGKILL, when no handler of the
+parent can run. A launcher alone would not do: DeepSpeed's local runner dies on SIGTERM without
+passing it on, leaving its ranks behind. The guard passes the launcher's exit code on, so to
+the supervisor it is the launcher. Torch-free, and small: it lives as long as the run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from supervisor.procs import live, snapshot
+
+_PR_SET_PDEATHSIG = 1
+GRACE_S = 10.0  # SIGTERM first (the launchers end their ranks on it), SIGKILL after this
+
+
+def _end_group(signum: int, frame: object) -> None:
+    """End every process of the group (the guard's own), then the guard."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM reaches the guard too
+    pgid = os.getpgrp()
+    os.killpg(pgid, signal.SIGCONT)
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and _others_alive(pgid):
+        time.sleep(0.1)
+    os.killpg(pgid, signal.SIGKILL)  # the guard included
+
+
+def _others_alive(pgid: int) -> bool:
+    return any(p.pid != os.getpid() for p in live(snapshot({pgid})[pgid]))
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m supervisor.guard LAUNCHER [ARGS...]", file=sys.stderr)
+        return 2
+    parent = os.getppid()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _end_group)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request was in place
+        _end_group(signal.SIGTERM, None)
+    launcher = subprocess.Popen(argv)
+    code = launcher.wait()
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
