@@ -13,51 +13,46 @@ run config; the DeepSpeed engine is changed only through engine.ds_config.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import psutil
 import torch
 import torch.distributed as dist
 
+from contract.events import EventType
 from contract.protocol import (Command, Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status,
                                Stop)
 from engine.control.pending import Reply
+from engine.control.run import Plane
 from engine.ds_config import set_gradient_clipping
 from engine.generation import generate as generate_text
-
-if TYPE_CHECKING:
-    from engine.control.plane import Control
 
 
 class CommandRefused(RuntimeError):
     """The command does not apply now (same on every rank); nothing was changed."""
 
 
-Handler = Callable[["Control", Any, Reply], dict]
+Handler = Callable[[Plane, Any, Reply], dict]
 
 
 # -- generate -------------------------------------------------------------------------------------
-def generate(control: "Control", cmd: Generate, reply: Reply) -> dict:
+def generate(control: Plane, cmd: Generate, reply: Reply) -> dict:
     trainer = control.trainer
     params = control.settings.generation_params(cmd.sampling())
     prompt = prompt_text(trainer.tokenizer, cmd)
     step = trainer.state.global_step
     streams = control.rank == 0
-    text = generate_text(trainer, [prompt], **params,
+    text = generate_text(trainer.ctx, [prompt], **params,
                          on_text=(lambda t: reply.token(t, "current")) if streams else None)[0]
     result: dict[str, Any] = {"text": text, "step": step, "model": "current"}
     if cmd.compare_base:
-        if has_adapter(trainer):
-            result["base"] = generate_text(trainer, [prompt], **params, use_base=True,
+        if trainer.method.has_adapter:
+            result["base"] = generate_text(trainer.ctx, [prompt], **params, use_base=True,
                                            on_text=(lambda t: reply.token(t, "base")) if streams else None)[0]
         else:
             result["base"] = None
             result["note"] = "no PEFT adapter is training, so there is no separate base model to compare"
     return result
-
-
-def has_adapter(trainer) -> bool:
-    return hasattr(trainer.engine.module, "disable_adapter") and hasattr(trainer.engine.module, "peft_config")
 
 
 def prompt_text(tokenizer, cmd: Generate) -> str:
@@ -82,7 +77,7 @@ def _adds_bos(tokenizer) -> bool:
 
 
 # -- run state --------------------------------------------------------------------------------------
-def pause(control: "Control", cmd: Pause, reply: Reply) -> dict:
+def pause(control: Plane, cmd: Pause, reply: Reply) -> dict:
     trainer = control.trainer
     if control.ended:
         raise CommandRefused("pause: training has ended; there is nothing left to pause")
@@ -92,7 +87,7 @@ def pause(control: "Control", cmd: Pause, reply: Reply) -> dict:
     return {"state": RunState.PAUSED.value, "step": trainer.state.global_step}
 
 
-def resume(control: "Control", cmd: Resume, reply: Reply) -> dict:
+def resume(control: Plane, cmd: Resume, reply: Reply) -> dict:
     trainer = control.trainer
     if trainer.paused:
         trainer.paused = False
@@ -100,7 +95,7 @@ def resume(control: "Control", cmd: Resume, reply: Reply) -> dict:
     return {"state": RunState.RUNNING.value, "step": trainer.state.global_step}
 
 
-def stop(control: "Control", cmd: Stop, reply: Reply) -> dict:
+def stop(control: Plane, cmd: Stop, reply: Reply) -> dict:
     """Stop after this boundary. `save` (default true, contract.protocol.Stop): a training
     checkpoint now and the final model when the run ends; false: neither (whatever
     checkpoint.save_at_end says)."""
@@ -113,11 +108,11 @@ def stop(control: "Control", cmd: Stop, reply: Reply) -> dict:
             "final_model": cmd.save}
 
 
-def save(control: "Control", cmd: Save, reply: Reply) -> dict:
+def save(control: Plane, cmd: Save, reply: Reply) -> dict:
     return {"checkpoint": control.save_checkpoint(), "step": control.trainer.state.global_step}
 
 
-def evaluate(control: "Control", cmd: Evaluate, reply: Reply) -> dict:
+def evaluate(control: Plane, cmd: Evaluate, reply: Reply) -> dict:
     trainer = control.trainer
     if trainer.eval_dataset is None:
         raise CommandRefused("evaluate: this run has no evaluation data (data.eval is empty)")
@@ -125,7 +120,7 @@ def evaluate(control: "Control", cmd: Evaluate, reply: Reply) -> dict:
 
 
 # -- live settings --------------------------------------------------------------------------------
-def set_values(control: "Control", cmd: Set, reply: Reply) -> dict:
+def set_values(control: Plane, cmd: Set, reply: Reply) -> dict:
     """Check every change first, then apply them all (all or nothing), record them as an event."""
     trainer, live = control.trainer, control.settings
     _check_settable(control, cmd)
@@ -147,31 +142,32 @@ def set_values(control: "Control", cmd: Set, reply: Reply) -> dict:
     after = current_settings(control)
     names = list(cmd.given())
     changes = {k: after[k] for k in names}
-    trainer.emit({"type": "set", "step": trainer.state.global_step, "changes": changes,
+    trainer.emit({"type": EventType.SET.value, "step": trainer.state.global_step, "changes": changes,
                   "before": {k: before[k] for k in names}})
     return {"step": trainer.state.global_step, "changes": changes}
 
 
-def _check_settable(control: "Control", cmd: Set) -> None:
+def _check_settable(control: Plane, cmd: Set) -> None:
     trainer = control.trainer
     # trainer.optimizer: the engine's, or the fused LOMO one the engine does not know about
     if (cmd.lr is not None or cmd.lr_scale is not None) and getattr(trainer, "optimizer", None) is None:
         raise CommandRefused("set: this run has no optimizer whose learning rate could change")
     if cmd.lr_scale is not None and control.settings.lr_scale == 0:
         raise CommandRefused("set: the learning rate is 0, so it cannot be scaled; set `lr` instead")
-    if (cmd.grad_clip or 0) > 0 and getattr(trainer.engine.optimizer, "compute_grad_norm", True) is False:
+    zero = trainer.ds_setup.config.get("zero_optimization", {})  # the run's DeepSpeed config, as built
+    if (cmd.grad_clip or 0) > 0 and zero.get("compute_grad_norm", True) is False:
         raise CommandRefused("set: grad_clip needs zero_optimization.compute_grad_norm=true")
     if (cmd.eval_every_n_steps or 0) > 0 and trainer.eval_dataset is None:
         raise CommandRefused("set: eval_every_n_steps needs evaluation data, and this run has none")
 
 
-def apply_settings(control: "Control") -> None:
+def apply_settings(control: Plane) -> None:
     """Put the kept settings that live in the engine into it (after `set`, and on resume)."""
     if control.settings.grad_clip is not None:
         set_gradient_clipping(control.trainer.engine, float(control.settings.grad_clip))
 
 
-def current_settings(control: "Control") -> dict:
+def current_settings(control: Plane) -> dict:
     trainer, live = control.trainer, control.settings
     return {"lr": trainer.current_lr(), "lr_scale": live.lr_scale,
             "grad_clip": float(trainer.engine.gradient_clipping() or 0.0),
@@ -181,7 +177,7 @@ def current_settings(control: "Control") -> dict:
 
 
 # -- status -----------------------------------------------------------------------------------------
-def status(control: "Control", cmd: Status, reply: Reply) -> dict:
+def status(control: Plane, cmd: Status, reply: Reply) -> dict:
     """Queued `status` with `ranks`: every rank's memory, gathered here (collective)."""
     mine = memory_mb()
     everyone: list[Any] = [mine]

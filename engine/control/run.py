@@ -1,4 +1,5 @@
-"""What the control plane uses of the run it drives, written down as a typing Protocol.
+"""What the control plane uses of the run it drives, and what a handler uses of the control
+plane, written down as typing Protocols.
 
 The Trainer provides all of it; the control plane never imports the trainer (arrows point down),
 it is handed one object with these attributes. Anything the handlers need from the run that is
@@ -10,11 +11,14 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from contract.config import RunConfig
+from contract.protocol import RunState
 from contract.run_folder import EventLog, RunFolder
+from engine.context import RunContext
 from engine.control.settings import LiveSettings
 
 
 class ControlledRun(Protocol):
+    ctx: RunContext            # the run's parts (what generation and checkpoints take)
     config: RunConfig          # as started: the control plane never writes it
     env: Any                   # engine.context.DistEnv: rank, world_size, device
     folder: RunFolder
@@ -22,6 +26,8 @@ class ControlledRun(Protocol):
     state: Any                 # engine.context.TrainerState: global_step, epoch, total_steps
     tokenizer: Any
     engine: Any                # the DeepSpeed engine (read: gradient_clipping(), module, optimizer)
+    ds_setup: Any              # engine.ds_config.DeepSpeedSetup: the DeepSpeed config it was built from
+    method: Any                # engine.methods: the method object (`has_adapter`: a base model to compare)
     optimizer: Any             # the engine's optimizer, or the fused LOMO one (None: no optimizer)
     eval_dataset: Any          # None: the run has no evaluation data
     paused: bool               # the loop holds at the boundary while true
@@ -45,3 +51,21 @@ class ControlledRun(Protocol):
 
     def save_checkpoint(self, path: str) -> Any:
         """Write a training checkpoint of the present step at `path` (collective)."""
+
+
+class Plane(Protocol):
+    """What a command handler uses of the control plane (engine.control.plane.Control)."""
+    trainer: ControlledRun
+    settings: LiveSettings
+    rank: int
+    world_size: int
+    ended: bool                # training has ended: pause has nothing left to hold
+
+    def emit_state(self, state: RunState) -> None:
+        """Record a run state change (a `state` event)."""
+
+    def save_checkpoint(self) -> str:
+        """A training checkpoint of the present step (collective); its path."""
+
+    def status_snapshot(self) -> dict:
+        """The run as rank 0 sees it now."""
