@@ -338,6 +338,7 @@ class Status(Command):
     """The run now: step, state, last metrics, queue, settings and memory."""
     name: ClassVar[str] = "status"
     label: ClassVar[str] = "status"
+    immediate: ClassVar[bool] = True  # unless `ranks`: see answered_at_once
     ranks: bool = _arg(False, "Gather every rank's memory at the next boundary (else rank 0's, at once).")
 
     @property
@@ -358,7 +359,8 @@ class Subscribe(Command):
 COMMANDS: dict[str, type[Command]] = {c.name: c for c in (
     Generate, Pause, Resume, Stop, Save, Evaluate, Set, Status)}
 REQUESTS: dict[str, type[Command]] = {**COMMANDS, Subscribe.name: Subscribe}
-IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate or c is Status)
+# the requests rank 0 may answer from its server thread (status only without `ranks`)
+IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate)
 
 
 def command_from_wire(cmd: Any, args: Any) -> Command:
@@ -386,11 +388,6 @@ def check_command(msg: Any) -> tuple[str, str, dict]:
     Kept until the control server has moved to parse_command."""
     req_id, command = parse_command(msg)
     return req_id, command.name, command.args()
-
-
-def check_generation_defaults(values: dict) -> None:
-    """The `set generation={...}` defaults: generation parameters only, each of its type."""
-    GenerationParams.from_args(values)
 
 
 # -- bytes on the wire ---------------------------------------------------------------------------

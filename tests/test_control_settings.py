@@ -63,9 +63,8 @@ def test_a_queued_command_reaches_the_other_ranks_as_the_same_command():
     other = Pending.from_wire(json.loads(json.dumps(item.wire())))
     assert other.command == command and other.seq == item.seq and other.id == "a-1"
     assert other.reply is NO_REPLY and other.cmd == "set" and other.args == command.args()
-    # the older form (name and wire arguments) is still taken, and validated the same way
-    old = queue.put("a-2", "stop", {}, Reply("a-2", sent.append))
-    assert old.command == Stop(save=True)
+    queue.put("a-2", Stop(), Reply("a-2", sent.append))
+    assert sent[-1] == {"type": "ack", "queued": 2, "id": "a-2"}
     assert [p.command for p in queue.drain()] == [command, Stop()]
     queue.put("a-3", Status(), NO_REPLY)
     assert len(queue) == 1

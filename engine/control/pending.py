@@ -92,15 +92,8 @@ class CommandQueue:
         self._seq = itertools.count()
         self._closed: str | None = None
 
-    def put(self, req_id: str, command: Command | str, *rest: Any) -> Pending:
-        """Queue a command and acknowledge it (under the lock, so acks count in order):
-        `put(req_id, command, reply)`. The older `put(req_id, name, wire_args, reply)` is still
-        taken (the command is built from its wire form) until every caller sends commands."""
-        if isinstance(command, str):
-            args, reply = rest
-            command = command_from_wire(command, args)
-        else:
-            (reply,) = rest
+    def put(self, req_id: str, command: Command, reply: Reply) -> Pending:
+        """Queue a command and acknowledge it (under the lock, so acks count in order)."""
         with self._cond:
             if self._closed is not None:
                 raise QueueClosed(self._closed)
