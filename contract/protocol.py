@@ -207,6 +207,11 @@ class Command(_Checked):
     # answered by rank 0 at once, without waiting for a step boundary
     immediate: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            cls.label = cls.name  # errors name the command they refuse
+
     def args(self) -> dict[str, Any]:
         """The wire arguments: every argument that was given (None ones are left out)."""
         return self.given()
@@ -262,7 +267,6 @@ class Generate(GenerationParams, Command):
     with the live weights, streamed token by token."""
 
     name: ClassVar[str] = "generate"
-    label: ClassVar[str] = "generate"
     prompt: str | None = _arg(None, "Text the model continues (give this or `messages`).")
     messages: list[dict[str, str]] | None = _arg(
         None, "A chat: [{role: system|user|assistant, content}] (give this or `prompt`).")
@@ -280,21 +284,18 @@ class Generate(GenerationParams, Command):
 class Pause(Command):
     """Hold training at the next step boundary; everything stays in memory."""
     name: ClassVar[str] = "pause"
-    label: ClassVar[str] = "pause"
 
 
 @dataclass(frozen=True)
 class Resume(Command):
     """Go on training after a pause."""
     name: ClassVar[str] = "resume"
-    label: ClassVar[str] = "resume"
 
 
 @dataclass(frozen=True)
 class Stop(Command):
     """End the run at the next step boundary."""
     name: ClassVar[str] = "stop"
-    label: ClassVar[str] = "stop"
     save: bool = _arg(True, "Save a training checkpoint now and the final model at the end; "
                       "false: neither (whatever checkpoint.save_at_end says).")
 
@@ -303,21 +304,18 @@ class Stop(Command):
 class Save(Command):
     """Write a training checkpoint of the present step."""
     name: ClassVar[str] = "save"
-    label: ClassVar[str] = "save"
 
 
 @dataclass(frozen=True)
 class Evaluate(Command):
     """Run the evaluation now."""
     name: ClassVar[str] = "evaluate"
-    label: ClassVar[str] = "evaluate"
 
 
 @dataclass(frozen=True)
 class Set(Command):
     """Change live settings; all or nothing, recorded as a `set` event and in checkpoints."""
     name: ClassVar[str] = "set"
-    label: ClassVar[str] = "set"
     lr: float | None = _arg(None, "Learning rate from the next step on (the schedule goes on, scaled).",
                             minimum=0.0, maximum=10.0)
     lr_scale: float | None = _arg(None, "Factor on the configured schedule's learning rate.",
@@ -337,7 +335,6 @@ class Set(Command):
 class Status(Command):
     """The run now: step, state, last metrics, queue, settings and memory."""
     name: ClassVar[str] = "status"
-    label: ClassVar[str] = "status"
     immediate: ClassVar[bool] = True  # unless `ranks`: see answered_at_once
     ranks: bool = _arg(False, "Gather every rank's memory at the next boundary (else rank 0's, at once).")
 
@@ -350,7 +347,6 @@ class Status(Command):
 class Subscribe(Command):
     """Stream events.jsonl from line `from_line` on, then each new line (answered at once)."""
     name: ClassVar[str] = "subscribe"
-    label: ClassVar[str] = "subscribe"
     immediate: ClassVar[bool] = True
     from_line: int = _arg(0, "First line (0-based) of events.jsonl to send.", minimum=0, maximum=2**63 - 1)
 
