@@ -5,7 +5,8 @@ default model (ZeRO-2). Run by hand:
 
 1. Steps/s with 4 event viewers that never read against none: one run, alternating windows of
    `window` steps without and with the viewers, `repeats` times (the machine's load drifts, so
-   the two are measured turn about in the same run); medians, and rank 0's send-buffer bytes.
+   the two are measured turn about in the same run); medians, rank 0's CPU seconds per step
+   (less swayed by the machine's other load than steps/s) and its send-buffer bytes.
 2. Rank 0's thread count and memory (RSS) before and after `clients` sequential clients that
    connect, ask for status and close.
 3. A burst of 200 connections opened at once: how many were served and how many refused.
@@ -57,6 +58,12 @@ def window(run, tail: EventTail, steps: int) -> float:
 
 
 window.done = 0  # the newest step seen (the tail hands each line over once)
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds the process has used: less swayed by other load than wall-clock steps/s."""
+    times = proc.cpu_times()
+    return times.user + times.system
 
 
 def stuck_viewer(address: dict) -> socket.socket:
@@ -111,11 +118,15 @@ def main() -> None:
         tail = EventTail(run.folder.events)
         window(run, tail, 10)  # warm-up
 
-        clean, stuck, buffered = [], [], []
+        clean, stuck, buffered, cpu_clean, cpu_stuck = [], [], [], [], []
         for _ in range(args.repeats):
+            cpu = cpu_s(rank0)
             clean.append(window(run, tail, args.window))
+            cpu_clean.append((cpu_s(rank0) - cpu) / args.window)
             viewers = [stuck_viewer(address) for _ in range(4)]
+            cpu = cpu_s(rank0)
             stuck.append(window(run, tail, args.window))
+            cpu_stuck.append((cpu_s(rank0) - cpu) / args.window)
             buffered.append(client.status()["control"]["buffered_bytes"])
             for sock in viewers:
                 sock.close()
@@ -164,6 +175,8 @@ def main() -> None:
           f"{statistics.median(stuck):.2f} ({', '.join(f'{x:.2f}' for x in stuck)}): ratio "
           f"{statistics.median(stuck) / statistics.median(clean):.3f}; rank 0 send buffers then "
           f"{max(buffered)} bytes")
+    print(f"rank 0 CPU seconds per step (less swayed by other load): no viewers "
+          f"{statistics.median(cpu_clean) * 1e3:.1f} ms, 4 stuck viewers {statistics.median(cpu_stuck) * 1e3:.1f} ms")
     print(f"{args.clients} sequential clients (connect, status, close) in {clients_s:.1f} s: rank 0 "
           f"threads {threads0} -> {threads1}, RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB")
     print(f"200 connections at once: {served} served, {refused} refused with a message, {failed} failed")
