@@ -7,7 +7,8 @@ store's socket itself, to MASTER_ADDR only, and hands it to the TCPStore (`maste
 gloo's own sockets (and NCCL's bootstrap) are put on the loopback interface (GLOO_SOCKET_IFNAME /
 NCCL_SOCKET_IFNAME = lo, unless already set). Across machines (any other MASTER_ADDR) nothing
 changes: the store listens on MASTER_PORT on every address of the first node, and gloo / NCCL on
-the interface that reaches the others.
+the interface that reaches the others. Under torchrun (parallel.launcher=torchrun) the launcher's
+agent hosts the store itself, on every address: only gloo / NCCL are kept on loopback then.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def join_on_loopback(backend: str) -> bool:
     store that listens on MASTER_ADDR only, when that is loopback; returns whether it did (if
     not, the caller's usual env:// initialisation runs)."""
     address = os.environ["MASTER_ADDR"]
-    if dist.is_initialized() or not on_loopback(address):
+    if dist.is_initialized() or not on_loopback(address) or _agent_hosts_store():
         return False
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -43,6 +44,12 @@ def join_on_loopback(backend: str) -> bool:
                           master_listen_fd=listen_fd, multi_tenant=True)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout)
     return True
+
+
+def _agent_hosts_store() -> bool:
+    """Under torchrun the launcher's agent already hosts the store on MASTER_PORT (on every
+    address; its workers are only clients of it)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def _listen(address: str, port: int) -> int:
