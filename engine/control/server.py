@@ -90,7 +90,10 @@ class Connection(asyncio.Protocol):
             if cut + 1 > MAX_MESSAGE_BYTES + 1:
                 self.send_error(None, f"message larger than {MAX_MESSAGE_BYTES} bytes refused")
             elif line.strip():
-                self.server.handle_line(line, self)
+                try:
+                    self.server.handle_line(line, self)
+                except Exception as e:  # noqa: BLE001 - e.g. recording the event failed: say so
+                    self.send_error(None, f"the run could not take the message: {type(e).__name__}: {e}")
         if len(self.buf) > MAX_MESSAGE_BYTES:
             self.buf.clear()
             self.skipping = True
