@@ -257,11 +257,11 @@ class Session:
         if not info.alive:
             raise SessionError(f"run {info.name} is {info.state}; there is nothing to stop")
         with self._lock:
-            running = self._stops.get(path)
-            again = running is not None and running.is_alive()
+            earlier = self._stops.get(path)
+            again = earlier is not None and earlier.is_alive()
+            running = earlier if earlier is not None and again else threading.Thread(
+                target=self._stop, args=(path, save, timeout), daemon=True, name=f"stop-{info.name}")
             if not again:
-                running = threading.Thread(target=self._stop, args=(path, save, timeout), daemon=True,
-                                           name=f"stop-{info.name}")
                 self._stops[path] = running
                 running.start()
         if again:
@@ -272,7 +272,18 @@ class Session:
                 error = self._stop_errors.pop(path, None)
             if error:
                 raise SessionError(error)
+            return self._settled(path)
         return self.info(path, fresh=True)
+
+    def _settled(self, path: str, within_s: float = 5.0) -> RunInfo:
+        # The group is gone when the manager's stop returns, but the launcher's exit can take a
+        # moment to be reaped (by a thread, on a loaded machine): look again until it shows.
+        deadline = time.monotonic() + within_s
+        info = self.info(path, fresh=True)
+        while info.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            info = self.info(path, fresh=True)
+        return info
 
     def _stop(self, path: str, save: bool, timeout: float) -> None:
         folder = Path(path)
