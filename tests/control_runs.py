@@ -18,6 +18,7 @@ from supervisor.procs import group_alive, kill_group
 from contract.run_folder import read_events, tail_lines
 
 HEARTBEAT_S = 0.5  # the runs' paused heartbeat, short so a test pause spans many of them
+CONNECT_S = 300.0  # how long a run may take to open its control socket (2 ranks starting on a busy machine)
 _LAUNCHED: list[LaunchedRun] = []  # ended by `end_leftover_runs` after each test
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from supervisor.client import CommandError, RunClient
 from control_runs import end_leftover_runs  # noqa: F401 - autouse: no run outlives its test
-from control_runs import events, launch, logged_commands, logs_of, states, task_files, wait_exit, wait_for_step
+from control_runs import (CONNECT_S, events, launch, logged_commands, logs_of, states, task_files, wait_exit,
+                          wait_for_step)
 
 STEPS = 400  # never reached: the test stops the run
 
@@ -42,7 +43,7 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
     run = launch(tmp_path, "live", task, "zero_stage=2", f"max_steps={STEPS}",
                  "optim.scheduler=constant", "optim.warmup_steps=0", "optim.lr=0.002",
                  "checkpoint.save_at_end=false")
-    client = RunClient.connect(run.folder.root, timeout=180)
+    client = RunClient.connect(run.folder.root, timeout=CONNECT_S)
     got, followed = [], threading.Event()
     follower = threading.Thread(target=follow_with_a_break, args=(RunClient(run.folder.root), got, followed))
     follower.start()
@@ -103,7 +104,7 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
                    "optim.scheduler=constant", "optim.warmup_steps=0", "optim.lr=0.002",
                    "checkpoint.save_at_end=false")
     assert again.folder.root == run.folder.root
-    with RunClient.connect(again.folder.root, timeout=180) as client:
+    with RunClient.connect(again.folder.root, timeout=CONNECT_S) as client:
         held = client.pause()  # taken before the first resumed step, or soon after
         settings = client.status()["settings"]
         assert settings["grad_clip"] == 0.5 and settings["generation"]["max_new_tokens"] == 5

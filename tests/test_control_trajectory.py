@@ -9,8 +9,8 @@ import pytest
 
 from supervisor.client import RunClient
 from control_runs import end_leftover_runs  # noqa: F401 - autouse: no run outlives its test
-from control_runs import (HEARTBEAT_S, launch, logged_commands, logs_of, losses, states, task_files,
-                          wait_exit, wait_for_step)
+from control_runs import (CONNECT_S, HEARTBEAT_S, launch, logged_commands, logs_of, losses, states,
+                          task_files, wait_exit, wait_for_step)
 
 STEPS = 36
 
@@ -96,7 +96,7 @@ def test_interruptions_leave_every_loss_unchanged(zero, tmp_path, task):
     common = [f"zero_stage={zero}", f"max_steps={STEPS}"]
     reference = launch(tmp_path, f"quiet{zero}", task, *common, "control.enabled=false")
     live = launch(tmp_path, f"live{zero}", task, *common)
-    client = RunClient.connect(live.folder.root, timeout=180)
+    client = RunClient.connect(live.folder.root, timeout=CONNECT_S)
     seen = interrupt(client, live)
     assert wait_exit(live) == 0, logs_of(live)
     assert wait_exit(reference) == 0, logs_of(reference)
