@@ -11,9 +11,10 @@ that commit:
     cd /tmp/golden && /path/to/.venv/bin/python tests/test_golden_losses.py
 
 They are compared with ==: fp32 on CPU with a fixed seed, thread count and data order is bitwise
-deterministic (two recordings in a row gave the same bits, 1 rank and 2 ranks), so any difference means the computation
-changed (the model, its init, the data order, the loss, the optimizer or the schedule). Change
-the numbers only for a deliberate change of the training maths, and say so in the commit.
+deterministic (two recordings in a row gave the same bits, 1 rank and 2 ranks), so any
+difference means the computation changed (the model, its init, the data order, the loss, the
+optimizer or the schedule). Change the numbers only for a deliberate change of the training
+maths, and say so in the commit.
 """
 
 from __future__ import annotations

@@ -239,7 +239,8 @@ def test_the_graph_sees_lazy_relative_and_type_checking_imports(graph):
     assert strongly_connected(["a", "b", "c", "d"], cycle) == [["a", "b", "c"]]
     assert _base_of_relative("engine.control.plane", False, 1) == "engine.control"
     assert _base_of_relative("engine.control", True, 2) == "engine"
-    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\ndef f():\n    import b\nimport c\n"
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+              "def f():\n    import b\nimport c\n")
     assert [(n.names[0].name, kind) for n, kind in _import_nodes(ast.parse(source))][1:] == [
         ("a", "type-checking"), ("b", "lazy"), ("c", "")]
 
