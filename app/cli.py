@@ -25,14 +25,14 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
 from contract.args import config_from_args
-from contract.config import SHORTCUTS, ConfigError
+from contract.config import SHORTCUTS, ConfigError, RunConfig
 from contract.protocol import RunState, Stop
 from contract.run_folder import EventTail
 from supervisor import Failure, RunError, RunHandle, RunManager
@@ -141,7 +141,7 @@ def _stop_on_signal(handle: RunHandle, signum: int) -> int:
     return 128 + signum
 
 
-def _start_detached(manager: RunManager, cfg: Any) -> int:
+def _start_detached(manager: RunManager, cfg: RunConfig) -> int:
     try:
         handle = manager.start(cfg)
     except RunError as e:
@@ -231,7 +231,7 @@ def _progress_bar() -> Iterator[Progress]:
             pass
 
 
-def _current_run_events(tail: EventTail) -> Any:
+def _current_run_events(tail: EventTail) -> Callable[[], Iterator[dict]]:
     """A poll of the run's new events that skips what a run before it (resumed in the same
     folder) wrote: the history starts over at the last `starting` state."""
     first = True
