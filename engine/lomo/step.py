@@ -43,16 +43,16 @@ def rule_of(cfg: RunConfig) -> UpdateRule:
     return AdaLomoRule() if cfg.method.name == "adalomo" else LomoRule()
 
 
-def build_optimizer(engine, cfg: RunConfig, ds_config: dict, dp_group, dp_size: int) -> FusedOptimizer:
+def build_optimizer(engine, cfg: RunConfig, deepspeed_config: dict, dp_group, dp_size: int) -> FusedOptimizer:
     """The fused optimizer over the engine's trainable parameters (partitioned under ZeRO-3),
-    from the run config (optim.lr, optim.weight_decay, optim.grad_clip) and DeepSpeed's fp16
-    loss-scale settings."""
+    from the run config (optim.lr, optim.weight_decay, optim.grad_clip) and the DeepSpeed
+    config's fp16 loss-scale settings (`deepspeed_config`)."""
     # ZeRO-3 without a DeepSpeed optimizer: the engine's parameter offloader releases what no
     # module hook released in backward (DeepSpeed's own optimizer calls it at the end of backward)
     release = ds_config.backward_leftovers_release(engine)
     return FusedOptimizer(engine.module.parameters(), rule_of(cfg), lr=cfg.optim.lr,
                           weight_decay=cfg.optim.weight_decay, max_grad_norm=cfg.optim.grad_clip,
-                          scaler=scaler_from_ds_config(ds_config), dp_group=dp_group, dp_size=dp_size,
+                          scaler=scaler_from_ds_config(deepspeed_config), dp_group=dp_group, dp_size=dp_size,
                           after_backward=release)
 
 
