@@ -148,9 +148,9 @@ def _start_detached(manager: RunManager, cfg: RunConfig) -> int:
         say(str(e), "red")
         return 1
     say(f"run folder: {handle.folder.root}")
-    say(f"detached (process group {handle.pid}): the run goes on without this terminal. It is "
-        f"in the web app's run list (output folder {manager.output_dir}); or follow it with "
-        f"`./launch.sh watch {handle.folder.root}`, stop it with `./launch.sh stop {handle.folder.root}`.")
+    say(f"detached (process group {handle.pid}): the run goes on without this terminal. Watch "
+        f"and stop it in the web app's run list (`./launch.sh --output-dir {manager.output_dir}`), "
+        f"or with `./launch.sh watch {handle.folder.root}` and `./launch.sh stop {handle.folder.root}`.")
     return 0
 
 
