@@ -1,14 +1,14 @@
 """The shape of the code (issue 11): which package may import which, no import cycles, and a
 type checker on the torch-free packages.
 
-Every `import` and `from ... import` anywhere in a file counts: at the top, inside functions (lazy
-imports), under `if TYPE_CHECKING:` and in `try` blocks, relative imports resolved; a failure
-lists each offending import as file:line, marked [lazy] or [type-checking] where it is one. A
-type-only import is counted too: it is still a dependency of the design (a Protocol declared in
-the lower module, or the type moved down, breaks such a circle). An import
-names the most specific module of ours it reaches (`from engine.checkpoint import models` ->
-engine.checkpoint.models; `from engine.checkpoint import save_model` -> engine.checkpoint),
-as import-linter does; the parent packages whose `__init__` runs on the way are not counted as
+Every `import` and `from ... import` anywhere in a file counts: at the top, inside functions
+(lazy imports), under `if TYPE_CHECKING:` and in `try` blocks, relative imports resolved; a
+failure lists each offending import as file:line, marked [lazy] or [type-checking] where it is
+one. A type-only import is counted too: it is still a dependency of the design (a Protocol
+declared in the lower module, or the type moved down, breaks such a circle). An import names the
+most specific module of ours it reaches (`from engine.checkpoint import models` ->
+engine.checkpoint.models; `from engine.checkpoint import save_model` -> engine.checkpoint), as
+import-linter does; the parent packages whose `__init__` runs on the way are not counted as
 edges, so a package `__init__` that re-exports its modules does not make every module a cycle.
 
 The allowed directions:
@@ -16,11 +16,13 @@ The allowed directions:
     app (front ends: app.web, app.notebook, app.cli)  ->  supervisor  ->  contract
     engine                                            ->  contract
 
-contract imports nothing of ours; supervisor and app never import the engine, torch or
-deepspeed (they start `python -m engine.worker` as a process); the engine never imports gradio,
-ipywidgets, app or supervisor; within the engine only the composition root may import
-engine.trainer (nothing below the trainer reaches back up to it); and no module is in an import
-cycle with another.
+contract imports nothing of ours; supervisor and app never import the engine, torch, deepspeed
+or the libraries that import torch (they start `python -m engine.worker` as a process); the
+front ends (app.web, app.notebook, app.cli) never import one another, only the app modules they
+share; the engine never imports gradio, ipywidgets, app or supervisor; within the engine only
+the entry points (engine.worker, the `engine` package's lazy `Trainer` export) and the
+composition root (engine.assembly) may import engine.trainer, nothing below the trainer reaches
+back up to it; and no module is in an import cycle with another.
 """
 
 from __future__ import annotations
@@ -43,15 +45,22 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"engine", "contract"},
     "app": {"app", "supervisor", "contract"},
 }
-# Outside libraries a package must never import (top-level names).
+# Outside libraries a package must never import (top-level names). The torch-free packages
+# also stay clear of the libraries that import torch themselves.
+TORCH = {"torch", "deepspeed", "transformers", "peft", "accelerate"}
+UI = {"gradio", "ipywidgets"}
 FORBIDDEN_LIBS: dict[str, set[str]] = {
-    "contract": {"torch", "deepspeed", "gradio", "ipywidgets"},
-    "supervisor": {"torch", "deepspeed", "gradio", "ipywidgets"},
-    "engine": {"gradio", "ipywidgets"},
-    "app": {"torch", "deepspeed"},
+    "contract": TORCH | UI,
+    "supervisor": TORCH | UI,
+    "engine": UI,
+    "app": TORCH,
 }
+# The front ends: none imports another; what they share (app.session, app.form, app.series)
+# imports none of them. `python -m app` (app.__main__) serves the web app.
+FRONT_ENDS = {"app.web": ("app.web", "app.__main__"), "app.notebook": ("app.notebook",),
+              "app.cli": ("app.cli",)}
 TRAINER = "engine.trainer"
-# The composition root: the modules that assemble a run and so may import the trainer.
+# The entry points and the composition root: the only modules that may import the trainer.
 MAY_IMPORT_TRAINER = {"engine", "engine.worker", "engine.assembly"}
 
 
@@ -252,6 +261,21 @@ def test_packages_import_only_in_the_allowed_directions(graph):
     wrong += [f"{e.where()}  (no {e.target} in {_package(e.source)})"
               for e in libs if e.target in FORBIDDEN_LIBS[_package(e.source)]]
     assert not wrong, f"{len(wrong)} imports break the package rules:\n" + "\n".join(wrong)
+
+
+def _front_end(module: str) -> str | None:
+    for front_end, roots in FRONT_ENDS.items():
+        if any(module == root or module.startswith(root + ".") for root in roots):
+            return front_end
+    return None
+
+
+def test_front_ends_share_only_the_common_app_modules(graph):
+    ours, _, _ = graph
+    wrong = [f"{e.where()}  ({_front_end(e.source) or 'shared app code'} imports the front end "
+             f"{_front_end(e.target)})" for e in ours
+             if e.source.startswith("app") and _front_end(e.target) not in (None, _front_end(e.source))]
+    assert not wrong, f"{len(wrong)} imports between front ends:\n" + "\n".join(wrong)
 
 
 def test_nothing_below_the_trainer_imports_it(graph):
