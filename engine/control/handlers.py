@@ -24,6 +24,7 @@ from contract.protocol import (Command, Evaluate, Generate, Pause, Resume, RunSt
                                Stop)
 from engine.control.pending import Reply
 from engine.control.run import Plane
+from engine.control.settings import REPLACED
 from engine.ds_config import set_gradient_clipping
 from engine.generation import generate as generate_text
 
@@ -133,7 +134,7 @@ def set_values(control: Plane, cmd: Set, reply: Reply) -> dict:
     if cmd.lr_scale is not None:
         trainer.scale_lr(cmd.lr_scale / live.lr_scale)
         live.lr_scale = cmd.lr_scale
-    for key in ("grad_clip", "eval_every_n_steps", "save_every_n_steps"):
+    for key in REPLACED:
         if getattr(cmd, key) is not None:
             setattr(live, key, getattr(cmd, key))
     if cmd.generation is not None:

@@ -18,7 +18,8 @@ from typing import Any
 from contract.config import RunConfig
 from contract.protocol import GENERATION_DEFAULTS
 
-_RECORDED = ("grad_clip", "eval_every_n_steps", "save_every_n_steps")
+# the settings `set` replaces as they are (lr and lr_scale go through the schedule, generation merges)
+REPLACED = ("grad_clip", "eval_every_n_steps", "save_every_n_steps")
 
 
 @dataclass
@@ -53,14 +54,14 @@ class LiveSettings:
     def state_dict(self) -> dict[str, Any]:
         """The changed settings, as stored in training checkpoints (plain values)."""
         state: dict[str, Any] = {"lr_scale": self.lr_scale, "generation": copy.deepcopy(self.generation)}
-        state.update({k: getattr(self, k) for k in _RECORDED if getattr(self, k) is not None})
+        state.update({k: getattr(self, k) for k in REPLACED if getattr(self, k) is not None})
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the settings a checkpoint recorded (what it does not name goes back to config)."""
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.generation = copy.deepcopy(dict(state.get("generation") or {}))
-        for key in _RECORDED:
+        for key in REPLACED:
             setattr(self, key, state.get(key))
 
 
