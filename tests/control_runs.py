@@ -51,9 +51,11 @@ def launch(tmp_path: Path, name: str, task: dict, *overrides: str) -> LaunchedRu
 def end_leftover_runs():
     """After each test, end every run it launched that is still going: a failed assertion in the
     middle of a test must not leave a paused 2-rank run holding the machine's cores. (Autouse in
-    every test module that imports it.)"""
+    every test module that imports it; runs launched before the test, e.g. by a module fixture,
+    are left alone.)"""
+    before = len(_LAUNCHED)
     yield
-    while _LAUNCHED:
+    while len(_LAUNCHED) > before:
         run = _LAUNCHED.pop()
         if run.process.poll() is None or group_alive(run.pid):
             kill_group(run.pid, grace_s=5.0)
