@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from contract.config import ConfigError, RunConfig, load_config, schema
+from contract.config import ConfigError, RunConfig, load_config, merge, schema
 from contract.presets import DEFAULT, PRESETS
 
 DEFAULT_PRESET = "embedded default"
@@ -218,7 +218,7 @@ def config_from_text(text: str = "", preset: str = DEFAULT_PRESET, output_dir: s
         raise ConfigError([("config", str(e))]) from None
     form = Form(output_dir)
     base = form.to_data(form.preset_values(preset))[0]
-    _merge(base, data)
+    merge(base, data)
     return load_config(data=base)
 
 
@@ -246,14 +246,6 @@ def _parse_mapping(key: str, text: Any, problems: list[tuple[str, str]]) -> dict
         problems.append((key, f"expected a mapping (a JSON object), got {value!r}"))
         return None
     return value
-
-
-def _merge(dst: dict, src: dict) -> None:
-    for key, value in src.items():
-        if isinstance(value, dict) and isinstance(dst.get(key), dict):
-            _merge(dst[key], value)
-        else:
-            dst[key] = value
 
 
 def _dotted_get(data: dict, key: str, default: Any) -> Any:

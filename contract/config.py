@@ -240,7 +240,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError([("config", f"{path} must hold a mapping of sections, not {type(loaded).__name__}")])
         raw = loaded
     if data:
-        _merge(raw, data)
+        merge(raw, data)
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -265,10 +265,11 @@ def config_from_dict(data: dict) -> RunConfig:
     return load_config(data=data)
 
 
-def _merge(dst: dict, src: dict) -> None:
+def merge(dst: dict, src: dict) -> None:
+    """Lay the nested config dict `src` over `dst`, section by section (in place)."""
     for k, v in src.items():
         if isinstance(v, dict) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
+            merge(dst[k], v)
         else:
             dst[k] = v
 
