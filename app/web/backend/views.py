@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -151,6 +150,3 @@ def _frame(rows: list[tuple[int, float, str]], y: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["step", y, "series"]).astype(
         {"step": "int64", y: "float64", "series": "string"})
 
-
-def view_for(path: str | Path) -> RunView:
-    return RunView(RunFolder(Path(path)))
