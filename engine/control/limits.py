@@ -62,6 +62,7 @@ class Limits:
         self.stall_timeout = overrides.pop("stall_timeout", STALL_TIMEOUT_S)
         self.send_buffer_max = int(overrides.pop("send_buffer_max", SEND_BUFFER_MAX))
         self.max_pending = int(overrides.pop("max_pending", MAX_PENDING))
+        self.drop_grace = overrides.pop("drop_grace", DROP_GRACE_S)
         if overrides:
             raise TypeError(f"unknown limits: {', '.join(overrides)}")
 
@@ -69,7 +70,8 @@ class Limits:
         return {"max_connections": self.max_connections, "read_timeout_s": self.read_timeout,
                 "idle_timeout_s": self.idle_timeout, "stall_timeout_s": self.stall_timeout,
                 "send_buffer_max_bytes": self.send_buffer_max, "send_high_water_bytes": SEND_HIGH_WATER,
-                "max_pending": self.max_pending, "max_message_bytes": MAX_MESSAGE_BYTES}
+                "max_pending": self.max_pending, "max_message_bytes": MAX_MESSAGE_BYTES,
+                "drop_grace_s": self.drop_grace}
 
 
 DEFAULT_CONTEXT_TOKENS = 4096  # the prompt cap of a model whose context length is not known

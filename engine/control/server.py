@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any, Callable
 
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
-from engine.control.limits import (CLOSE_GRACE_S, DROP_GRACE_S, KERNEL_SNDBUF, LISTEN_BACKLOG, MAX_ID_CHARS,
+from engine.control.limits import (CLOSE_GRACE_S, KERNEL_SNDBUF, LISTEN_BACKLOG, MAX_ID_CHARS,
                                    FEED_TURN_BYTES, SEND_HIGH_WATER, SWEEP_S, Limits)
 from engine.control.limits import PromptLimit, context_tokens  # noqa: F401 - the plane builds it from here
 from contract.protocol import MAX_MESSAGE_BYTES, Command, ProtocolError, Subscribe, decode, encode, parse_command
@@ -162,7 +162,7 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(encode({"type": "error", "id": None, "message": reason}))
         self.transport.close()  # sends what is buffered, then closes; cut after a grace period
-        self.loop.call_later(DROP_GRACE_S, self.transport.abort)
+        self.loop.call_later(self.server.limits.drop_grace, self.transport.abort)
 
     def close(self) -> None:
         self.open = False
