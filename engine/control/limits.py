@@ -24,8 +24,14 @@ The limits (module constants; tests pass others to ControlServer(**limits)):
   for a float, unknown fields) are answered with an error, like any other bad message.
 - `close()` (stop, the natural end of a run) waits for no client: it feeds subscribers what is
   left, gives every connection CLOSE_GRACE_S = 1 s in total to take it, and cuts the rest.
-- `generate` (with `PromptLimit`): a prompt longer than the model's context is refused at once,
-  naming the limit; `max_new_tokens` is capped so prompt + answer fit the context.
+- One subscription per connection (a second `subscribe` on it is refused: open another).
+- `generate` (with `PromptLimit`, built by the control plane): a prompt whose tokens fill the
+  model's context is refused at once, before it is queued, naming the limit (text longer than
+  CHARS_PER_TOKEN = 32 characters per context token is refused without being tokenized);
+  `max_new_tokens` is capped to the room left, so a chat generates at most context - prompt
+  tokens (255 for the default model, whose context is 256), twice that with `compare_base`.
+  The context: the model config's max_position_embeddings (or n_positions, ...), else the
+  tokenizer's model_max_length, else DEFAULT_CONTEXT_TOKENS = 4096.
 """
 
 from __future__ import annotations
