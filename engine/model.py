@@ -60,6 +60,7 @@ def build_model(folder: str | Path, *, seed: int, precision: str, attn_implement
     except (OSError, ValueError) as e:
         raise ModelFolderError(f"model.path: {folder} is not a Hugging Face model folder: {e}") from None
     torch.manual_seed(seed)
+    _import_model_class(config)
     with init_context():
         if has_weights(folder):
             model = AutoModelForCausalLM.from_pretrained(
@@ -75,6 +76,17 @@ def build_model(folder: str | Path, *, seed: int, precision: str, attn_implement
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def _import_model_class(config) -> None:
+    """Import the model's class before a ZeRO-3 construction context is entered. deepspeed.zero.Init
+    restores on exit the `__init__` that a class defined inside it had first, which drops what
+    decorators put there afterwards (transformers' hub-kernel wrappers, when the `kernels` package
+    is installed): a second ZeRO-3 model in the same process then fails in its first forward."""
+    try:
+        AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):  # a remote-code or unknown model: resolved by from_config itself
+        pass
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
