@@ -269,9 +269,12 @@ def test_gradio_client_start_chat_set_stop(app):
     # any steps the run took in between (it does not stop to wait for the reader)
     assert status["settings"]["lr"] == pytest.approx(5e-4 * ratio ** (status["step"] - set_at), rel=0.1)
 
-    stopped = client.predict(run="api-run", save=False, api_name="/stop")
-    assert stopped["state"] == "finished" and not stopped["alive"]
+    # no `save` given: the contract's Stop default, as the Stop button and the notebook's stop()
+    stopped = client.predict(run="api-run", api_name="/stop")
+    assert stopped["state"] == "finished" and not stopped["alive"] and stopped["stopped_by_user"]
     assert not group_alive(stopped["pid"])
+    assert any((p / "COMPLETE.json").exists() for p in (runs / "api-run" / "checkpoints").glob("step-*"))
+    assert any((runs / "api-run" / "model").iterdir())  # saved first: a checkpoint and the model
     from gradio_client.exceptions import AppError
     with pytest.raises(AppError, match="takes no commands"):
         client.predict(run="api-run", api_name="/pause")
