@@ -20,6 +20,7 @@ from contract.run_folder import EventLog, EventTail, RunFolder
 
 from supervisor import procs, stopping
 from supervisor.judgement import Facts, RankExit, Verdict, VerdictKind, exited, judge
+from supervisor.remote import RemoteLog
 from supervisor.records import (Failure, RunInfo, child_running, launcher_reported_success, log_tail,
                                 mark_stopping, read_pid, reap, stop_in_progress)
 from supervisor.stopping import DEFAULT_SAVE
@@ -56,6 +57,7 @@ class RunHandle:
         self._launcher_gone_since: float | None = None
         self._final_seen_at: float | None = None
         self._cleanup: threading.Thread | None = None
+        self._remote = RemoteLog(folder.logs / "launcher.log")  # ranks on other machines
 
     def mark_launched(self) -> None:
         """This process started the run: if it dies before it is ever seen, that is news."""
@@ -71,6 +73,7 @@ class RunHandle:
             if pid != self._pid:
                 if self._pid is not None:  # launched again in its folder (a resume): start over
                     self._ranks, self._exits, self._failure = {}, {}, None
+                    self._remote = RemoteLog(self.folder.logs / "launcher.log")
                     self._seen_alive = self._alive = False
                 self._pid = pid
             return self._pid
@@ -114,6 +117,7 @@ class RunHandle:
             gone = self._exits.get(rank)
             if gone is None or gone.status is None:
                 self._check_rank(rank, rank_pid)
+        self._observe_remote()
         now = time.monotonic()
         if not ours or self._launcher_alive:
             self._launcher_gone_since = None
@@ -123,6 +127,13 @@ class RunHandle:
             self._final_seen_at = self._final_seen_at or now
         else:
             self._final_seen_at = None
+
+    def _observe_remote(self) -> None:
+        """Ranks on other machines that their launchers reported dead (read after the process
+        snapshot: a launcher seen gone has logged all it ever will)."""
+        for gone in self._remote.poll():
+            if gone.rank is not None and gone.rank not in self._exits and gone.rank not in self._ranks:
+                self._exits[gone.rank] = RankExit(gone.rank, gone.pid, gone.status, time.monotonic(), gone.host)
 
     def _check_rank(self, rank: int, pid: int) -> None:
         proc = procs.read_proc(pid)
@@ -210,7 +221,7 @@ class RunHandle:
             exits=tuple(self._exits.values()),
             clean_pids=frozenset(launcher_reported_success(self.folder)) if self._exits else frozenset(),
             last_progress=self._last_progress, hang_timeout=self.hang_timeout,
-            final_since=self._final_seen_at)
+            final_since=self._final_seen_at, remote=self._remote.multi_host)
 
     def _failure_of(self, verdict: Verdict) -> Failure:
         """The verdict as a report: worded with the last lines of the log it points at."""

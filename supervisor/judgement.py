@@ -13,7 +13,9 @@ known exit status, is the cause.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
@@ -33,6 +35,10 @@ LAUNCHER_GRACE_S = 2.0
 LINGER_GRACE_S = 30.0
 # Exits this close together came from one wake-up: who went first is decided by how they ended.
 SAME_WAKE_S = 0.05
+# Ranks on other machines: their launchers poll each second and pdsh relays what they log; a
+# failure the run reports itself waits this long (while the launcher runs) for a remote rank's
+# death to be reported, which the run's error is then only the consequence of.
+REMOTE_REPORT_GRACE_S = 5.0
 
 
 class VerdictKind(str, Enum):
@@ -47,11 +53,13 @@ class VerdictKind(str, Enum):
 
 @dataclass(frozen=True)
 class RankExit:
-    """A rank seen gone: its pid, its wait status if anyone read it, and when (monotonic s)."""
+    """A rank seen gone: its pid, its wait status if anyone read it, and when (monotonic s);
+    `host`: the machine it ran on, when not this one (reported by its launcher: supervisor.remote)."""
     rank: int
-    pid: int
+    pid: int | None
     status: int | None
     seen: float
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class Facts:
     last_progress: float = 0.0           # when the training loop last showed progress (heartbeat)
     hang_timeout: float = 300.0
     final_since: float | None = None     # when the final state was first seen with the group alive
+    remote: bool = False                 # the run's ranks were started on several machines
 
 
 @dataclass(frozen=True)
@@ -132,7 +141,8 @@ def culprit(exits: Sequence[RankExit], clean_pids: frozenset[int] = frozenset())
 
 def _rank_died(who: RankExit, prefix: str = "", suffix: str = "") -> Verdict:
     kind = VerdictKind.EXITED if prefix else VerdictKind.RANK_DIED
-    reason = f"{prefix}rank {who.rank} (pid {who.pid}) ended with {describe_status(who.status)}"
+    where = f" on host {who.host}" if who.host else ""
+    reason = f"{prefix}rank {who.rank}{where} (pid {who.pid}) ended with {describe_status(who.status)}"
     return Verdict(kind, who.rank, reason, who, uses_log="rank", suffix=suffix)
 
 
@@ -172,9 +182,28 @@ def judge(f: Facts) -> Verdict | None:
     return None
 
 
+def _killed_elsewhere(f: Facts) -> RankExit | None:
+    """A rank on another machine killed by a signal (not a launcher's SIGTERM / SIGINT), other
+    than the rank that reported the failure: it could report nothing, and the run's own error
+    (a lost connection to a peer) is its consequence. Ranks that exited with a code are not
+    blamed over the run's own report."""
+    for e in f.exits:
+        if (e.host and e.rank != f.error_rank and e.status is not None and os.WIFSIGNALED(e.status)
+                and os.WTERMSIG(e.status) not in (signal.SIGTERM, signal.SIGINT)):
+            return e
+    return None
+
+
 def _judge_final(f: Facts) -> Verdict | None:
     if f.state == RunState.FAILED and f.seen_alive:
-        who = culprit(f.exits, f.clean_pids)
+        # a remote rank's exit code is not blamed over the run's report: its launcher's poll
+        # (each second) decides when it shows, not when the rank failed
+        who = culprit(tuple(e for e in f.exits if not e.host), f.clean_pids)
+        if who is None or who.rank == f.error_rank:
+            who = _killed_elsewhere(f) or who
+        if ((who is None or who.rank == f.error_rank) and f.remote and f.launcher_alive
+                and (f.final_since is None or f.now - f.final_since < REMOTE_REPORT_GRACE_S)):
+            return None  # another machine's launcher may still report the rank that died first
         if who is not None and who.rank != f.error_rank:
             # a rank died first; what the run reported is the others' view of that death
             return _rank_died(who, suffix=f"; the run then reported: {f.error}")
