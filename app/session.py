@@ -321,13 +321,13 @@ class Session:
         except (ProtocolError, TypeError) as e:
             raise SessionError(str(e)) from None
         try:
-            yield from _stream(self.generate(path, request), compare_base)
+            yield from chat_updates(self.generate(path, request), compare_base)
         except CommandError as e:
             if "no chat template" not in str(e):
                 raise SessionError(f"the run could not answer: {e}") from None
             raw = Generate(prompt=messages[-1]["content"], compare_base=compare_base, **params)
             try:
-                yield from _stream(self.generate(path, raw), compare_base)
+                yield from chat_updates(self.generate(path, raw), compare_base)
             except CommandError as e2:
                 raise SessionError(f"the run could not answer: {e2}") from None
         except (RunGone, OSError) as e:
@@ -335,7 +335,9 @@ class Session:
             raise SessionError(f"the run is not reachable ({e})") from None
 
 
-def _stream(generation: Generation, compare_base: bool) -> Iterator[ChatUpdate]:
+def chat_updates(generation: Generation, compare_base: bool = False) -> Iterator[ChatUpdate]:
+    """A streamed answer as the text so far, chunk by chunk; the last update is `done` and
+    carries the step the answer came from."""
     text, base = "", ""
     for chunk in generation:
         if chunk.model == "base":

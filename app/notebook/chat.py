@@ -1,19 +1,21 @@
 """The chat box: a question to the run's live weights, the answer streamed in piece by piece.
 
-`chat` mode sends the conversation as chat messages (the model's chat template); `prompt` mode
-sends the text as it is (for a model whose tokenizer has no template). The answer comes from a
-background thread, so the kernel stays free while the model writes.
+`chat` mode sends the conversation as chat messages through the session, as the web app's Chat
+tab does (the model's chat template; the last message as raw text when it has none); `prompt`
+mode sends the text as it is. The answer comes from a background thread, so the kernel stays
+free while the model writes.
 """
 
 from __future__ import annotations
 
 import html
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 import ipywidgets as widgets
 
 from app.notebook.api import Run
+from app.session import ChatUpdate, chat_updates
 
 
 class ChatBox:
@@ -79,25 +81,22 @@ class ChatBox:
             self._thread.join(timeout)
         return self.answer
 
-    def _request(self, run: Run):
-        params = {"max_new_tokens": self.max_new_tokens.value}
-        if self.compare_base.value:
-            params["compare_base"] = True
+    def _updates(self, run: Run) -> Iterator[ChatUpdate]:
+        """The answer as it streams: a chat through the session (as the web app's Chat tab sends
+        it, falling back to the raw text for a model without a chat template), or a raw prompt."""
+        compare = bool(self.compare_base.value)
+        params = {"max_new_tokens": self.max_new_tokens.value, "compare_base": compare}
         if self.mode.value == "prompt":
-            return run.generate(self.transcript[-1][1], **params)
+            return chat_updates(run.generate(self.transcript[-1][1], **params), compare)
         messages = [{"role": role, "content": text} for role, text in self.transcript]
-        return run.generate(messages=messages, **params)
+        return run.session.chat(str(run.path), messages, **params)
 
     def _stream(self, run: Run) -> None:
         try:
-            generation = self._request(run)
-            for chunk in generation:
-                if chunk.model == "base":
-                    self.base_answer += chunk
-                else:
-                    self.answer += chunk
-                self._render(streaming=True)
-            step = generation.result.get("step")
+            step = None
+            for update in self._updates(run):
+                self.answer, self.base_answer, step = update.text, update.base or "", update.step
+                self._render(streaming=not update.done)
             self.transcript.append(("assistant", self.answer))
             self.answered += 1
             self._render(note=f"answered by the weights of step {step}")
