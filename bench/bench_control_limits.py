@@ -66,6 +66,11 @@ def cpu_s(proc: psutil.Process) -> float:
     return times.user + times.system
 
 
+def server_cpu_s(client: RunClient) -> float:
+    """CPU seconds rank 0's control-server thread has used (its own account, in status)."""
+    return client.status()["control"]["cpu_s"]
+
+
 def stuck_viewer(address: dict) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -118,15 +123,17 @@ def main() -> None:
         tail = EventTail(run.folder.events)
         window(run, tail, 10)  # warm-up
 
-        clean, stuck, buffered, cpu_clean, cpu_stuck = [], [], [], [], []
+        clean, stuck, buffered, cpu_clean, cpu_stuck, srv_clean, srv_stuck = [], [], [], [], [], [], []
         for _ in range(args.repeats):
-            cpu = cpu_s(rank0)
+            cpu, srv = cpu_s(rank0), server_cpu_s(client)
             clean.append(window(run, tail, args.window))
             cpu_clean.append((cpu_s(rank0) - cpu) / args.window)
+            srv_clean.append((server_cpu_s(client) - srv) / args.window)
             viewers = [stuck_viewer(address) for _ in range(4)]
-            cpu = cpu_s(rank0)
+            cpu, srv = cpu_s(rank0), server_cpu_s(client)
             stuck.append(window(run, tail, args.window))
             cpu_stuck.append((cpu_s(rank0) - cpu) / args.window)
+            srv_stuck.append((server_cpu_s(client) - srv) / args.window)
             buffered.append(client.status()["control"]["buffered_bytes"])
             for sock in viewers:
                 sock.close()
@@ -176,7 +183,9 @@ def main() -> None:
           f"{statistics.median(stuck) / statistics.median(clean):.3f}; rank 0 send buffers then "
           f"{max(buffered)} bytes")
     print(f"rank 0 CPU seconds per step (less swayed by other load): no viewers "
-          f"{statistics.median(cpu_clean) * 1e3:.1f} ms, 4 stuck viewers {statistics.median(cpu_stuck) * 1e3:.1f} ms")
+          f"{statistics.median(cpu_clean) * 1e3:.1f} ms, 4 stuck viewers {statistics.median(cpu_stuck) * 1e3:.1f} ms; "
+          f"of it the control-server thread: {statistics.median(srv_clean) * 1e3:.2f} ms and "
+          f"{statistics.median(srv_stuck) * 1e3:.2f} ms")
     print(f"{args.clients} sequential clients (connect, status, close) in {clients_s:.1f} s: rank 0 "
           f"threads {threads0} -> {threads1}, RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB")
     print(f"200 connections at once: {served} served, {refused} refused with a message, {failed} failed")

@@ -27,6 +27,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+import psutil
+
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
 from engine.control.limits import (CLOSE_GRACE_S, KERNEL_SNDBUF, LISTEN_BACKLOG, MAX_ID_CHARS,
                                    FEED_TURN_BYTES, SEND_HIGH_WATER, SWEEP_S, Limits)
@@ -230,6 +232,7 @@ class ControlServer:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="control-server", daemon=True)
         self._listener: asyncio.AbstractServer | None = None
+        self._native_id = 0  # the loop thread's, for its CPU time in `stats`
 
     def start(self) -> "ControlServer":
         ready = threading.Event()
@@ -240,6 +243,7 @@ class ControlServer:
         return self
 
     def _run(self) -> None:
+        self._native_id = threading.get_native_id()
         asyncio.set_event_loop(self.loop)
         self._listener = self.loop.run_until_complete(
             self.loop.create_server(lambda: Connection(self), sock=self._sock, backlog=LISTEN_BACKLOG))
@@ -258,7 +262,14 @@ class ControlServer:
         """Connections now and since the start, refusals, recent drops and the limits."""
         return {"connections": len(self.clients), "accepted": self.accepted, "refused": self.refused,
                 "pending": self.pending, "buffered_bytes": self._buffered(), "dropped": self._recent_drops(),
-                "limits": self.limits.as_dict()}
+                "cpu_s": self._cpu_s(), "limits": self.limits.as_dict()}
+
+    def _cpu_s(self) -> float | None:
+        """CPU seconds the server's thread has used (what serving clients has cost rank 0)."""
+        for thread in psutil.Process().threads():
+            if thread.id == self._native_id:
+                return round(thread.user_time + thread.system_time, 3)
+        return None
 
     def _buffered(self) -> int:
         """Bytes waiting in rank 0's send buffers, all clients together."""
