@@ -3,10 +3,10 @@ default model (ZeRO-2). Run by hand:
 
     .venv/bin/python bench/bench_control_limits.py [--window 30] [--repeats 3] [--clients 1000]
 
-1. Steps/s with 4 event viewers that never read against none: one run, alternating windows of
-   `window` steps without and with the viewers, `repeats` times (the machine's load drifts, so
-   the two are measured turn about in the same run); medians, rank 0's CPU seconds per step
-   (less swayed by the machine's other load than steps/s) and its send-buffer bytes.
+1. Steps/s with 4 event viewers that never read against none: one run, windows of `window`
+   steps without and with the viewers, `repeats` pairs, the order swapped every pair (the
+   machine's load drifts); medians, rank 0's CPU seconds per step and the control-server
+   thread's share of them (less swayed by other load than steps/s), and rank 0's send buffers.
 2. Rank 0's thread count and memory (RSS) before and after `clients` sequential clients that
    connect, ask for status and close.
 3. A burst of 200 connections opened at once: how many were served and how many refused.
@@ -124,19 +124,23 @@ def main() -> None:
         window(run, tail, 10)  # warm-up
 
         clean, stuck, buffered, cpu_clean, cpu_stuck, srv_clean, srv_stuck = [], [], [], [], [], [], []
-        for _ in range(args.repeats):
-            cpu, srv = cpu_s(rank0), server_cpu_s(client)
-            clean.append(window(run, tail, args.window))
-            cpu_clean.append((cpu_s(rank0) - cpu) / args.window)
-            srv_clean.append((server_cpu_s(client) - srv) / args.window)
-            viewers = [stuck_viewer(address) for _ in range(4)]
-            cpu, srv = cpu_s(rank0), server_cpu_s(client)
-            stuck.append(window(run, tail, args.window))
-            cpu_stuck.append((cpu_s(rank0) - cpu) / args.window)
-            srv_stuck.append((server_cpu_s(client) - srv) / args.window)
-            buffered.append(client.status()["control"]["buffered_bytes"])
-            for sock in viewers:
-                sock.close()
+        for r in range(args.repeats):
+            for with_viewers in ((False, True) if r % 2 == 0 else (True, False)):  # turn about
+                viewers = [stuck_viewer(address) for _ in range(4 if with_viewers else 0)]
+                cpu, srv = cpu_s(rank0), server_cpu_s(client)
+                steps_s = window(run, tail, args.window)
+                per_step = ((cpu_s(rank0) - cpu) / args.window, (server_cpu_s(client) - srv) / args.window)
+                if with_viewers:
+                    stuck.append(steps_s)
+                    cpu_stuck.append(per_step[0])
+                    srv_stuck.append(per_step[1])
+                    buffered.append(client.status()["control"]["buffered_bytes"])
+                else:
+                    clean.append(steps_s)
+                    cpu_clean.append(per_step[0])
+                    srv_clean.append(per_step[1])
+                for sock in viewers:
+                    sock.close()
 
         threads0, rss0 = rank0.num_threads(), rank0.memory_info().rss
         started = time.perf_counter()
