@@ -31,11 +31,12 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from contract.args import config_from_args
+from contract.args import resolve_args
 from contract.config import SHORTCUTS, ConfigError, RunConfig
+from contract.preflight import PreflightError, PreflightReport, preflight
 from contract.protocol import RunState, Stop
 from contract.run_folder import EventTail
-from supervisor import Failure, RunError, RunHandle, RunManager
+from supervisor import Failure, RunError, RunHandle, RunManager, RunRefused
 from supervisor.procs import signal_group
 
 console = Console(stderr=True)
@@ -97,18 +98,28 @@ def train(argv: list[str]) -> int:
         say(f"unknown option {unknown[0]}; allowed: --detach, --help", "red")
         return 2
     try:
-        cfg = config_from_args(args)
+        resolved = resolve_args(args)
     except ConfigError as e:
         say(str(e), "red")
         return 2
+    cfg = resolved.config
+    say(resolved.provenance(), "dim")
+    checked = preflight(cfg)  # before any rank starts: every problem by field, file and row
+    show_preflight(checked)
+    if not checked.ok:
+        return 2
     if detach:
-        return _start_detached(RunManager(cfg.logging.output_dir), cfg)
+        return _start_detached(RunManager(cfg.logging.output_dir), cfg, checked)
     signals = Signals()
     previous = {sig: signal.signal(sig, signals) for sig in HANDLED_SIGNALS}
     try:
         try:
             # the run is this terminal's: it ends with this process, even one killed by SIGKILL
-            handle = RunManager(cfg.logging.output_dir).start(cfg, die_with_this_process=True)
+            handle = RunManager(cfg.logging.output_dir).start(cfg, die_with_this_process=True,
+                                                              checked=checked)
+        except RunRefused as e:
+            say(str(e), "red")
+            return 2
         except RunError as e:
             say(str(e), "red")
             return 1
@@ -141,9 +152,24 @@ def _stop_on_signal(handle: RunHandle, signum: int) -> int:
     return 128 + signum
 
 
-def _start_detached(manager: RunManager, cfg: RunConfig) -> int:
+def show_preflight(report: PreflightReport) -> None:
+    """The pre-flight findings: facts dim, warnings yellow, the loud ones bold, problems red."""
+    for key, message in report.notes:
+        say(f"{key}: {message}", "dim")
+    for key, message in report.loud:
+        say(f"WARNING {key}: {message}", "bold yellow")
+    for key, message in report.warnings:
+        say(f"warning {key}: {message}", "yellow")
+    if report.problems:
+        say(str(PreflightError(report.problems)), "red")
+
+
+def _start_detached(manager: RunManager, cfg: RunConfig, checked: PreflightReport | None = None) -> int:
     try:
-        handle = manager.start(cfg)
+        handle = manager.start(cfg, checked=checked)
+    except RunRefused as e:
+        say(str(e), "red")
+        return 2
     except RunError as e:
         say(str(e), "red")
         return 1

@@ -8,11 +8,11 @@ refused with one message instead of failing minutes later on some rank.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
+from contract.model_facts import ModelFolderProblem, fact, read_model_config, tp_refusal
 from contract.presets import MODEL_SIZE
 
 # Decoder stacks whose layers share the call signature the pipeline split relies on
@@ -51,20 +51,20 @@ def model_config(cfg: Any) -> dict | None:
     if not cfg.model.path:
         return {"model_type": "llama", "num_attention_heads": MODEL_SIZE["heads"],
                 "num_key_value_heads": MODEL_SIZE["heads"], "num_hidden_layers": MODEL_SIZE["layers"]}
-    path = Path(cfg.model.path) / "config.json"
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    text = data.get("text_config")
-    return text if isinstance(text, dict) else data
+        return read_model_config(cfg.model.path)
+    except ModelFolderProblem:
+        return None  # contract.preflight reports the folder's problem
 
 
 def _model_problems(model: dict, tp: int, pp: int) -> list[tuple[str, str]]:
     problems = []
-    heads = model.get("num_attention_heads")
-    kv_heads = model.get("num_key_value_heads") or heads
-    if tp > 1:
+    heads = fact(model, "num_attention_heads")  # through the architecture's own name (GPT-2: n_head)
+    kv_heads = fact(model, "num_key_value_heads") or heads
+    refusal = tp_refusal(model) if tp > 1 else None
+    if refusal:
+        problems.append(("parallel.tp_size", refusal))
+    elif tp > 1:
         if not isinstance(heads, int):
             problems.append(("parallel.tp_size", "the model's config.json gives no num_attention_heads, "
                              "so the attention cannot be split by heads"))
@@ -76,7 +76,7 @@ def _model_problems(model: dict, tp: int, pp: int) -> list[tuple[str, str]]:
         if kind not in PIPELINE_MODEL_TYPES:
             problems.append(("parallel.pp_size", f"pipeline parallelism splits {', '.join(PIPELINE_MODEL_TYPES)} "
                              f"models (Llama-family decoders); this model is {kind!r}"))
-        layers = model.get("num_hidden_layers")
+        layers = fact(model, "num_hidden_layers")
         if isinstance(layers, int) and layers < pp:
             problems.append(("parallel.pp_size", f"pp_size {pp} stages need at least {pp} decoder layers; "
                              f"the model has {layers}"))

@@ -19,11 +19,14 @@ _R = RECOMMENDED
 
 # The embedded default model's size (a tiny Llama; engine/default_task.py builds it from this):
 # kept here so that layout checks need no engine import.
-MODEL_SIZE: dict[str, int] = {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 384}
+# "positions" is its max_position_embeddings (engine/default_task.py default_model_config).
+MODEL_SIZE: dict[str, int] = {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 384, "positions": 256}
 
 # The embedded default: a tiny Llama learning the synthetic task with the hyperparameters
 # measured for it (engine/default_task.py); exact-match is measured during the run so the user
-# sees it climb.
+# sees it climb. It is for the embedded default only: a command line that names a model
+# (model.path) or data (data.train) starts from the schema's defaults instead, with
+# data.max_length fitted to the model (contract.args).
 DEFAULT: dict = {
     "optim": {"lr": _R["lr"], "warmup_steps": _R["warmup_steps"]},
     "train": {"micro_batch_size": _R["micro_batch_size"], "max_steps": _R["max_steps"]},

@@ -5,7 +5,7 @@ contract's (`contract.protocol.RunState`)."""
 
 from supervisor.handle import RunHandle
 from supervisor.judgement import Verdict, VerdictKind, judge
-from supervisor.manager import RunError, RunManager
+from supervisor.manager import RunError, RunManager, RunRefused
 from supervisor.records import Failure, RunInfo
 
-__all__ = ["RunManager", "RunHandle", "RunInfo", "Failure", "RunError", "Verdict", "VerdictKind", "judge"]
+__all__ = ["RunManager", "RunHandle", "RunInfo", "Failure", "RunError", "RunRefused", "Verdict", "VerdictKind", "judge"]

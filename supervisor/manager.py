@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from contract.config import RunConfig
+from contract.preflight import PreflightError, PreflightReport, fingerprint, preflight
 from supervisor.launch import make_run_folder, spawn
 from contract.run_folder import EventLog, RunFolder
 
@@ -31,6 +32,15 @@ from supervisor.stopping import DEFAULT_SAVE
 
 class RunError(RuntimeError):
     """A run could not be found, started or attached to."""
+
+
+class RunRefused(RunError):
+    """The pre-flight check (contract.preflight) refused the run before any rank started;
+    `problems` names each (field, message), `report` holds every finding."""
+
+    def __init__(self, report: PreflightReport):
+        super().__init__(str(PreflightError(report.problems)))
+        self.problems, self.report = report.problems, report
 
 
 class RunManager:
@@ -54,12 +64,21 @@ class RunManager:
 
     # -- runs -----------------------------------------------------------------------------------
     def start(self, cfg: RunConfig, env: dict[str, str] | None = None,
-              die_with_this_process: bool = False) -> RunHandle:
+              die_with_this_process: bool = False, checked: PreflightReport | None = None) -> RunHandle:
         """Start a run of `cfg` (a copy, placed under this manager's output folder): its folder,
         a `starting` state event, then its launcher in a new session. `env`: extra environment
         variables for every process of the run. `die_with_this_process`: the run ends if this
         process (the thread calling here) ends, however it ends: for a terminal's own run.
-        Otherwise the run outlives its front end (the web app, the notebook, a detached run)."""
+        Otherwise the run outlives its front end (the web app, the notebook, a detached run).
+
+        Before anything starts, the pre-flight check (`contract.preflight`) reads the config, the
+        model folder and every data file; a run it refuses raises RunRefused naming every
+        problem. `checked`: a report the caller already made for this very config (the terminal
+        prints it), so that large data files are not read twice."""
+        if checked is None or checked.fingerprint != fingerprint(cfg):
+            checked = preflight(cfg)
+        if not checked.ok:
+            raise RunRefused(checked)
         cfg = copy.deepcopy(cfg)
         cfg.logging.output_dir = str(self.output_dir)
         with self._lock:

@@ -7,7 +7,8 @@ from typing import Any, Iterable
 
 from torch.utils.data import Dataset
 
-from engine.data.formats import CHECKS, ENCODERS, FORMAT_KEYS, FORMATS, IGNORE, RowIssue, detect_format
+from contract.data_rows import detect_rows_format
+from engine.data.formats import CHECKS, ENCODERS, FORMATS, IGNORE, RowIssue
 from engine.data.loading import NumberedRows, UnreadableRow, read_rows
 from engine.data.report import MAX_EXAMPLES, DataError, DataReport
 
@@ -74,29 +75,6 @@ def _check_arguments(format: str, max_length: int, overlong: str) -> None:
         raise DataError(f"data.overlong must be one of {OVERLONG}, not {overlong!r}")
     if not isinstance(max_length, int) or max_length < 2:
         raise DataError(f"data.max_length must be an integer >= 2, not {max_length!r}")
-
-
-def detect_rows_format(name: str, rows: NumberedRows) -> str:
-    """The format of the first row that has one; every other row that has a format must agree."""
-    detected = [(number, detect_format(row)) for number, row in rows]
-    found = [(number, fmt) for number, fmt in detected if fmt is not None]
-    if not found:
-        first = next((row for _, row in rows if isinstance(row, dict)), None)
-        keys = sorted(first) if first is not None else "no object rows"
-        raise DataError(f"data: cannot detect the format of {name}: no row has the keys of any "
-                        f"format ({_describe_keys()}); the first row has {keys}")
-    first_row, fmt = found[0]
-    others = [(number, other) for number, other in found if other != fmt]
-    if others:
-        shown = ", ".join(f"row {n} is {f}" for n, f in others[:MAX_EXAMPLES])
-        raise DataError(f"data: {name} mixes row formats: row {first_row} is {fmt} but {shown}"
-                        f"{' ...' if len(others) > MAX_EXAMPLES else ''}; use one format per file "
-                        "or set data.format explicitly")
-    return fmt
-
-
-def _describe_keys() -> str:
-    return "; ".join(f"{fmt}: {', '.join(keys)}" for fmt, keys in FORMAT_KEYS.items())
 
 
 def _encode_chunk(chunk: NumberedRows, fmt: str, tokenizer) -> list[tuple[int, Any]]:

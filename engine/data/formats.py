@@ -19,105 +19,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+# The torch-free half (formats, detection, checking one row) lives in the contract, shared with
+# the pre-flight check (contract.preflight): one piece of code for one job.
+from contract.data_rows import (CHECKS, FORMAT_KEYS, FORMATS, IGNORE, RowIssue, check_chat,  # noqa: F401
+                                check_input_output, check_text, check_tokenized, detect_format)
 from engine.data.chat import ChatIssue, encode_chat
 
-IGNORE = -100
-FORMATS = ("text", "input_output", "chat", "tokenized")
-# Detection order: a row with {"messages"} is chat even if it also has a "text" field, etc.
-FORMAT_KEYS: dict[str, tuple[str, ...]] = {
-    "chat": ("messages",), "tokenized": ("input_ids",), "input_output": ("input", "output"),
-    "text": ("text",)}
-
 Encoded = tuple[list[int], list[int]]  # (input_ids, labels)
-
-
-class RowIssue(Exception):
-    """Why one row cannot be used: a short reason category and a sentence naming the field."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
-
-
-def detect_format(row: Any) -> str | None:
-    """The format whose keys `row` has (None values count as absent: Arrow fills missing keys
-    with None), or None when it has none of them."""
-    if not isinstance(row, dict):
-        return None
-    for fmt, keys in FORMAT_KEYS.items():
-        if all(row.get(k) is not None for k in keys):
-            return fmt
-    return None
-
-
-# -- checking one row (pure Python, no tokenizer) -----------------------------------------------
-
-def _field(row: Any, key: str) -> Any:
-    if not isinstance(row, dict):
-        raise RowIssue("wrong type", f"a row must be an object with keys, not {type(row).__name__}")
-    if row.get(key) is None:
-        raise RowIssue("missing key", f"missing key {key!r}")
-    return row[key]
-
-
-def _string(value: Any, name: str, allow_empty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise RowIssue("wrong type", f"{name!r} must be a string, not {type(value).__name__}")
-    if not allow_empty and not value.strip():
-        raise RowIssue("empty", f"{name!r} is empty")
-    return value
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, (list, tuple)) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise RowIssue("wrong type", f"{name!r} must be a list of integers")
-    if not value:
-        raise RowIssue("empty", f"{name!r} is empty")
-    return list(value)
-
-
-def check_text(row: Any) -> str:
-    return _string(_field(row, "text"), "text")
-
-
-def check_input_output(row: Any) -> tuple[str, str]:
-    # the input may be empty (pure generation); the output may not (nothing to learn)
-    prompt = _string(_field(row, "input"), "input", allow_empty=True)
-    return prompt, _string(_field(row, "output"), "output")
-
-
-def check_chat(row: Any) -> list[dict]:
-    messages = _field(row, "messages")
-    if not isinstance(messages, (list, tuple)):
-        raise RowIssue("wrong type", f"'messages' must be a list of {{role, content}} objects, "
-                       f"not {type(messages).__name__}")
-    if not messages:
-        raise RowIssue("empty", "'messages' is empty")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise RowIssue("wrong type", f"'messages[{i}]' must be an object, not {type(message).__name__}")
-        _string(_field(message, "role"), f"messages[{i}].role")
-        _string(_field(message, "content"), f"messages[{i}].content", allow_empty=True)
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-        raise RowIssue("no assistant turn", "'messages' has no assistant turn with content "
-                       "(the loss is computed on assistant turns only)")
-    return list(messages)
-
-
-def check_tokenized(row: Any) -> tuple[list[int], list[int]]:
-    ids = _int_list(_field(row, "input_ids"), "input_ids")
-    if row.get("labels") is None:
-        return ids, list(ids)
-    labels = _int_list(row["labels"], "labels")
-    if len(labels) != len(ids):
-        raise RowIssue("wrong type", f"'labels' has {len(labels)} entries but 'input_ids' {len(ids)}")
-    return ids, labels
-
-
-CHECKS: dict[str, Callable[[Any], Any]] = {
-    "text": check_text, "input_output": check_input_output, "chat": check_chat,
-    "tokenized": check_tokenized}
 
 
 # -- encoding checked rows (batched where the tokenizer allows) ---------------------------------

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-MAX_EXAMPLES = 20  # problems kept verbatim per report; the counts cover every row
-
-
-class DataError(ValueError):
-    """Data that cannot be used: an unreadable file, mixed formats, no usable row left, ..."""
+# DataError and MAX_EXAMPLES (problems kept verbatim per report) are the contract's, shared with
+# the pre-flight check.
+from contract.data_rows import MAX_EXAMPLES, DataError  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,144 @@
+"""The data part of the pre-flight check: every data file read, its format detected, its rows
+counted and checked, the rows that will be dropped named by row number, and the rows that will
+be truncated estimated, all without a tokenizer model in memory.
+
+Reading and checking use the engine's own code (contract.data_rows), so what is refused here is
+what the engine would refuse after start. Lengths are not tokenized row by row (that can take
+minutes on a large file): every row's characters are counted and divided by a characters-per-token
+ratio, measured with the model's own `tokenizer.json` (the `tokenizers` library, no torch) on a
+sample of SAMPLE_ROWS rows, or taken as DEFAULT_CHARS_PER_TOKEN without one; messages say which.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from contract.data_rows import (CHECKS, MAX_EXAMPLES, DataError, RowIssue, UnreadableRow,
+                                detect_rows_format, read_rows)
+
+SAMPLE_ROWS = 256              # rows tokenized to measure the characters per token
+DEFAULT_CHARS_PER_TOKEN = 4.0  # English text with a BPE tokenizer, roughly; used without tokenizer.json
+SPECIAL_TOKENS = 2             # bos and eos around a sample
+LOUD_TRUNCATION_SHARE = 0.10   # more truncated rows than this share: said loudly before start
+
+
+@dataclass
+class DataScan:
+    """What reading and checking one data file found (independent of max_length)."""
+    path: str
+    format: str
+    rows: int
+    dropped: list[tuple[int, str]] = field(default_factory=list)  # (row, why), every one
+    chars: dict[int, int] = field(default_factory=dict)           # row -> characters (or tokens)
+    exact_tokens: bool = False                                    # chars holds token counts (tokenized rows)
+
+
+_CACHE: dict[tuple, DataScan] = {}  # (path, size, mtime, format) -> scan: forms re-check often
+
+
+def scan_file(path: str, fmt: str) -> DataScan:
+    """Read and check every row of `path` (DataError naming the file for what makes it unusable)."""
+    p = Path(path)
+    stat = p.stat() if p.is_file() else None
+    key = (str(p), stat.st_size if stat else None, stat.st_mtime_ns if stat else None, fmt)
+    if stat is not None and key in _CACHE:
+        return _CACHE[key]
+    name, rows = read_rows(p)
+    if not rows:
+        raise DataError(f"data: {name} has no rows (the file is empty)")
+    detected = fmt if fmt != "auto" else detect_rows_format(name, rows)
+    scan = DataScan(name, detected, len(rows), exact_tokens=detected == "tokenized")
+    for number, row in rows:
+        if isinstance(row, UnreadableRow):
+            scan.dropped.append((number, row.detail))
+            continue
+        try:
+            payload = CHECKS[detected](row)
+        except RowIssue as issue:
+            scan.dropped.append((number, issue.detail))
+            continue
+        scan.chars[number] = _size(detected, payload)
+    if stat is not None:
+        _CACHE[key] = scan
+    return scan
+
+
+def _size(fmt: str, payload: Any) -> int:
+    """Characters of a checked row's text (tokens for pre-tokenized rows)."""
+    if fmt == "text":
+        return len(payload)
+    if fmt == "input_output":
+        return len(payload[0]) + len(payload[1])
+    if fmt == "chat":
+        # the role's characters stand in for the template's markers around each message
+        return sum(len(m["content"]) + len(m["role"]) for m in payload)
+    return len(payload[0])
+
+
+def chars_per_token(tokenizer_folder: str | None, scan: DataScan) -> tuple[float, str]:
+    """(ratio, how it was found): measured with the folder's tokenizer.json on a sample of the
+    scanned rows, 1.0 for the embedded default's character-level tokenizer (folder None)."""
+    if tokenizer_folder is None:
+        return 1.0, "the embedded default's tokenizer has one token per character"
+    tok_file = Path(tokenizer_folder) / "tokenizer.json"
+    if not tok_file.is_file():
+        return DEFAULT_CHARS_PER_TOKEN, (f"estimated at {DEFAULT_CHARS_PER_TOKEN:g} characters per "
+                                         "token (the model folder has no tokenizer.json to measure with)")
+    texts = _sample_texts(scan)
+    try:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(tok_file))
+        tokens = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+    except Exception as e:  # noqa: BLE001 - a tokenizer.json tokenizers cannot read: estimate instead
+        return DEFAULT_CHARS_PER_TOKEN, (f"estimated at {DEFAULT_CHARS_PER_TOKEN:g} characters per token "
+                                         f"({tok_file} could not be read: {type(e).__name__})")
+    chars = sum(len(t) for t in texts)
+    ratio = chars / tokens if tokens else DEFAULT_CHARS_PER_TOKEN
+    return ratio, (f"estimated from each row's characters at {ratio:.2f} characters per token, as the "
+                   f"model's tokenizer measured on {len(texts)} rows")
+
+
+_SAMPLE_TEXT: dict[str, list[str]] = {}
+
+
+def _sample_texts(scan: DataScan) -> list[str]:
+    """Up to SAMPLE_ROWS texts of the file's usable rows, spread over the file."""
+    if scan.path in _SAMPLE_TEXT:
+        return _SAMPLE_TEXT[scan.path]
+    _, rows = read_rows(scan.path)
+    usable = [row for number, row in rows if number in scan.chars]
+    step = max(1, len(usable) // SAMPLE_ROWS)
+    texts = []
+    for row in usable[::step][:SAMPLE_ROWS]:
+        payload = CHECKS[scan.format](row)
+        if scan.format == "text":
+            texts.append(payload)
+        elif scan.format == "input_output":
+            texts.append(payload[0] + payload[1])
+        else:
+            texts.append("\n".join(m["content"] for m in payload))
+    _SAMPLE_TEXT[scan.path] = texts
+    return texts
+
+
+def overlong_rows(scan: DataScan, max_length: int, ratio: float) -> list[int]:
+    """Row numbers whose estimated length (exact for tokenized rows) exceeds max_length."""
+    out = []
+    for number, size in scan.chars.items():
+        if scan.exact_tokens:
+            tokens = size
+        else:
+            tokens = math.ceil(size / ratio) + SPECIAL_TOKENS
+        if tokens > max_length:
+            out.append(number)
+    return out
+
+
+def named_rows(rows: list[int]) -> str:
+    """'rows 3, 7, 9' (the first MAX_EXAMPLES, then how many more)."""
+    shown = ", ".join(map(str, rows[:MAX_EXAMPLES]))
+    more = f" and {len(rows) - MAX_EXAMPLES} more" if len(rows) > MAX_EXAMPLES else ""
+    return f"row{'s' * (len(rows) != 1)} {shown}{more}"

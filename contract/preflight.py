@@ -1,0 +1,242 @@
+"""The pre-flight check: everything that can be known about a run before any rank starts, found
+at once and named by field, file and row. Torch-free; every entry point runs it (the terminal,
+`supervisor.RunManager.start` and so the web app, the notebook, scripts and Slurm submissions,
+and the web form to disable Start).
+
+    report = preflight(cfg)          # never raises for bad input: it reports it
+    if not report.ok:
+        raise PreflightError(report.problems)
+    print(report.text())             # notes, warnings (dropped and truncated rows), problems
+
+It checks the run config (contract.config.validate, which includes the parallel layout against
+the model's config.json read through the architecture's own names: contract.model_facts); the
+DeepSpeed config after "auto" filling (contract.deepspeed_config, the builder the engine runs);
+the model folder (config.json present and valid, weights, tokenizer files, a chat template when
+the data is chat); and every data file (contract.data_check: readable, UTF-8, one format, rows
+counted, dropped rows by number, truncated rows estimated without tokenizing the file).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contract.config import ConfigError, RunConfig, validate
+from contract.data_check import (LOUD_TRUNCATION_SHARE, DataScan, chars_per_token, named_rows,
+                                 overlong_rows, scan_file)
+from contract.data_rows import MAX_EXAMPLES, DataError
+from contract.deepspeed_config import build_ds_config
+from contract.model_facts import ModelFolderProblem, fact, read_model_config
+from contract.presets import MODEL_SIZE
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
+                   "sentencepiece.bpe.model")
+Finding = tuple[str, str]  # (field, message), as ConfigError names problems
+
+
+class PreflightError(ConfigError):
+    """A run refused before start; `problems` names each (field, message)."""
+
+    def __init__(self, problems: list[Finding]):
+        super().__init__(problems)
+        n = len(problems)
+        lines = "\n".join(f"  - {key}: {msg}" for key, msg in problems)
+        self.args = (f"the run cannot start ({n} problem{'s' * (n != 1)}, found before any rank started):\n{lines}",)
+
+
+@dataclass
+class PreflightReport:
+    """What the check found. `problems` refuse the run; `warnings` do not (dropped rows,
+    truncation); `loud` are warnings to say loudly (more than LOUD_TRUNCATION_SHARE of a file's
+    rows truncated), kept apart from `warnings`; `notes` are facts (rows, format)."""
+    problems: list[Finding] = field(default_factory=list)
+    warnings: list[Finding] = field(default_factory=list)
+    loud: list[Finding] = field(default_factory=list)
+    notes: list[Finding] = field(default_factory=list)
+    fingerprint: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def text(self) -> str:
+        """Every finding, one line each: notes, warnings, then the problems."""
+        lines = [f"{k}: {m}" for k, m in self.notes]
+        lines += [f"WARNING {k}: {m}" for k, m in self.loud]
+        lines += [f"warning {k}: {m}" for k, m in self.warnings]
+        if self.problems:
+            lines.append(str(PreflightError(self.problems)))
+        return "\n".join(lines)
+
+
+def fingerprint(cfg: RunConfig) -> str:
+    """The config a report belongs to (a report is reused only for an equal config)."""
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+
+
+def check_before_start(cfg: RunConfig) -> PreflightReport:
+    """preflight(cfg), raising PreflightError when anything refuses the run."""
+    report = preflight(cfg)
+    if not report.ok:
+        raise PreflightError(report.problems)
+    return report
+
+
+def preflight(cfg: RunConfig) -> PreflightReport:
+    """Check `cfg` and every file it names; all findings, none raised."""
+    report = PreflightReport(problems=list(validate(cfg)), fingerprint=fingerprint(cfg))
+    model = _model_folder(cfg, report)
+    scans = _data_files(cfg, model, report)
+    train = scans.get("data.train")
+    if train is not None and train.format == "chat" or cfg.data.format == "chat":
+        _chat_template(cfg, report)
+    report.problems += _deepspeed(cfg, model, train, report)
+    report.problems = list(dict.fromkeys(report.problems))  # a finding said once
+    return report
+
+
+# -- the model folder ---------------------------------------------------------------------------
+
+def _model_folder(cfg: RunConfig, report: PreflightReport) -> dict | None:
+    """The model's config.json (the embedded default's facts without model.path); None when it
+    cannot be read (reported)."""
+    if not cfg.model.path:
+        return {"model_type": "llama", "hidden_size": MODEL_SIZE["hidden"],
+                "max_position_embeddings": MODEL_SIZE["positions"]}
+    folder = Path(cfg.model.path)
+    if not folder.is_dir():
+        return None  # validate() said "no such folder"
+    try:
+        model = read_model_config(folder)
+    except ModelFolderProblem as e:
+        report.problems.append(("model.path", str(e)))
+        model = None
+    if model is not None and not any((folder / name).exists() for name in WEIGHT_FILES):
+        report.warnings.append(("model.path", f"{folder} holds no weights ({', '.join(WEIGHT_FILES)}): "
+                                "the model is built from its config.json with random weights "
+                                f"(seed {cfg.train.seed})"))
+    tok_key, tok_folder = _tokenizer_folder(cfg)
+    if tok_folder.is_dir() and not any((tok_folder / name).exists() for name in TOKENIZER_FILES):
+        report.problems.append((tok_key, f"{tok_folder} holds no tokenizer (none of "
+                                f"{', '.join(TOKENIZER_FILES)}); save one there with "
+                                "save_pretrained, or name a tokenizer folder in model.tokenizer"))
+    return model
+
+
+def _tokenizer_folder(cfg: RunConfig) -> tuple[str, Path]:
+    if cfg.model.tokenizer:
+        return "model.tokenizer", Path(cfg.model.tokenizer)
+    return "model.path", Path(cfg.model.path)
+
+
+def _chat_template(cfg: RunConfig, report: PreflightReport) -> None:
+    if not cfg.model.path and not cfg.model.tokenizer:
+        return  # the embedded default's tokenizer has one
+    key, folder = _tokenizer_folder(cfg)
+    if not folder.is_dir():
+        return
+    if (folder / "chat_template.jinja").exists() or (folder / "chat_template.json").exists():
+        return
+    try:
+        settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        settings = {}
+    if isinstance(settings, dict) and settings.get("chat_template"):
+        return
+    report.problems.append(("data.format", f"the data is chat (rows with 'messages'), but the tokenizer "
+                            f"in {folder} ({key}) has no chat template (no chat_template in "
+                            "tokenizer_config.json, no chat_template.jinja); add one, or use "
+                            "input_output rows"))
+
+
+# -- the data files -----------------------------------------------------------------------------
+
+def _data_files(cfg: RunConfig, model: dict | None, report: PreflightReport) -> dict[str, DataScan]:
+    scans = {}
+    for key in ("data.train", "data.eval"):
+        path = getattr(cfg.data, key.split(".")[1])
+        if not path or "://" in path or not Path(path).exists():
+            continue  # empty: the default task; missing: validate() said so
+        try:
+            scan = scan_file(path, cfg.data.format)
+        except DataError as e:
+            report.problems.append((key, str(e).removeprefix("data: ")))
+            continue
+        scans[key] = scan
+        _rows_findings(cfg, key, scan, report)
+    return scans
+
+
+def _rows_findings(cfg: RunConfig, key: str, scan: DataScan, report: PreflightReport) -> None:
+    usable = len(scan.chars)
+    report.notes.append((key, f"{scan.path}: {scan.rows} rows, format {scan.format}, {usable} usable"))
+    if scan.dropped:
+        reasons = "; ".join(f"row {n}: {why}" for n, why in scan.dropped[:5])
+        more = f"; ... ({named_rows([n for n, _ in scan.dropped])})" if len(scan.dropped) > 5 else ""
+        finding = (key, f"{scan.path}: {len(scan.dropped)} of {scan.rows} rows will be dropped: {reasons}{more}")
+        (report.warnings if usable else report.problems).append(finding)
+    if not usable:
+        report.problems.append((key, f"{scan.path}: no usable row (format {scan.format})"))
+        return
+    tok_folder = None if not (cfg.model.path or cfg.model.tokenizer) else str(_tokenizer_folder(cfg)[1])
+    ratio, how = (1.0, "counted exactly (pre-tokenized rows)") if scan.exact_tokens else chars_per_token(tok_folder, scan)
+    over = overlong_rows(scan, cfg.data.max_length, ratio)
+    if not over:
+        return
+    share = len(over) / usable
+    fate = {"truncate": "will be truncated", "drop": "will be dropped", "error": "are refused"}[cfg.data.overlong]
+    message = (f"{scan.path}: about {len(over)} of {usable} rows ({share:.0%}) are longer than "
+               f"data.max_length={cfg.data.max_length} tokens and {fate} ({named_rows(over)}); {how}")
+    if cfg.data.overlong == "error":
+        report.problems.append(("data.max_length", message + "; raise data.max_length or set data.overlong"))
+        return
+    if share > LOUD_TRUNCATION_SHARE:
+        report.loud.append(("data.max_length", message + f" -- more than {LOUD_TRUNCATION_SHARE:.0%}: "
+                            "raise data.max_length if the model's context allows"))
+    else:
+        report.warnings.append(("data.max_length", message))
+
+
+# -- DeepSpeed ----------------------------------------------------------------------------------
+
+def _deepspeed(cfg: RunConfig, model: dict | None, train: DataScan | None,
+               report: PreflightReport) -> list[Finding]:
+    """The DeepSpeed config's contradictions with the run config, after "auto" filling."""
+    if cfg.dp_size < 1 or cfg.world_size % (cfg.parallel.tp_size * cfg.parallel.pp_size):
+        return []  # the layout itself is wrong: validate() said so
+    hidden = (fact(model, "hidden_size") or model.get("d_model")) if model else None
+    total, estimated = _total_steps(cfg, train)
+    warmup = cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * total)
+    # "auto" precision resolves on the ranks' hardware: a clash counts when every outcome has it
+    precisions = ("bf16", "fp32") if cfg.train.precision == "auto" else (cfg.train.precision,)
+    found: list[list[Finding]] = []
+    for precision in precisions:
+        try:
+            build_ds_config(cfg, world_size=cfg.world_size, dp_size=cfg.dp_size, total_steps=total,
+                            warmup_steps=warmup, hidden_size=hidden if isinstance(hidden, int) else None,
+                            precision=precision)
+            found.append([])
+        except ConfigError as e:
+            found.append(list(e.problems))
+    keys_everywhere = set.intersection(*({k for k, _ in f} for f in found))
+    problems = [p for p in found[0] if p[0] in keys_everywhere]
+    if estimated:  # the step count is only known once the data is tokenized: no clash claimed on it
+        vague = ("total_num_steps",) + (("warmup_num_steps",) if not cfg.optim.warmup_steps else ())
+        problems = [p for p in problems if not p[0].endswith(vague)]
+    return problems
+
+
+def _total_steps(cfg: RunConfig, train: DataScan | None) -> tuple[int, bool]:
+    """Optimizer steps (max_steps, or estimated from the usable rows) and whether estimated."""
+    if cfg.train.max_steps:
+        return cfg.train.max_steps, False
+    rows = len(train.chars) if train is not None else 0
+    per_step = cfg.train.micro_batch_size * max(1, cfg.dp_size) * cfg.train.grad_accum
+    return max(1, rows // per_step) * max(1, cfg.train.epochs), True
+
+
+__all__ = ["MAX_EXAMPLES", "PreflightError", "PreflightReport", "check_before_start", "fingerprint",
+           "preflight"]
