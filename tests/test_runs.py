@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import Failure, RunError, RunManager
+from supervisor import Failure, RunError, RunManager, RunRefused
 from supervisor.summary import RunSummary
 from contract.config import load_config
 
@@ -236,17 +236,15 @@ def test_a_frozen_rank_is_reported_as_a_hang_and_stopped(tmp_path, env):
     assert info.state == "finished" and info.stopped_by_user
 
 
-def test_a_run_that_cannot_load_its_model_fails_with_a_reason(tmp_path, env):
+def test_a_run_whose_model_config_is_broken_is_refused_before_start(tmp_path, env):
+    """A config.json cut off half-way is found by the pre-flight check (contract.preflight):
+    no rank starts, no run folder is made, and the reason names the file (issue 16)."""
     model = tmp_path / "broken-model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama", "hidden_size": ')  # cut off
     manager = RunManager(tmp_path / "runs")
-    handle = manager.start(config(tmp_path, "broken", f"model.path={model}", "max_steps=2"), env=env)
-    wait_for(lambda: handle.info().state == "failed", 180, "the run to fail", handle)
-    assert_no_process_left(handle.pid)
-    info = handle.info()
-    assert "config" in info.error.lower() or "json" in info.error.lower(), info.error
-    failure = handle.failure()
-    assert failure is not None and failure.lines
-    assert str(model) in "\n".join(failure.lines) + info.error
-    assert [e for e in events_of(info) if e["type"] == "state"][-1]["state"] == "failed"
+    with pytest.raises(RunRefused) as refused:
+        manager.start(config(tmp_path, "broken", f"model.path={model}", "max_steps=2"), env=env)
+    assert ("model.path" in [k for k, _ in refused.value.problems]
+            and f"{model}/config.json is not valid JSON" in str(refused.value))
+    assert not (tmp_path / "runs" / "broken").exists()
