@@ -23,7 +23,9 @@ from typing import Any, Mapping
 
 import yaml
 
+from contract.args import fitted_max_length
 from contract.config import ConfigError, RunConfig, load_config, merge, schema
+from contract.preflight import PreflightReport, preflight
 from contract.presets import DEFAULT, PRESETS
 
 DEFAULT_PRESET = "embedded default"
@@ -45,6 +47,11 @@ class Checked:
     problems: list[tuple[str, str]]                               # every problem, as load_config names it
     by_field: dict[str, list[str]] = field(default_factory=dict)  # field key -> its messages
     general: list[str] = field(default_factory=list)              # problems naming no field of the form
+    # the pre-flight check's findings that do not refuse the run (dropped rows, truncation), by
+    # field; `loud` the ones to show prominently (more than 10% of a file's rows truncated)
+    warnings: dict[str, list[str]] = field(default_factory=dict)
+    loud: list[str] = field(default_factory=list)
+    preflight: PreflightReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -134,8 +141,11 @@ class Form:
             _dotted_set(data, key, value)
         return data, problems
 
-    def check(self, values: Mapping[str, Any]) -> Checked:
-        """Validate the widget values: every problem, each kept next to the field it names."""
+    def check(self, values: Mapping[str, Any], files: bool = True) -> Checked:
+        """Validate the widget values: every problem, each kept next to the field it names.
+        `files`: also run the pre-flight check (contract.preflight: the model folder, every data
+        file, the DeepSpeed config after "auto" filling), as Start does; its problems make the
+        config None (Start stays disabled) and its warnings come in `warnings` / `loud`."""
         data, problems = self.to_data(values)
         config = None
         try:
@@ -144,7 +154,49 @@ class Form:
             problems += [p for p in e.problems if p[0] not in {k for k, _ in problems}]
         if problems:
             config = None
-        return self._sort(config, problems)
+        report = preflight(config) if files and config is not None else None
+        if report is not None:
+            problems += report.problems
+            config = config if report.ok else None
+        checked = self._sort(config, problems)
+        if report is not None:
+            checked.preflight = report
+            for key, message in [*report.loud, *report.warnings]:
+                checked.warnings.setdefault(self.owner(key) or key, []).append(message)
+            checked.loud = [f"{key}: {message}" for key, message in report.loud]
+        return checked
+
+    def sources(self, values: Mapping[str, Any], preset: str = DEFAULT_PRESET) -> dict[str, str]:
+        """Where each field's value came from, for the preview: "preset" (the value `preset`
+        sets), "form" (set on the form, differing from the preset and the default) or "default"."""
+        base = self.preset_values(preset)
+        defaults = self.values_for()
+        preset_keys = set(self.flat(PRESETS.get(preset, {}))) if preset in PRESETS else set()
+        out = {}
+        for key in self.keys:
+            value = values.get(key, base[key])
+            out[key] = ("preset" if key in preset_keys and value == base[key] else
+                        "default" if value == defaults[key] else "form")
+        return out
+
+    def for_own_model(self, values: Mapping[str, Any], preset: str = DEFAULT_PRESET) -> dict[str, Any]:
+        """The values a run with the user's own model or data starts from (issue 16): the
+        embedded default preset's values that were not changed on the form go back to the
+        schema's defaults, and data.max_length (unless changed) becomes the model's context
+        capped at contract.model_facts.CONTEXT_CAP. Values without an own model or data (or
+        with another preset) come back unchanged."""
+        out = dict(values)
+        if preset != DEFAULT_PRESET or not (values.get("model.path") or values.get("data.train")):
+            return out
+        defaults = self.values_for()
+        for key, source in self.sources(values, preset).items():
+            if source == "preset":
+                out[key] = defaults[key]
+        if self.sources(values, preset).get("data.max_length") != "form":
+            fitted = fitted_max_length(str(values.get("model.path") or ""))
+            if fitted is not None:
+                out["data.max_length"] = fitted[0]
+        return out
 
     def config(self, values: Mapping[str, Any]) -> RunConfig:
         """The validated RunConfig; ConfigError naming every problem if there is any."""

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 from contract.config import RunConfig
 from contract.protocol import (COMMANDS, Command, Generate, ProtocolError, RunState, Stop,
                                allowed_commands)
-from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, stopping
+from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, RunRefused, stopping
 from supervisor.client import CommandError, Generation, RunClient, RunGone
 
 COMMAND_TIMEOUT_S = 120.0  # a command waits for the next step boundary (an evaluation may be running)
@@ -35,7 +35,12 @@ STOP_SAVES: bool = Stop().save  # what Stop means when the user says nothing mor
 
 
 class SessionError(RuntimeError):
-    """Something the user asked for cannot be done; the message says why."""
+    """Something the user asked for cannot be done; the message says why. `problems`: the
+    (field, message) pairs when the pre-flight check refused a run (empty otherwise)."""
+
+    def __init__(self, message: str, problems: list[tuple[str, str]] | None = None):
+        super().__init__(message)
+        self.problems = list(problems or [])
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,8 @@ class Session:
         manager = self.manager(output_dir or cfg.logging.output_dir or self.output_dir)
         try:
             handle = manager.start(cfg, env={**self.run_env, **(env or {})} or None)
+        except RunRefused as e:  # the pre-flight check: every problem by field, file and row
+            raise SessionError(str(e), e.problems) from None
         except (RunError, OSError) as e:
             raise SessionError(f"the run could not be started: {e}") from None
         path = str(handle.folder.root)

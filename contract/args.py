@@ -75,7 +75,7 @@ def resolve_args(args: list[str]) -> Resolved:
     base: dict | None = copy.deepcopy(presets.DEFAULT) if uses_preset else None
     reasons: dict[str, str] = {}
     if any(own.values()) and "data.max_length" not in given:
-        fitted = _fitted_max_length(own.get("model.path") or "")
+        fitted = fitted_max_length(own.get("model.path") or "")
         if fitted is not None:
             base = {"data": {"max_length": fitted[0]}}
             reasons["data.max_length"] = fitted[1]
@@ -127,7 +127,7 @@ def _given_values(config_path: str | None, overrides: list[str]) -> dict[str, An
     return values
 
 
-def _fitted_max_length(model_path: str) -> tuple[int, str] | None:
+def fitted_max_length(model_path: str) -> tuple[int, str] | None:
     """(max_length, why) for a user's run: the model's context capped at CONTEXT_CAP."""
     if model_path:
         try:

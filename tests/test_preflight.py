@@ -264,3 +264,40 @@ def test_supervisor_refuses_the_same_run(tmp_path):
     assert [k for k, _ in raised.value.problems] == ["data.train"]
     assert "row 2 is text" in str(raised.value)
     assert not list((tmp_path / "runs").glob("*"))
+
+
+# -- the form (web app, notebook) and the session ---------------------------------------------------
+
+def test_form_keeps_start_disabled_with_the_message_beside_the_field(tmp_path, model_dir):
+    from app.form import Form
+    form = Form(output_dir=str(tmp_path / "runs"))
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    values = {**form.preset_values("embedded default"), "model.path": str(no_config)}
+    checked = form.check(values)
+    assert checked.config is None and not checked.ok  # Start stays disabled
+    assert any("has no config.json" in m for m in checked.by_field["model.path"])
+    rows = write_lines(tmp_path / "rows.jsonl", [*ROWS, {"input": "lost"}])
+    good = form.for_own_model({**form.preset_values("embedded default"), "model.path": str(model_dir),
+                               "data.train": str(rows), "train.max_steps": 7})
+    assert good["data.max_length"] == 64 and good["eval.every_n_steps"] == 0 and good["optim.lr"] == 1e-3
+    assert good["train.max_steps"] == 7  # changed on the form: kept
+    checked = form.check(good)
+    assert checked.ok, checked.problems
+    assert any("row 13: missing key 'output'" in m for m in checked.warnings["data.train"])
+    sources = form.sources(good)
+    assert sources["train.max_steps"] == "form" and sources["optim.lr"] == "default"
+    assert form.sources(form.preset_values("embedded default"))["optim.lr"] == "preset"
+
+
+def test_session_start_refusal_carries_the_problems(tmp_path):
+    from app.session import Session, SessionError
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    session = Session(tmp_path / "runs")
+    try:
+        with pytest.raises(SessionError) as raised:
+            session.start(load_config(data={"data": {"train": str(empty)}, "train": {"max_steps": 2}}))
+    finally:
+        session.close()
+    assert [k for k, _ in raised.value.problems] == ["data.train"] and "has no rows" in str(raised.value)
