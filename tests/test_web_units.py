@@ -164,7 +164,7 @@ def test_the_train_tabs_look_is_keyed_by_component_and_follows_the_run_state(tmp
 
     from app.web import train
     from app.web.backend import Backend
-    from app.web.widgets import make_plots
+    from app.web.plots import make_plots
 
     folder = RunFolder(tmp_path / "runs" / "done").create()
     _log(folder, [{"type": "state", "state": "starting", "time": 1.0}, {"type": "setup", "total_steps": 3, "time": 1.0}]
@@ -174,21 +174,32 @@ def test_the_train_tabs_look_is_keyed_by_component_and_follows_the_run_state(tmp
     try:
         with gr.Blocks():
             view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(),
-                                   make_plots("t"), gr.Code(), gr.Number(),
-                                   {name: gr.Button() for name in train.COMMAND_OF})
-        out = train.refresh(backend, view, None, None, 0.0)  # the page's first look: the newest run
+                                   make_plots("t"), gr.Code(), gr.Textbox(),
+                                   {name: gr.Button() for name in train.COMMAND_OF}, gr.Button())
+        out = train.refresh(backend, view, None, None)  # the page's first look: the newest run
         assert set(out) <= set(view.outputs()) and out[view.run_state] == str(folder.root)
         assert "finished" in out[view.status] and out[view.open_train] is False  # ended: stay put
         assert [b["interactive"] for b in (out[button] for button in view.buttons.values())] == \
             [False] * len(view.buttons)  # allowed_commands("finished") is empty
-        loss = out[view.plots.loss]
-        assert list(loss[loss.series == "raw"]["loss"]) == [2.0, 1.0, 0.0]
-        assert out[view.lr] == 0.1 and out[view.seen] == {"path": str(folder.root), "version": 1}
-        again = train.refresh(backend, view, str(folder.root), out[view.seen], 0.0)
-        assert view.plots.loss not in again and view.log not in again  # nothing new: not sent again
-        assert set(view.controls("paused")) == set(view.buttons.values())
+        loss = json.loads(out[view.plots.by_name["loss"]])
+        assert loss["path"] == str(folder.root) and loss["series"]["raw"] == {
+            "reset": True, "points": [[1, 2.0], [2, 1.0], [3, 0.0]]}
+        assert view.lr not in out  # the learning-rate box is never filled in for the user
+        # the page now holds every point: a second look sends neither plots nor the status again
+        have = {f"t-plot-{name}": {"path": str(folder.root),
+                                   "last": {k: v["points"][-1] for k, v in json.loads(out[p])["series"].items()}}
+                for name, p in view.plots.by_name.items()}
+        again = train.refresh(backend, view, str(folder.root), out[view.seen], have, log_open=True)
+        assert not set(view.plots.components()) & set(again) and view.status not in again
+        assert view.log in again  # opened: the log tail is sent once
+        hidden = train.refresh(backend, view, str(folder.root), again[view.seen], {}, visible=False)
+        assert set(hidden) == {view.run_state}  # a hidden tab is sent nothing
+        assert set(view.controls("paused")) == {*view.buttons.values(), view.start}
         enabled = {name for name, b in view.buttons.items() if view.controls("paused")[b]["interactive"]}
         assert enabled == {"resume", "stop", "stop_other", "save", "evaluate", "set_lr"}
+        assert view.controls("paused")[view.buttons["resume"]]["variant"] == "primary"
+        assert view.controls("running")[view.start]["variant"] == "secondary"  # a live run: Start is not primary
+        assert view.controls("finished")[view.start]["variant"] == "primary"
         enabled = {name for name, b in view.buttons.items() if view.controls("stopping")[b]["interactive"]}
         assert enabled == {"stop", "stop_other"}  # a second stop ends the group at once
     finally:
@@ -196,6 +207,37 @@ def test_the_train_tabs_look_is_keyed_by_component_and_follows_the_run_state(tmp
 
 
 # -- saved things, CLI ----------------------------------------------------------------------------
+
+def test_plot_batches_carry_only_what_the_page_lacks():
+    from app.web.plots import batch, thin
+
+    points = [(s, 10.0 - s) for s in range(1, 6)]
+    first = json.loads(batch({"raw": points}, None, "/r", 1))
+    assert first["series"]["raw"] == {"reset": True, "points": [[s, v] for s, v in points]}
+    have = {"path": "/r", "last": {"raw": [3, 7.0]}}
+    assert json.loads(batch({"raw": points}, have, "/r", 2))["series"]["raw"] == {
+        "reset": False, "points": [[4, 6.0], [5, 5.0]]}  # appended points only
+    assert batch({"raw": points}, {"path": "/r", "last": {"raw": [5, 5.0]}}, "/r", 3) is None
+    # a resumed run trained step 3 again with another loss: the page gets the whole series anew
+    rewound = points[:2] + [(3, 1.5)]
+    assert json.loads(batch({"raw": rewound}, have, "/r", 4))["series"]["raw"]["reset"] is True
+    # another run: everything anew, and a series the run lacks is emptied
+    other = json.loads(batch({}, {"path": "/old", "last": {"raw": [1, 1.0]}}, "/r", 5))
+    assert other["path"] == "/r" and other["series"] == {}
+    gone = json.loads(batch({}, {"path": "/r", "last": {"eval": [1, 1.0]}}, "/r", 6))
+    assert gone["series"] == {"eval": {"reset": True, "points": []}}
+    long = [(s, float(s)) for s in range(1, 1001)]
+    assert len(thin(long)) == MAX_POINTS and thin(long)[-1] == (1000, 1000.0) and thin(long)[0] == (1, 1.0)
+
+
+def test_the_learning_rate_box_refuses_anything_but_a_number():
+    from app.web import train
+
+    assert train._number(" 0.001 ") == 0.001 and train._number("0") == 0.0
+    for bad in ("", "abc", "-1", "nan", "inf"):
+        with pytest.raises(SessionError, match="learning rate"):
+            train._number(bad)
+
 
 def test_list_saved(tmp_path):
     folder = RunFolder(tmp_path / "run").create()

@@ -11,7 +11,8 @@ import pandas as pd
 
 from app.session import SessionError
 from app.web.backend import Backend
-from app.web.widgets import Plots, duration, make_plots, readable
+from app.web.plots import Plots, batch, make_plots
+from app.web.widgets import duration, readable
 
 COLUMNS = ["run", "state", "step", "loss", "eval metrics", "started", "duration", "path"]
 
@@ -74,7 +75,7 @@ def _open(backend: Backend, view: RunsView, path: str | None) -> dict:
     if not path:
         raise gr.Error("Pick a run first.", print_exception=False)
     snap = backend.watch.snapshot(path)
-    frames = backend.watch.frames(snap.path)
+    series = backend.watch.view(snap.path).series()
     p, info = snap.progress, snap.info
     metrics = ", ".join(f"{k} {v:.4g}" for k, v in info.metrics.items() if k in ("loss",) or k.startswith("eval/"))
     text = (f"**{info.name}** — {info.state}, step {p.step}{f' / {p.total}' if p.total else ''}, "
@@ -87,7 +88,8 @@ def _open(backend: Backend, view: RunsView, path: str | None) -> dict:
     except SessionError as e:
         config = f"# {e}"
     return {view.run_state: snap.path, view.summary: text, view.config: config,
-            **dict(zip(view.plots.components(), view.plots.updates(frames)))}
+            **{plot: batch(series.get(name, {}), None, snap.path, time.time_ns())
+               for name, plot in view.plots.by_name.items()}}
 
 
 def _attach(backend: Backend, view: RunsView, path: str | None) -> dict:

@@ -6,6 +6,7 @@ log tail; a banner when the run fails. Which buttons are enabled follows the run
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,20 +15,36 @@ import gradio as gr
 from app.session import STOP_SAVES, SessionError, allowed
 from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
-from contract.protocol import Evaluate, Pause, Resume, Save, Set
-from app.web.widgets import Plots, banner_html, make_plots, readable, status_html
+from app.web.plots import HAVE_JS, Plots, batch, make_plots
+from app.web.widgets import banner_html, readable, status_html
+from contract.protocol import Evaluate, Pause, Resume, RunState, Save, Set
 
 TICK_S = 0.5  # how often a page looks for news (a look that finds none sends nothing)
-# Each tick tells the server whether the user has clicked a tab yet, read in the page as the tick
-# leaves (a page state updated through the server could arrive after the first tick); the flag is
-# set by a click listener (NAVIGATION_HEAD, given to launch()).
-NAVIGATED_JS = "(path, shown, smooth, navigated) => [path, shown, smooth, !!window.livetuneNavigated]"
-# opens the Train tab after the page's first look found a run going, unless the user has clicked
-# a tab meanwhile (decided in the page when the answer arrives, however late that is)
-OPEN_TRAIN_JS = ("(go) => { if (go && !window.livetuneNavigated) { const b = Array.from(document.querySelectorAll("
-                 "'button[role=tab]')).find(b => b.innerText.trim() === 'Train'); if (b) b.click(); } }")
+# Read in the page as each tick leaves: the run it shows, what its plots hold (plots.HAVE_JS),
+# whether the user has clicked a tab yet (set by a click listener, NAVIGATION_HEAD, given to
+# launch(); a page state updated through the server could arrive after the first tick), and
+# whether the Train tab and its log are on screen: a hidden tab is sent nothing.
+TICK_JS = ("(path, shown, have, navigated, visible, log_open) => { const on = id => { const e = "
+           "document.getElementById(id); return !!e && e.offsetParent !== null && document.visibilityState "
+           "!== 'hidden'; }; return [path, shown, " + HAVE_JS + ", !!window.livetuneNavigated, "
+           "on('train-status'), on('train-log')]; }")
+# after each look: open the Train tab when the first look found a run going, unless the user has
+# clicked a tab meanwhile; close the "Stopping ..." note once the run has ended
+AFTER_TICK_JS = ("(go) => { if (go && !window.livetuneNavigated) { const b = Array.from(document.querySelectorAll("
+                 "'button[role=tab]')).find(b => b.innerText.trim() === 'Train'); if (b) b.click(); } "
+                 "const s = document.getElementById('run-state'); if (s && /finished|failed/.test(s.innerText)) "
+                 "document.querySelectorAll('.toast-body').forEach(t => { if (/Stopping/.test(t.innerText)) "
+                 "{ const c = t.querySelector('.toast-close'); if (c) c.click(); } }); }")
 NAVIGATION_HEAD = ("<script>document.addEventListener('click', e => { if (e.target.closest && "
                    "e.target.closest('button[role=tab]')) window.livetuneNavigated = true; }, true);</script>")
+LIVE_STATES = ("starting", "running", "paused", "stopping")
+# asked in the page before Start while the shown run is live, and before setting the lr to 0
+CONFIRM_START_JS = ("() => { const s = document.getElementById('run-state'); const live = !!s && "
+                    f"{list(LIVE_STATES)}.includes(s.innerText.trim()); return !live || window.confirm("
+                    "'A run is still going. Start a second run beside it? (To go on with this one, press Resume "
+                    "or Cancel here.)'); }")
+CONFIRM_LR_JS = ("(lr) => String(lr ?? '').trim() === '' || Number(lr) !== 0 || window.confirm("
+                 "'Set the learning rate to 0? The model stops learning until you set it again.')")
 
 # button -> the command it sends; a button is enabled when the run's state allows its command
 # (contract.protocol.allowed_commands, the table every front end follows)
@@ -52,7 +69,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     """The tab's layout and events. `timer` lives outside the tabs, so it ticks from the moment
     the page loads. The page's load event does the first look at once (the timer's first tick
     comes an interval later) and opens this tab when a run is going, unless the user has picked
-    a tab already (NAVIGATED_JS)."""
+    a tab already (TICK_JS)."""
     banner = gr.HTML("", elem_id="train-banner", visible=False)
     status = gr.HTML(status_html(None), elem_id="train-status")
     with gr.Row():
@@ -70,46 +87,69 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
             "evaluate": gr.Button("Evaluate now", interactive=False, elem_id="train-evaluate", min_width=110),
         }
     with gr.Row(equal_height=True):
-        lr = gr.Number(label="New learning rate", value=None, step=1e-4, elem_id="train-lr", scale=2,
-                       placeholder="e.g. 0.001",
-                       info="Takes effect at the next step; the schedule goes on from there, scaled.")
+        # starts empty (a number shown here would be sent by Set as it is): the present lr is
+        # in the status line above
+        # text, not a number box: a number box shows 0 when empty, and Set would send it
+        lr = gr.Textbox(label="New learning rate", value="", elem_id="train-lr", scale=2, max_lines=1,
+                        placeholder="e.g. 0.001 (the present value is in the status line above)",
+                        info="Takes effect at the next step; the schedule goes on from there, scaled. "
+                             "0 stops learning and is asked about first.")
         buttons["set_lr"] = gr.Button("Set learning rate", interactive=False, elem_id="train-set-lr", scale=1)
-        smoothing = gr.Slider(0.0, 0.99, value=0.9, step=0.01, label="Loss smoothing", scale=2,
-                              elem_id="train-smoothing")
     plots = make_plots("train")
     with gr.Accordion("Log tail (rank 0)", open=False):
         log = gr.Code("", language="shell", lines=14, interactive=False, elem_id="train-log")
-    seen = gr.State(None)  # what this page shows: {"path", "version"} (see refresh)
-    navigated = gr.Checkbox(False, visible=False)  # filled in by NAVIGATED_JS
+    seen = gr.State(None)  # what this page was sent (see refresh)
+    have = gr.Textbox(visible=False)  # filled in by TICK_JS: what the page's plots hold
+    navigated = gr.Checkbox(False, visible=False)  # filled in by TICK_JS
+    visible = gr.Checkbox(False, visible=False)    # filled in by TICK_JS
+    log_open = gr.Checkbox(False, visible=False)   # filled in by TICK_JS
     open_train = gr.Checkbox(False, visible=False)  # the first look found a run going
+    confirmed = gr.Checkbox(True, visible=False)    # the page's answer to a confirmation
     configure.start_buttons.append(start)
-    view = TrainView(run_state, seen, open_train, status, banner, plots, log, lr, buttons)
+    view = TrainView(run_state, seen, open_train, status, banner, plots, log, lr, buttons, start)
 
-    def tick(path: str | None, shown: dict | None, smooth: float, navigated: bool) -> dict:
-        return refresh(backend, view, path, shown, smooth, open_tab=not navigated)
+    def tick(path: str | None, shown: dict | None, have_text: str, navigated: bool, on_screen: bool,
+             log_shown: bool) -> dict:
+        return refresh(backend, view, path, shown, _json(have_text), visible=on_screen,
+                       log_open=log_shown, open_tab=not navigated)
 
     # the page's first look skips the queue (one plain request: the page is shown sooner)
     for trigger, queued in ((page.load, False), (timer.tick, True)):
-        trigger(tick, inputs=[run_state, seen, smoothing, navigated], outputs=view.outputs(), js=NAVIGATED_JS,
-                show_progress="hidden", concurrency_limit=None, api_visibility="private", queue=queued).then(
-            None, inputs=open_train, js=OPEN_TRAIN_JS, api_visibility="private", show_progress="hidden")
-    # a new smoothing redraws the loss plot at the next tick
-    smoothing.release(lambda shown: {**(shown or {}), "version": -1}, inputs=seen, outputs=seen,
-                      api_visibility="private")
-    start.click(readable(lambda given: start_run(backend, configure.values(given), run_state, tabs)),
-                inputs=configure.inputs, outputs=[run_state, tabs], api_visibility="private")
+        trigger(tick, inputs=[run_state, seen, have, navigated, visible, log_open], outputs=view.outputs(),
+                js=TICK_JS, show_progress="hidden", concurrency_limit=None, api_visibility="private",
+                queue=queued).then(
+            None, inputs=open_train, js=AFTER_TICK_JS, api_visibility="private", show_progress="hidden")
+
+    def start_confirmed(given: dict) -> dict:
+        if not given[confirmed]:
+            gr.Info("Not started: the run going on is left as it is.")
+            return {}
+        return start_run(backend, configure.values(given), run_state, tabs)
+
+    start.click(None, outputs=confirmed, js=CONFIRM_START_JS, api_visibility="private").then(
+        readable(start_confirmed), inputs={confirmed, *configure.inputs}, outputs=[run_state, tabs],
+        api_visibility="private")
 
     def act(what: str):
-        def handler(path: str | None, new_lr: float | None = None) -> None:
-            _act(backend, what, path, new_lr)
+        def handler(path: str | None, new_lr: float | None = None, ok: bool = True) -> None:
+            _act(backend, what, path, new_lr, ok)
         return readable(handler)
 
     for name in ("pause", "resume", "save", "evaluate", "stop", "stop_other"):
         buttons[name].click(act(name), inputs=run_state, outputs=None, concurrency_limit=None,
                             api_visibility="private")
-    buttons["set_lr"].click(act("set_lr"), inputs=[run_state, lr], outputs=None, concurrency_limit=None,
-                            api_visibility="private")
+    buttons["set_lr"].click(None, inputs=lr, outputs=confirmed, js=CONFIRM_LR_JS, api_visibility="private").then(
+        act("set_lr"), inputs=[run_state, lr, confirmed], outputs=None, concurrency_limit=None,
+        api_visibility="private")
     return TrainTab(plots, status)
+
+
+def _json(text: str | None) -> dict:
+    try:
+        found = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 @dataclass
@@ -122,59 +162,112 @@ class TrainView:
     banner: gr.HTML
     plots: Plots
     log: gr.Code
-    lr: gr.Number
+    lr: gr.Textbox
     buttons: dict[str, gr.Button]
+    start: gr.Button | None = None
 
     def outputs(self) -> list:
+        start = [self.start] if self.start is not None else []
         return [self.run_state, self.seen, self.open_train, self.status, self.banner,
-                *self.plots.components(), self.log, self.lr, *self.buttons.values()]
+                *self.plots.components(), self.log, self.lr, *self.buttons.values(), *start]
 
     def controls(self, state: str | None) -> dict:
-        """Each button enabled when the run's state allows its command."""
+        """Each button enabled when the run's state allows its command; Resume is the primary
+        button of a paused run, and Start is not primary while a run is live."""
         ok = allowed(state)
-        return {button: gr.update(interactive=COMMAND_OF[name] in ok) for name, button in self.buttons.items()}
+        out = {button: gr.update(interactive=COMMAND_OF[name] in ok) for name, button in self.buttons.items()}
+        out[self.buttons["resume"]] = gr.update(interactive="resume" in ok,
+                                                variant="primary" if state == RunState.PAUSED else "secondary")
+        if self.start is not None:
+            out[self.start] = gr.update(variant="secondary" if state in LIVE_STATES else "primary")
+        return out
 
 
-def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | None, smoothing: float,
-            open_tab: bool = True) -> dict:
-    """One look at the run: everything that changed since what the page has `shown` (the rest
-    is left as it is). `shown` is {"path", "version" (of the run's view)}; None on the page's
-    first tick, which also asks the page to open the Train tab when the run is going."""
+def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | None, have: dict | None = None,
+            visible: bool = True, log_open: bool = False, open_tab: bool = True) -> dict:
+    """One look at the run: only what changed since what the page was `shown`, and nothing while
+    the tab is hidden (`visible` False), except on the page's first look, which also asks the
+    page to open the Train tab when the run is going. `shown` is what was sent: {"path",
+    "version" (of the run's view), "state", "status", "seq"}; None on the first look. `have` is
+    what the page's plots hold (plots.HAVE_JS): each plot gets only the points it lacks."""
     first_tick = shown is None
     path = path or backend.session.default_run()
-    shown = shown if shown and shown.get("path") == path else {"path": path, "version": -1}
+    if not shown or shown.get("path") != path:
+        shown = {"path": path, "version": -1, "state": "", "status": "", "seq": 0}
+    if not visible and not first_tick:
+        return {view.run_state: path}
+    sent = dict(shown)
     if path is None:
-        return {view.run_state: None, view.seen: shown, view.open_train: False,
-                view.status: status_html(None), **view.controls(None)}
+        out = {view.run_state: None, view.open_train: False}
+        return {**out, **_changed(view, sent, None, status_html(None)), view.seen: sent}
     try:
         snap = backend.watch.snapshot(path)
     except SessionError as e:
-        return {view.run_state: path, view.seen: shown, view.open_train: False,
-                view.status: status_html(None, str(e)), **view.controls(None)}
-    text = banner_html(snap.failure, backend.session.stop_error(path))
-    out = {view.run_state: path, view.open_train: first_tick and open_tab and snap.info.alive,
-           view.status: status_html(snap), view.banner: gr.update(value=text, visible=bool(text)),
-           **view.controls(snap.info.state)}
-    if snap.version == shown["version"]:
+        out = {view.run_state: path, view.open_train: False}
+        return {**out, **_changed(view, sent, None, status_html(None, str(e))), view.seen: sent}
+    out = {view.run_state: path, view.open_train: first_tick and open_tab and snap.info.alive}
+    if not visible:
         return {**out, view.seen: shown}
-    out.update(zip(view.plots.components(), view.plots.updates(backend.watch.frames(path, smoothing))))
-    out[view.log] = backend.watch.log_tail(path)
-    # the learning-rate box starts at the run's present value when the page first shows the run
-    if shown["version"] == -1 and "lr" in snap.progress.last:
-        out[view.lr] = float(f"{snap.progress.last['lr']:.4g}")
-    return {**out, view.seen: {"path": path, "version": snap.version}}
+    text = banner_html(snap.failure, backend.session.stop_error(path))
+    out.update(_changed(view, sent, snap.info.state, status_html(snap)))
+    if text or sent.get("banner"):
+        out[view.banner] = gr.update(value=text, visible=bool(text))
+        sent["banner"] = bool(text)
+    have = have or {}
+    stale = any((have.get(view.plots.elem_id(n)) or {}).get("path") != path for n in view.plots.by_name)
+    if snap.version != shown["version"] or stale:
+        series = backend.watch.view(path).series()
+        for name, component in view.plots.by_name.items():
+            found = batch(series.get(name, {}), have.get(view.plots.elem_id(name)), path, sent["seq"] + 1)
+            if found is not None:
+                out[component] = found
+                sent["seq"] += 1
+    if log_open and (snap.version != shown["version"] or not shown.get("log")):
+        out[view.log] = backend.watch.log_tail(path)
+        sent["log"] = True
+    sent["version"] = snap.version
+    return {**out, view.seen: sent}
 
 
-def _act(backend: Backend, what: str, path: str | None, new_lr: Any = None) -> None:
+def _changed(view: TrainView, sent: dict, state: str | None, status: str) -> dict:
+    """The status line and the buttons, when they differ from what the page shows (`sent` is
+    updated)."""
+    out: dict = {}
+    if status != sent.get("status"):
+        out[view.status] = status
+        sent["status"] = status
+    if state != sent.get("state"):
+        out.update(view.controls(state))
+        sent["state"] = state
+    return out
+
+
+def _number(text: Any) -> float:
+    """The learning rate typed in the box; a readable error for anything but a number >= 0."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        shown = str(text).strip()
+        raise SessionError("type a learning rate first (a number >= 0, e.g. 0.001)" if not shown else
+                           f"the learning rate must be a number >= 0, got {shown!r}")
+    return value
+
+
+def _act(backend: Backend, what: str, path: str | None, new_lr: Any = None, confirmed: bool = True) -> None:
     session = backend.session
     if what in ("stop", "stop_other"):
         save = STOP_SAVES if what == "stop" else OTHER_SAVE
         info = session.stop(path, save=save)
-        gr.Info(f"Stopping {info.name}{' (saving first)' if save else ''} ...")
+        # closed by the page once the run shows finished (AFTER_TICK_JS)
+        gr.Info(f"Stopping {info.name}{' (saving first)' if save else ''} ...", duration=60)
         return
     if what == "set_lr":
-        if new_lr is None or not new_lr >= 0:
-            raise SessionError(f"the learning rate must be a number >= 0, got {new_lr}")
+        new_lr = _number(new_lr)
+        if new_lr == 0 and not confirmed:
+            gr.Info("The learning rate was left as it is.")
+            return
         result = session.send(path, Set(lr=float(new_lr)))
         gr.Info(f"Learning rate set to {result['changes']['lr']:.3g} at step {result['step']}")
         return

@@ -1,4 +1,4 @@
-"""Pieces the tabs share: the plot group, the status line and failure banner (HTML made from the
+"""Pieces the tabs share: the status line and failure banner (HTML made from the
 backend's values), the page style, and `readable`, which turns a backend failure into a message
 in the page instead of a stack trace."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import html
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import gradio as gr
@@ -67,55 +66,6 @@ def readable(fn: Callable) -> Callable:
         except Exception as e:  # noqa: BLE001
             raise gr.Error(f"{type(e).__name__}: {e}", print_exception=False) from None
     return wrapper
-
-
-# -- plots --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Plots:
-    loss: gr.LinePlot
-    eval: gr.LinePlot
-    lr: gr.LinePlot | None = None
-    tokens: gr.LinePlot | None = None
-    memory: gr.LinePlot | None = None
-
-    def components(self) -> list[gr.LinePlot]:
-        return [p for p in (self.loss, self.eval, self.lr, self.tokens, self.memory) if p is not None]
-
-    def names(self) -> list[str]:
-        return [n for n in ("loss", "eval", "lr", "tokens", "memory") if getattr(self, n) is not None]
-
-    def updates(self, frames: dict) -> list:
-        """New data for every plot, in `components()` order; None (a blank plot) for one without
-        data yet, so that its first drawing has data to take its axes from (see `_plot`)."""
-        return [frames[name] if len(frames[name]) else None for name in self.names()]
-
-
-def _plot(y: str, title: str, y_title: str, elem_id: str, legend: bool = True,
-          x_format: str | None = None, y_format: str | None = None) -> gr.LinePlot:
-    # No initial data on purpose: the browser takes the axis types and the color scale from the
-    # first data it draws, and an empty table would fix them wrongly (untyped, no series).
-    return gr.LinePlot(None, x="step", y=y, color="series", title=title, x_title="step",
-                       y_title=y_title, height=240, elem_id=elem_id, show_label=False,
-                       colors_in_legend=None if legend else [], x_axis_format=x_format,
-                       y_axis_format=y_format,
-                       buttons=["fullscreen", "export"])
-
-
-def make_plots(prefix: str, full: bool = True) -> Plots:
-    """The plots of a run: loss and evaluation metrics, with `full` also lr, tokens/s, memory."""
-    with gr.Row(equal_height=True):
-        loss = _plot("loss", "Loss (raw, smoothed, eval)", "loss", f"{prefix}-plot-loss")
-        ev = _plot("value", "Evaluation metrics", "value", f"{prefix}-plot-eval", x_format="d",
-               y_format=".3~g")
-    if not full:
-        return Plots(loss, ev)
-    with gr.Row(equal_height=True):
-        lr = _plot("lr", "Learning rate", "lr", f"{prefix}-plot-lr", legend=False)
-        tokens = _plot("tokens_per_s", "Throughput", "tokens / s", f"{prefix}-plot-tokens", legend=False)
-        memory = _plot("mem_mb", "Memory (rank 0)", "MiB", f"{prefix}-plot-memory", legend=False)
-    return Plots(loss, ev, lr, tokens, memory)
 
 
 # -- status and failures ------------------------------------------------------------------------

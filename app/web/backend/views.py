@@ -8,6 +8,7 @@ same plots from it: `RunView.poll()` reads only the lines added since the last p
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from contract.run_folder import EventTail, RunFolder, tail_lines
 MAX_POINTS = 400
 # eval metrics that are plotted with the loss, not with the other evaluation metrics
 LOSS_LIKE = ("loss", "perplexity")
+Series = list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,24 @@ class RunView:
     @property
     def method(self) -> str | None:
         return self.history.summary.method
+
+    # -- series for the plots ---------------------------------------------------------------------
+    def series(self) -> dict[str, dict[str, Series]]:
+        """Each plot's series, whole (app.web.plots sends a page only what it lacks): loss (raw,
+        eval), eval (the other evaluation metrics, each its own), lr, tokens, memory."""
+        with self._lock:
+            train = {name: list(points) for name, points in self.history.train.items()}
+            evals = {name: list(points) for name, points in self.history.eval.items()}
+        def pick(points: list) -> Series:
+            return [(step, float(v)) for step, v in points if _number(v) and math.isfinite(v)]
+        loss = {"raw": pick(train.get("loss", [])), "eval": pick(evals.get("loss", []))}
+        return {
+            "loss": {k: v for k, v in loss.items() if v},
+            "eval": {name: pick(evals[name]) for name in sorted(evals) if name not in LOSS_LIKE},
+            "lr": {"lr": pick(train["lr"])} if "lr" in train else {},
+            "tokens": {"tokens/s": pick(train["tokens_per_s"])} if "tokens_per_s" in train else {},
+            "memory": {"rank 0": pick(train["mem_mb"])} if "mem_mb" in train else {},
+        }
 
     # -- tables for the plots ---------------------------------------------------------------------
     def frames(self, smoothing: float = 0.9) -> dict[str, pd.DataFrame]:

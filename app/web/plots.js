@@ -1,0 +1,160 @@
+// The live plots of the web app (app/web/plots.py): `element` is the plot's gr.HTML element and
+// `props.value` a JSON batch from the server ({path, seq, series: {name: {reset, points}}}).
+// A batch holds only the points this page does not have yet (it says what it has through
+// window.livetunePlots, read by the Train tab's tick), so the page appends and redraws one small
+// SVG instead of receiving and re-embedding the whole history. Smoothing and the log scale are
+// drawn here, without a round trip.
+const MAX_DRAWN = 400;   // points drawn per line (the full history stays in events.jsonl)
+const MAX_KEPT = 20000;  // points kept per line in the page before the older half is thinned
+const spec = JSON.parse(element.querySelector('.lt-plot').dataset.spec);
+const store = { path: null, series: {}, log: false, smoothing: spec.smoothing ?? 0 };
+window.livetunePlots = window.livetunePlots || {};
+window.livetunePlots[spec.id] = store;
+
+const svgNS = 'http://www.w3.org/2000/svg';
+const box = element.querySelector('.lt-plot');
+const canvas = box.querySelector('.lt-canvas');
+const empty = box.querySelector('.lt-empty');
+const legend = box.querySelector('.lt-legend');
+
+function apply(text) {
+  if (!text) return;
+  let batch;
+  try { batch = JSON.parse(text); } catch (e) { return; }
+  if (batch.path !== store.path) { store.path = batch.path; store.series = {}; }
+  for (const [name, part] of Object.entries(batch.series || {})) {
+    let points = part.reset ? [] : (store.series[name] || []);
+    if (part.points.length) {  // a rewound run (resumed from an earlier step) replaces the tail
+      const first = part.points[0][0];
+      while (points.length && points[points.length - 1][0] >= first) points.pop();
+    }
+    points = points.concat(part.points);
+    if (points.length > MAX_KEPT) {
+      const half = Math.floor(points.length / 2);
+      points = points.slice(0, half).filter((_, i) => i % 2 === 0).concat(points.slice(half));
+    }
+    store.series[name] = points;
+  }
+  schedule();
+}
+
+let pending = false;
+function schedule() {
+  if (pending) return;
+  pending = true;
+  requestAnimationFrame(() => { pending = false; draw(); });
+}
+
+function thin(points) {
+  if (points.length <= MAX_DRAWN) return points;
+  const stride = points.length / MAX_DRAWN, out = [];
+  for (let i = 0; i < MAX_DRAWN - 1; i++) out.push(points[Math.floor(i * stride)]);
+  out.push(points[points.length - 1]);
+  return out;
+}
+
+function smooth(points, weight) {  // TensorBoard's debiased exponential moving average
+  let avg = 0, n = 0;
+  return points.map(([s, v]) => { n += 1; avg = weight * avg + (1 - weight) * v; return [s, avg / (1 - weight ** n)]; });
+}
+
+function niceTicks(lo, hi, count, integer) {
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / count, mag = 10 ** Math.floor(Math.log10(raw));
+  let step = [1, 2, 5, 10].map(m => m * mag).find(s => s >= raw) || raw;
+  if (integer) step = Math.max(1, Math.round(step));
+  const out = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + 1e-9 * step; t += step) out.push(t);
+  return out;
+}
+
+function fmt(v) {
+  const a = Math.abs(v);
+  if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(1);
+  return +v.toPrecision(3) + '';
+}
+
+function el(tag, attrs, parent) {
+  const node = document.createElementNS(svgNS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (parent) parent.appendChild(node);
+  return node;
+}
+
+// one panel: lines (name, points, colour, dots) on shared axes, inside [x0, y0, w, h]
+function panel(svg, lines, x0, y0, w, h, steps, log, title) {
+  const all = lines.flatMap(l => l.points.map(p => p[1])).filter(v => Number.isFinite(v) && (!log || v > 0));
+  if (!all.length) return;
+  const ty = v => log ? Math.log10(v) : v;
+  let lo = Math.min(...all.map(ty)), hi = Math.max(...all.map(ty));
+  if (hi - lo < 1e-12) { lo -= 0.5 || 1; hi += 0.5; }
+  const pad = (hi - lo) * 0.05; lo -= pad; hi += pad;
+  const left = x0 + 52, right = x0 + w - 8, top = y0 + (title ? 16 : 6), bottom = y0 + h - 20;
+  const sx = s => left + (steps[1] > steps[0] ? (s - steps[0]) / (steps[1] - steps[0]) : 0.5) * (right - left);
+  const sy = v => bottom - (ty(v) - lo) / (hi - lo) * (bottom - top);
+  if (title) el('text', { x: left, y: y0 + 12, class: 'lt-title', fill: lines[0].color }, svg).textContent = title;
+  el('rect', { x: left, y: top, width: right - left, height: bottom - top, class: 'lt-frame' }, svg);
+  for (const t of niceTicks(lo, hi, 4, false)) {
+    const y = bottom - (t - lo) / (hi - lo) * (bottom - top);
+    el('line', { x1: left, x2: right, y1: y, y2: y, class: 'lt-grid' }, svg);
+    el('text', { x: left - 4, y: y + 3, class: 'lt-tick', 'text-anchor': 'end' }, svg).textContent = fmt(log ? 10 ** t : t);
+  }
+  for (const t of niceTicks(steps[0], steps[1], 6, true)) {
+    el('text', { x: sx(t), y: bottom + 13, class: 'lt-tick', 'text-anchor': 'middle' }, svg).textContent = t;
+  }
+  for (const line of lines) {
+    const pts = thin(line.points.filter(p => Number.isFinite(p[1]) && (!log || p[1] > 0)));
+    if (!pts.length) continue;
+    const d = pts.map((p, i) => (i ? 'L' : 'M') + sx(p[0]).toFixed(1) + ' ' + sy(p[1]).toFixed(1)).join('');
+    el('path', { d, fill: 'none', stroke: line.color, 'stroke-width': line.width || 1.5, 'data-series': line.name,
+                 opacity: line.opacity || 1 }, svg);
+    if (line.dots) for (const p of pts) el('circle', { cx: sx(p[0]), cy: sy(p[1]), r: 3, fill: line.color }, svg);
+  }
+}
+
+function draw() {
+  const names = Object.keys(store.series).filter(n => store.series[n].length);
+  empty.style.display = names.length ? 'none' : '';
+  canvas.replaceChildren();
+  legend.replaceChildren();
+  if (!names.length) return;
+  let lines = [];
+  for (const name of names) {
+    const color = spec.colors[name] || spec.palette[lines.length % spec.palette.length];
+    const points = store.series[name];
+    if (name === 'raw' && spec.smoothable && store.smoothing > 0) {
+      lines.push({ name, points, color: spec.colors.raw_faded || color, opacity: 0.35, width: 1 });
+      lines.push({ name: 'smoothed', points: smooth(points, store.smoothing), color, width: 2 });
+    } else {
+      lines.push({ name, points, color, dots: name === 'eval' || spec.panels, width: name === 'eval' ? 2.5 : 1.5 });
+    }
+  }
+  // the eval loss is drawn last, so it lies over the train loss
+  lines.sort((a, b) => (a.name === 'eval') - (b.name === 'eval'));
+  const steps = [Math.min(...lines.map(l => l.points[0][0])), Math.max(...lines.map(l => l.points[l.points.length - 1][0]))];
+  const w = Math.max(240, canvas.clientWidth || box.clientWidth || 400);
+  const h = spec.panels ? Math.max(1, lines.length) * 110 : spec.height;
+  const svg = el('svg', { width: w, height: h, viewBox: `0 0 ${w} ${h}` });
+  if (spec.panels) lines.forEach((l, i) => panel(svg, [l], 0, i * 110, w, 110, steps, false, l.name));
+  else panel(svg, lines, 0, 0, w, h, steps, store.log, null);
+  canvas.appendChild(svg);
+  for (const l of lines) {
+    const item = document.createElement('span');
+    item.className = 'lt-key';
+    item.innerHTML = `<i style="background:${l.color}"></i>`;
+    item.appendChild(document.createTextNode(l.name));
+    legend.appendChild(item);
+  }
+}
+
+const logBox = box.querySelector('.lt-log input');
+if (logBox) logBox.addEventListener('change', () => { store.log = logBox.checked; schedule(); });
+const slider = box.querySelector('.lt-smooth input');
+if (slider) slider.addEventListener('input', () => {
+  store.smoothing = +slider.value;
+  box.querySelector('.lt-smooth output').textContent = (+slider.value).toFixed(2);
+  schedule();
+});
+new ResizeObserver(schedule).observe(box);
+apply(props.value);
+watch('value', () => apply(props.value));
