@@ -339,3 +339,15 @@ def test_preview_worker_answers_with_the_engines_code(tmp_path, form):
         assert "no such file" in worker.data(str(tmp_path / "missing.jsonl"))["error"]
     finally:
         worker.close()
+
+
+def test_validating_as_the_user_types_leaves_one_yaml_file_per_page():
+    from app.web.configure import _yaml_file
+
+    first = _yaml_file("train: {max_steps: 1}\n# h9-test\n")
+    assert _yaml_file("train: {max_steps: 1}\n# h9-test\n") == first  # the same config, the same file
+    second = _yaml_file("train: {max_steps: 2}\n# h9-test\n", previous=first)
+    third = _yaml_file("train: {max_steps: 3}\n# h9-test\n", previous=second)
+    assert not Path(first).exists() and not Path(second).exists()
+    assert yaml.safe_load(Path(third).read_text()) == {"train": {"max_steps": 3}}
+    Path(third).unlink()

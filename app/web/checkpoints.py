@@ -24,7 +24,8 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
                              allow_custom_value=False)
         refresh_btn = gr.Button("Refresh", scale=1, elem_id="ckpt-refresh")
     with gr.Row(equal_height=True):
-        resume = gr.Button("Resume a new run from it", variant="primary", elem_id="ckpt-resume")
+        resume = gr.Button("Resume a new run from it", variant="primary", elem_id="ckpt-resume",
+                           interactive=False)
         target = gr.Textbox(label="Export into (a new folder)", scale=2, elem_id="ckpt-target",
                             placeholder="e.g. exports/my-model")
         export = gr.Button("Export model / adapter", elem_id="ckpt-export")
@@ -37,6 +38,9 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
     refresh = dict(fn=listing, inputs=run_state, outputs=[about, table, chosen], api_visibility="private",
                    show_progress="hidden")
     refresh_btn.click(**refresh)
+    # resume is offered only with a training checkpoint picked (the final model has no trainer state)
+    chosen.change(lambda src: gr.update(interactive=_resumable(src)), inputs=chosen, outputs=resume,
+                  api_visibility="private", show_progress="hidden")
     resume.click(readable(lambda path, src: _resume(backend, path, src, run_state, tabs)), inputs=[run_state, chosen],
                  outputs=[run_state, tabs], api_visibility="private")
     export.click(readable(lambda src, dst: _export(backend, src, dst, False)), inputs=[chosen, target],
@@ -61,12 +65,20 @@ def _listing(backend: Backend, path: str | None, about: gr.Markdown, table: gr.D
                      f"{loss:.4f}" if loss is not None else "", evals, item.size,
                      "yes" if item.complete else "no (being written or broken)", item.path])
     name = Path(path).name
+    checkpoints = sum(1 for r in rows if r[1] == "checkpoint" and r[6] == "yes")
     text = (f"Saved by run **{name}**: {len(rows)} item{'s' * (len(rows) != 1)}." if rows else
-             f"Run **{name}** has saved nothing yet (use *Save now* on the Train tab, or "
-             "`checkpoint.every_n_steps`).")
+            f"Run **{name}** has saved nothing yet (use *Save now* on the Train tab, or "
+            "`checkpoint.every_n_steps`).")
+    if not checkpoints:
+        text += (" *Resume a new run from it* needs a complete training checkpoint"
+                 f"{' (the final model holds no trainer state)' if rows else ''}.")
     choices = [(f"{r[0]} ({r[1]}{', step ' + str(r[2]) if r[2] != '' else ''})", r[7]) for r in rows]
     return {about: text, table: pd.DataFrame(rows, columns=COLUMNS),
             chosen: gr.update(choices=choices, value=choices[0][1] if choices else None)}
+
+
+def _resumable(source: str | None) -> bool:
+    return bool(source) and Path(source).parent.name == "checkpoints"
 
 
 def _resume(backend: Backend, path: str | None, checkpoint: str | None, run_state: gr.State,

@@ -4,8 +4,10 @@ validation as the user types, each problem shown under its field, Start disabled
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import shlex
 import tempfile
 from dataclasses import dataclass, field
@@ -142,6 +144,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
 
     tab = ConfigureTab(fields, [start])
     shown = gr.State(first.by_field)  # the problems this page shows under its fields
+    yaml_path = gr.State(None)  # the YAML file this page offers last wrote (removed when replaced)
 
     def check(given: dict) -> dict:
         values = tab.values(given)
@@ -150,15 +153,16 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
         # only the fields whose problems changed are sent: a field being typed in stays as it is
         marks = {fields[f["key"]]: gr.update(**_help(f, checked.by_field.get(f["key"], [])))
                  for f in form.fields if checked.by_field.get(f["key"]) != before.get(f["key"])}
-        return {shown: checked.by_field, **marks,
+        written = _yaml_file(form.to_yaml(values), given[yaml_path])
+        return {shown: checked.by_field, **marks, yaml_path: written,
                 summary: problems_html(_all_problems(form, checked)),
                 **{b: gr.update(interactive=checked.ok) for b in tab.start_buttons},
                 resolved: checked.config.to_yaml() if checked.ok else "# fix the problems above first",
-                command: _command(backend, checked), save: _yaml_file(form.to_yaml(values))}
+                command: _command(backend, checked), save: written}
 
     def wire_validation() -> None:
-        outputs = [shown, *fields.values(), summary, *tab.start_buttons, resolved, command, save]
-        gr.on([c.change for c in fields.values()], check, inputs={shown, *fields.values()},
+        outputs = [shown, yaml_path, *fields.values(), summary, *tab.start_buttons, resolved, command, save]
+        gr.on([c.change for c in fields.values()], check, inputs={shown, yaml_path, *fields.values()},
               outputs=outputs, trigger_mode="always_last", show_progress="hidden", api_visibility="private")
 
     tab.validation = wire_validation  # wired by the app once every Start button exists
@@ -206,12 +210,20 @@ def _command(backend: Backend, checked: Checked) -> str:
     return shlex.join(launch_command(cfg, folder))
 
 
-def _yaml_file(text: str) -> str:
+def _yaml_file(text: str, previous: str | None = None) -> str:
+    """The file "Save YAML" offers: named by its content (the same config, the same file), and
+    the page's `previous` one removed when it is replaced (Gradio has served its own copy of it
+    by then), so validating as the user types leaves one file per page, not one per check."""
     folder = Path(tempfile.gettempdir()) / "livetune-configs"
     folder.mkdir(exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="run-config-", dir=folder, delete=False) as f:
-        f.write(text)
-    return f.name
+    path = folder / f"run-config-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    if not path.exists():
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_text(text)
+        part.replace(path)
+    if previous and previous != str(path) and Path(previous).parent == folder:
+        Path(previous).unlink(missing_ok=True)
+    return str(path)
 
 
 def _load_yaml(form: Form, path: str) -> dict[str, Any]:
