@@ -67,6 +67,27 @@ def check_launchable(cfg: RunConfig) -> None:
                           "pdsh), or start each machine yourself: see the README, 'Several machines'")
 
 
+def runs_on_other_machines(cfg: RunConfig) -> bool:
+    """Whether DeepSpeed's launcher starts ranks over ssh (a hostfile naming other machines)."""
+    p = cfg.parallel
+    return bool(p.hostfile) and p.launcher == "deepspeed" and not is_local_only(
+        parse_hostfile(Path(p.hostfile).read_text())[0])
+
+
+def write_remote_env(folder: RunFolder, run_env: dict[str, str]) -> Path:
+    """The run's environment for the ranks on other machines. pdsh carries only PYTHON*
+    variables there; DeepSpeed's launcher exports every KEY=VALUE line of the file DS_ENV_FILE
+    names (after the user's own ~/.deepspeed_env, kept here). PATH stays each machine's own."""
+    lines = []
+    own = Path.home() / ".deepspeed_env"
+    if own.is_file():
+        lines += [ln for ln in own.read_text().splitlines() if "=" in ln]
+    lines += [f"{key}={value}" for key, value in run_env.items() if key != "PATH" and "\n" not in value]
+    path = folder.root / "deepspeed_env"
+    path.write_text("".join(ln + "\n" for ln in lines))
+    return path
+
+
 @dataclass
 class LaunchedRun:
     folder: RunFolder
@@ -84,13 +105,16 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
     SIGKILL (`supervisor.guard` leads the group): for a run owned by its terminal. Call it from
     the main thread then (Linux ties the parent-death signal to the creating thread)."""
     env = dict(os.environ)
-    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "LIVETUNE_RUN_DIR": str(folder.root)})
+    run_env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "LIVETUNE_RUN_DIR": str(folder.root)}
     # Each rank gets an equal share of the cores; oversubscribing threads slows gloo ranks badly.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)))
+    run_env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)))
+    run_env.update(extra_env or {})
+    env.update(run_env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.update(extra_env or {})
     check_launchable(cfg)
+    if runs_on_other_machines(cfg):
+        env["DS_ENV_FILE"] = str(write_remote_env(folder, run_env))
     cmd = launch_command(cfg, folder)
     folder.logs.mkdir(parents=True, exist_ok=True)
     (folder.logs / "command.txt").write_text(" ".join(cmd) + "\n")
