@@ -21,6 +21,29 @@ calls flush_before_deleting first, paying for the sync only when something is de
 
 On object stores a rename is a copy, so there the marker written last is what makes a folder
 complete; the swap of an existing folder of the same name is not atomic there.
+
+A failed save fails alike on every rank (disk full, permissions, object storage, any cause): no
+rank may leave the save while another still waits in one of its collectives, so a failure is
+never raised where it happens. Each phase ends in an agreement -- preparing (rank 0: stale
+folders, space, the temporary folder; broadcast), writing (every rank; DeepSpeed's writes go
+through :meth:`FolderWriter.deferring`, so a rank whose write failed still goes through
+DeepSpeed's barriers; all-gather), publishing (rank 0; broadcast) -- and then every rank raises
+the same :class:`CheckpointError` or none. Rank 0 then removes the partial folder, and `emit`
+(the run's event log) gets a ``checkpoint_failed`` event naming the failure.
+
+A full disk is :class:`DiskFullError`, naming the folder, the space needed (estimated from the
+newest complete checkpoint beside it, engine.checkpoint.space) and the space that was free.
+When the estimate says the save cannot fit, nothing is written: a ``warning`` event and a
+printed message say so before the save would start, and the save fails at once (writing until
+the disk is full would also starve the event log). A folder is marked complete only after every
+file in it was written in full: each rank checks its files (a torch zip archive ends with its
+central directory, so one cut short is caught) and hashes them, and rank 0 checks every size in
+the manifest on disk before writing the marker, then reads the marker back.
+
+What a run does about a failed save is decided above this layer: the `save` command answers
+the error and training goes on; a `stop` stops anyway; the schedule first deletes what its keep
+rules would delete after the save and tries once more, and otherwise ends the run with the
+disk-full message (engine.checkpoint.schedule).
 """
 
 from __future__ import annotations
@@ -35,10 +58,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+import zipfile
+from typing import Any, Callable, Iterator
 
 import fsspec
 import xxhash
+
+from engine.checkpoint import space as disk
 
 MARKER = "COMPLETE.json"
 POINTER = "latest"
@@ -74,6 +100,20 @@ class LayoutMismatchError(CheckpointError):
 
 class WrongKindError(CheckpointError):
     """A model export where a training checkpoint was expected, or the other way round."""
+
+
+class DiskFullError(CheckpointError):
+    """The file system ran out of space during a save, or would have (`foreseen`)."""
+
+    def __init__(self, message: str, path: str, needed: int | None, free: int | None, foreseen: bool):
+        super().__init__(message)
+        self.path, self.needed, self.free, self.foreseen = path, needed, free, foreseen
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.path, self.needed, self.free, self.foreseen))
 
 
 # -- ranks ----------------------------------------------------------------------------------------
@@ -188,6 +228,7 @@ class FolderWriter:
     local: Path
     comm: Comm
     claimed: list[str] = field(default_factory=list)
+    problem: dict | None = None  # this rank's first failure, agreed on at the end of the phase
 
     def claim(self, *relpaths: str) -> None:
         """Files this rank wrote (relative to `local`); unclaimed files there belong to rank 0."""
@@ -197,70 +238,264 @@ class FolderWriter:
         for p in paths:
             self.claim(str(Path(p).resolve().relative_to(self.local.resolve())))
 
+    def fail(self, error: BaseException) -> None:
+        """Note a failure of this rank (the first one counts); the save then fails on every rank."""
+        if self.problem is None:
+            self.problem = {"error": f"{type(error).__name__}: {error}",
+                            "disk_full": disk.is_disk_full(error, self.local)}
+
+    @contextlib.contextmanager
+    def deferring(self, owner: Any, name: str) -> Iterator[None]:
+        """Within: a failure of `owner.<name>(...)` is noted (:meth:`fail`) instead of raised, and
+        once one is noted the later calls write nothing. For writes made between collectives
+        (DeepSpeed's checkpoint engine): this rank goes on through every barrier the others wait
+        in, and the save fails on every rank where they agree."""
+        original, own = getattr(owner, name), name in vars(owner)
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self.problem is not None:
+                return None
+            try:
+                return original(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - raised at the agreement, on every rank
+                self.fail(e)
+                _drop_frames(e)
+                return None
+
+        setattr(owner, name, guarded)
+        try:
+            yield
+        finally:
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
 
 @contextlib.contextmanager
 def writing(url: str, kind: str, meta: dict | None = None, pointer: bool = False,
-            comm: Comm | None = None) -> Iterator[FolderWriter]:
+            comm: Comm | None = None, emit: Callable[[dict], None] | None = None) -> Iterator[FolderWriter]:
     """Write a folder at `url` atomically, together with every rank (see the module docstring).
 
     The body writes its files under `writer.local` on each rank; when it returns, the folder is
-    hashed, marked complete and published, and `<parent>/latest` names it when `pointer`.
+    checked, hashed, marked complete and published, and `<parent>/latest` names it when
+    `pointer`. A failure on any rank raises the same CheckpointError (DiskFullError for a full
+    disk) on every rank, after the partial folder is removed; `emit` (rank 0's event log) gets
+    the foreseen-full warning and the `checkpoint_failed` event.
     """
     comm = comm or Comm.current()
     target = location(url)
+    prepared: tuple[str, disk.Space] | None = None
+    problem = None
     if comm.rank == 0:
-        _remove_stale(target.parent)
-    token = comm.broadcast(uuid.uuid4().hex[:10])
+        try:
+            prepared = _prepare(target, kind)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others hang
+            problem = {"error": f"{type(e).__name__}: {e}", "disk_full": disk.is_disk_full(e, target.parent.path)}
+    prepared, problem = comm.broadcast((prepared, problem))
+    if prepared is None:
+        raise _failed(target, kind, {0: problem}, disk.Space(), emit, comm)
+    token, space = prepared
+    if space.short:
+        raise _full_foreseen(target, kind, space, emit, comm)
     tmp = target.parent.child(f"{TMP_PREFIX}{target.name}-{token}")
-    if target.is_local:
-        local = Path(tmp.path)
-        if comm.rank == 0:
-            local.mkdir(parents=True)
-        comm.barrier()
-    else:
-        local = Path(tempfile.mkdtemp(prefix="livetune-stage-"))
-    writer = FolderWriter(local, comm)
+    writer = FolderWriter(Path(tmp.path), comm)
     try:
-        yield writer
-        _finish(writer, target, tmp, kind, meta or {}, pointer)
+        if not target.is_local:
+            writer.local = Path(tempfile.mkdtemp(prefix="livetune-stage-"))
+        try:
+            yield writer
+        except Exception as e:  # noqa: BLE001 - agreed on in _finish, then raised on every rank
+            writer.fail(e)
+            _drop_frames(e)
+        _finish(writer, target, tmp, kind, meta or {}, pointer, space, emit)
     finally:
         if not target.is_local:
-            shutil.rmtree(local, ignore_errors=True)
+            shutil.rmtree(writer.local, ignore_errors=True)
+
+
+def _drop_frames(error: BaseException | None) -> None:
+    """Forget the tracebacks of a failed write (and of the errors it chains): they hold its open
+    file, so a deleted partial folder would keep its disk space while anyone holds the error."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:  # contextlib keeps the traceback too: clear the finished frames
+            with contextlib.suppress(RuntimeError):  # a frame still running is left as it is
+                tb.tb_frame.clear()
+            tb = tb.tb_next
+        error.__traceback__ = None
+        error = error.__context__ or error.__cause__
+
+
+def _prepare(target: Location, kind: str) -> tuple[str, disk.Space]:
+    """Rank 0, before anything is written: stale folders gone, the space measured and, when the
+    save can fit, the temporary folder made. Returns its token and the space."""
+    _remove_stale(target.parent)
+    token = uuid.uuid4().hex[:10]
+    space = space_for(target, kind)
+    if target.is_local and not space.short:
+        Path(target.parent.child(f"{TMP_PREFIX}{target.name}-{token}").path).mkdir(parents=True)
+    return token, space
+
+
+def space_for(target: Location, kind: str) -> disk.Space:
+    """The space a save of `target` needs (the size of the folder it replaces, else of the newest
+    complete folder of `kind` beside it) and the free space there; unknown for object stores."""
+    if not target.is_local:
+        return disk.Space()
+    basis = read_marker(target) if target.exists() else None
+    name = target.name
+    if basis is None or basis.get("kind") != kind:
+        siblings = [c for c in list_checkpoints(target.parent.url, kind) if c["name"] != target.name]
+        basis, name = (siblings[-1], siblings[-1]["name"]) if siblings else (None, None)
+    needed = disk.manifest_bytes(basis) if basis is not None else None
+    return disk.Space(free=disk.free_bytes(target.parent.path), needed=needed, basis=name,
+                      where=target.parent.path)
 
 
 def _finish(writer: FolderWriter, target: Location, tmp: Location, kind: str, meta: dict,
-            pointer: bool) -> None:
+            pointer: bool, space: disk.Space, emit: Callable[[dict], None] | None) -> None:
     comm = writer.comm
-    problem, files = None, {}
-    try:
-        files = describe(writer.local, writer.claimed)
-        if not target.is_local:
-            _upload(writer.local, list(files), tmp)
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others hang
-        problem = f"{type(e).__name__}: {e}"
-    gathered = comm.all_gather((files, problem))
-    problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(gathered) if p]
+    files: dict[str, dict] = {}
+    if writer.problem is None:
+        try:
+            cut = cut_short(writer.local, writer.claimed)
+            if cut:
+                raise OSError(f"written only in part: {', '.join(cut)}")
+            files = describe(writer.local, writer.claimed)
+            if not target.is_local:
+                _upload(writer.local, list(files), tmp)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others hang
+            writer.fail(e)
+    gathered = comm.all_gather((files, writer.problem))
+    problems = {r: p for r, (_, p) in enumerate(gathered) if p}
     if comm.rank == 0 and not problems:
         try:
             manifest: dict[str, dict] = {}
             for rank_files, _ in gathered:
                 manifest.update(rank_files)
-            rest = [rel for rel in local_files(writer.local) if rel not in manifest and rel != MARKER]
-            manifest.update(describe(writer.local, rest))
-            if not target.is_local:
-                _upload(writer.local, rest, tmp)
-            marker = {"format": FORMAT, "kind": kind, "created": time.time(), **meta,
-                      "files": dict(sorted(manifest.items()))}
-            _write_marker(tmp, marker)
+            _mark_complete(writer.local, manifest, target, tmp, kind, meta)
             _publish(tmp, target)
             if pointer:
                 write_pointer(target.parent, target.name)
         except Exception as e:  # noqa: BLE001
-            problems.append(f"rank 0: {type(e).__name__}: {e}")
-    problems = [p for p in comm.broadcast(problems)]
+            writer.fail(e)
+            problems[0] = writer.problem
+    problems = comm.broadcast(problems)
     if problems:
-        raise CheckpointError(f"saving {target.url} failed, nothing was published (the previous "
-                              f"checkpoint is untouched): " + "; ".join(problems))
+        raise _failed(target, kind, problems, space, emit, comm, tmp)
+
+
+def _mark_complete(local: Path, manifest: dict[str, dict], target: Location, tmp: Location, kind: str,
+                   meta: dict) -> None:
+    """Rank 0: add its unclaimed files to the manifest, check every listed size on disk, write the
+    marker and read it back. Raises rather than mark a folder whose files are not all whole."""
+    rest = [rel for rel in local_files(local) if rel not in manifest and rel != MARKER]
+    cut = cut_short(local, rest)
+    if cut:
+        raise OSError(f"written only in part: {', '.join(cut)}")
+    manifest.update(describe(local, rest))
+    if not target.is_local:
+        _upload(local, rest, tmp)
+    elif _sizes_differ(local, manifest):  # what every rank hashed is what is on the disk now
+        raise OSError(f"files changed size after they were written: {', '.join(_sizes_differ(local, manifest))}")
+    marker = {"format": FORMAT, "kind": kind, "created": time.time(), **meta,
+              "files": dict(sorted(manifest.items()))}
+    _write_marker(tmp, marker)
+    if read_marker(tmp) != json.loads(json.dumps(marker)):
+        raise OSError(f"{tmp.child(MARKER).url} does not read back as written")
+
+
+def cut_short(root: Path, relpaths: list[str]) -> list[str]:
+    """Files that are not whole: missing, or a zip archive (torch.save's format) without its
+    central directory, which is written last."""
+    cut = []
+    for rel in relpaths:
+        path = root / rel
+        if not path.is_file():
+            cut.append(f"{rel} (missing)")
+            continue
+        with open(path, "rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"
+        if is_zip and not zipfile.is_zipfile(path):
+            cut.append(f"{rel} (a zip archive without its end)")
+    return cut
+
+
+def _sizes_differ(local: Path, manifest: dict[str, dict]) -> list[str]:
+    return [rel for rel, f in manifest.items()
+            if not (local / rel).is_file() or (local / rel).stat().st_size != f["size"]]
+
+
+# -- failures ---------------------------------------------------------------------------------------
+def _failed(target: Location, kind: str, problems: dict[int, dict], space: disk.Space,
+            emit: Callable[[dict], None] | None, comm: Comm, tmp: Location | None = None) -> CheckpointError:
+    """The agreed error of a failed save (the same on every rank); rank 0 removes the partial
+    folder and records the failure."""
+    written = None
+    if comm.rank == 0 and tmp is not None:
+        written = disk.folder_bytes(tmp.path) if tmp.is_local else None
+        with contextlib.suppress(Exception):  # a folder that cannot be removed now goes next save
+            remove(tmp)
+    ranks = "; ".join(f"rank {r}: {p['error']}" if comm.world > 1 else p["error"]
+                      for r, p in sorted(problems.items()))
+    newest = _newest_complete(target, kind)
+    keep = (f"the newest complete checkpoint, {newest}, is untouched" if newest
+            else "no complete checkpoint is there yet")
+    error: CheckpointError
+    if any(p["disk_full"] for p in problems.values()):
+        needed = space.needed
+        need = (f"needs about {disk.mb(needed)} (the size of {space.basis})" if needed is not None
+                else f"needs more than the {disk.mb(written)} written before the disk filled"
+                if written else "needs more space")
+        error = DiskFullError(f"disk full: saving {target.url} {need}, and {space.where or target.parent.url} "
+                              f"had {disk.mb(space.free)} free when the save started ({ranks}). The partial "
+                              f"folder was removed and {keep}; free some space and save again",
+                              target.url, needed, space.free, foreseen=False)
+    else:
+        error = CheckpointError(f"saving {target.url} failed, nothing was published (the partial folder "
+                                f"was removed and {keep}): {ranks}")
+    _record_failure(error, target, kind, emit, comm)
+    return error
+
+
+def _full_foreseen(target: Location, kind: str, space: disk.Space, emit: Callable[[dict], None] | None,
+                   comm: Comm) -> DiskFullError:
+    """The save cannot fit: warned about before anything is written, then refused alike on every rank."""
+    message = (f"disk full: saving {target.url} needs about {disk.mb(space.needed)} (the size of "
+               f"{space.basis}), and {space.where} has {disk.mb(space.free)} free, so the save was not "
+               f"started; {_newest_complete(target, kind) or 'no checkpoint'} stays the newest complete "
+               f"one. Free some space and save again")
+    if comm.rank == 0:
+        print(f"warning: {message}", flush=True)
+        if emit is not None:
+            emit({"type": "warning", "message": message, "path": target.url,
+                  "needed_bytes": space.needed, "free_bytes": space.free})
+    error = DiskFullError(message, target.url, space.needed, space.free, foreseen=True)
+    _record_failure(error, target, kind, emit, comm)
+    return error
+
+
+def _record_failure(error: CheckpointError, target: Location, kind: str, emit: Callable[[dict], None] | None,
+                    comm: Comm) -> None:
+    if comm.rank != 0 or emit is None:
+        return
+    event: dict[str, Any] = {"type": "checkpoint_failed", "path": target.url, "kind": kind, "error": str(error),
+                             "disk_full": isinstance(error, DiskFullError)}
+    if isinstance(error, DiskFullError):
+        event.update(needed_bytes=error.needed, free_bytes=error.free, foreseen=error.foreseen)
+    with contextlib.suppress(Exception):  # the event log may sit on the full disk itself
+        emit(event)
+
+
+def _newest_complete(target: Location, kind: str) -> str | None:
+    try:
+        found = list_checkpoints(target.parent.url, kind)
+    except Exception:  # noqa: BLE001 - only for the message
+        return None
+    return found[-1]["name"] if found else None
 
 
 def _upload(local: Path, relpaths: list[str], tmp: Location) -> None:
@@ -299,10 +534,15 @@ def _publish(tmp: Location, target: Location) -> None:
             if fs.exists(target.child(MARKER).path):
                 fs.rm(target.child(MARKER).path)
             fs.mv(target.path, old.path, recursive=True)
-    if target.is_local:
-        os.rename(tmp.path, target.path)
-    else:
-        fs.mv(tmp.path, target.path, recursive=True)
+    try:
+        if target.is_local:
+            os.rename(tmp.path, target.path)
+        else:
+            fs.mv(tmp.path, target.path, recursive=True)
+    except Exception:
+        if old is not None and target.is_local:  # the replaced folder back, or the next save deletes it
+            os.rename(old.path, target.path)
+        raise
     if old is not None:
         flush_before_deleting(target)
         remove(old)
