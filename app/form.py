@@ -37,6 +37,18 @@ GROUP_TITLES = {"model": "Model", "data": "Data", "method": "Method", "optim": "
                 "checkpoint": "Checkpoints", "logging": "Logging", "control": "Control socket",
                 "run": "Resume"}
 
+# The fields most runs set, most used first in each section; the others of a section go into its
+# "Advanced" fold (both front ends). A section with none of these shows only its fold.
+COMMON = ("model.path", "data.train", "data.eval", "data.format", "data.max_length",
+          "method.name", "method.lora_r", "method.lora_alpha", "method.lora_target_modules",
+          "optim.lr", "optim.scheduler", "optim.warmup_steps", "optim.warmup_ratio", "optim.weight_decay",
+          "train.max_steps", "train.epochs", "train.micro_batch_size", "train.grad_accum",
+          "train.precision", "train.seed",
+          "parallel.nproc", "parallel.zero_stage", "parallel.tp_size", "parallel.pp_size",
+          "eval.every_n_steps", "eval.at_end", "eval.evaluators",
+          "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.save_at_end",
+          "logging.run_name", "logging.output_dir", "resume")
+
 _MISSING = object()
 
 
@@ -76,6 +88,18 @@ class Form:
         order = list(dict.fromkeys(f["group"] for f in self.fields))
         return [(g, GROUP_TITLES.get(g, g.replace("_", " ").title()),
                  [f for f in self.fields if f["group"] == g]) for g in order]
+
+    def sections(self) -> list[tuple[str, str, list[dict], list[dict]]]:
+        """(group, title, common fields (COMMON's order), advanced fields (schema order))."""
+        rank = {key: i for i, key in enumerate(COMMON)}
+        return [(group, title, sorted((f for f in fields if f["key"] in rank), key=lambda f: rank[f["key"]]),
+                 [f for f in fields if f["key"] not in rank]) for group, title, fields in self.groups()]
+
+    @staticmethod
+    def label(f: dict) -> str:
+        """A field's label as the forms show it: its human name and its config key,
+        "Micro batch size (train.micro_batch_size)"."""
+        return f"{f.get('label') or f['key']} ({f['key']})"
 
     def field(self, key: str) -> dict:
         """The schema entry of field `key`; KeyError naming the fields when there is none."""

@@ -36,7 +36,8 @@ EVALUATORS = ("perplexity", "choice", "exact_match", "generation")
 
 @dataclass
 class ModelConfig:
-    path: str = _f("", "Local Hugging Face model folder. Empty: the embedded tiny default model.")
+    path: str = _f("", "Local Hugging Face model folder. Empty: the embedded tiny default model.",
+                   label="Model folder")
     tokenizer: str = _f("", "Tokenizer folder. Empty: the model folder's own tokenizer.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     attn_implementation: Literal["sdpa", "eager"] = _f("sdpa", "Attention kernel of the model.")
@@ -46,9 +47,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = _f("", "Training data file or saved dataset folder (JSON lines, JSON, CSV, "
-                    "Parquet, or `datasets` save_to_disk). Empty: the embedded default task.")
+                    "Parquet, or `datasets` save_to_disk). Empty: the embedded default task.",
+                    label="Training data")
     eval: str = _f("", "Evaluation data in the same formats. Empty with the default task: its "
-                   "held-out split; empty otherwise: no evaluation data.")
+                   "held-out split; empty otherwise: no evaluation data.", label="Evaluation data")
     format: Literal["auto", "text", "input_output", "chat", "tokenized"] = _f(
         "auto", "Row format: {text}, {input, output} (loss on output only), {messages} (chat "
         "template, loss on assistant turns), {input_ids, labels}; auto detects it from the keys.")
@@ -65,7 +67,7 @@ class DataConfig:
 class MethodConfig:
     name: Literal["full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo"] = _f(
         "full", "Fine-tuning method: all parameters with an optimizer, a PEFT adapter, or the "
-        "fused low-memory LOMO / AdaLomo update.")
+        "fused low-memory LOMO / AdaLomo update.", label="Method")
     lora_r: int = _f(8, "LoRA rank.", minimum=1)
     lora_alpha: int = _f(16, "LoRA scaling numerator (scale = alpha / r).", minimum=1)
     lora_dropout: float = _f(0.0, "Dropout on the LoRA branch.", minimum=0.0, maximum=1.0)
@@ -76,7 +78,7 @@ class MethodConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "sgd"] = _f("adamw", "Optimizer (ignored by LOMO / AdaLomo).")
+    name: Literal["adamw", "sgd"] = _f("adamw", "Optimizer (ignored by LOMO / AdaLomo).", label="Optimizer")
     lr: float = _f(1e-3, "Peak learning rate.", minimum=0.0)
     weight_decay: float = _f(0.0, "Decoupled weight decay.", minimum=0.0)
     betas: list[float] = _f([0.9, 0.999], "Adam betas.")
@@ -154,7 +156,8 @@ class LoggingConfig:
 
 @dataclass
 class ControlConfig:
-    enabled: bool = _f(True, "Open the control socket on rank 0 (chat, pause, set lr ...).")
+    enabled: bool = _f(True, "Open the control socket on rank 0 (chat, pause, set lr ...).",
+                       label="Control socket on")
     host: str = _f("127.0.0.1", "Address the control socket listens on. Anything but loopback "
                    "must be opted into explicitly; every message still needs the run's token.")
     port: int = _f(0, "Control socket port; 0 picks a free one.", minimum=0, maximum=65535)
@@ -172,7 +175,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
-    resume: str = _f("", "Continue from a training checkpoint folder, or `latest` in the run folder.")
+    resume: str = _f("", "Continue from a training checkpoint folder, or `latest` in the run folder.",
+                     label="Resume from checkpoint")
 
     # -- derived values -----------------------------------------------------------------------
     @property
@@ -480,7 +484,8 @@ def _check_bounds(obj: Any, prefix: str) -> list[tuple[str, str]]:
 # -- the schema the front ends build their forms from ------------------------------------------
 
 def schema() -> list[dict]:
-    """One entry per leaf field: key, group, kind, default, help, choices, minimum, maximum."""
+    """One entry per leaf field: key, group, kind, default, label (a human name: the field's
+    `label=`, else `field_label`), help, choices, minimum, maximum."""
     entries = []
     hints = typing.get_type_hints(RunConfig)
     for section in dataclasses.fields(RunConfig):
@@ -500,9 +505,24 @@ def _entry(key: str, group: str, f: dataclasses.Field, tp: Any) -> dict:
     kind = ("choice" if origin is Literal else "list" if origin is list else
             {bool: "bool", int: "int", float: "float", str: "str", dict: "dict"}.get(tp, "str"))
     return {"key": key, "group": group, "kind": kind, "default": default,
-            "help": f.metadata.get("help", ""),
+            "label": f.metadata.get("label") or field_label(key), "help": f.metadata.get("help", ""),
             "choices": list(typing.get_args(tp)) if origin is Literal else None,
             "minimum": f.metadata.get("minimum"), "maximum": f.metadata.get("maximum")}
+
+
+# words a field's name abbreviates, spelled out in its human label
+_LABEL_WORDS = {"lr": "learning rate", "tp": "tensor parallel", "pp": "pipeline parallel", "dp": "data parallel",
+                "nproc": "processes (ranks)", "grad": "gradient", "accum": "accumulation", "attn": "attention",
+                "lora": "LoRA", "zero": "ZeRO", "eps": "epsilon", "n": "N", "max": "max", "num": "number of",
+                "r": "rank", "tensorboard": "TensorBoard", "deepspeed": "DeepSpeed config (JSON)", "addr": "address"}
+
+
+def field_label(key: str) -> str:
+    """A field's human label from its name, where its declaration gives none (`label=`):
+    `train.grad_accum` -> "Gradient accumulation"."""
+    words = [_LABEL_WORDS.get(w, w) for w in key.rsplit(".", 1)[-1].split("_")]
+    text = " ".join(words)
+    return text[0].upper() + text[1:]
 
 
 def get_value(config: RunConfig, key: str) -> Any:

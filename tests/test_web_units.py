@@ -351,3 +351,21 @@ def test_validating_as_the_user_types_leaves_one_yaml_file_per_page():
     assert not Path(first).exists() and not Path(second).exists()
     assert yaml.safe_load(Path(third).read_text()) == {"train": {"max_steps": 3}}
     Path(third).unlink()
+
+
+def test_every_field_has_a_human_label_and_the_common_ones_come_first():
+    from app.form import COMMON
+
+    form = Form()
+    assert form.label(form.field("train.micro_batch_size")) == "Micro batch size (train.micro_batch_size)"
+    assert form.label(form.field("optim.lr")) == "Learning rate (optim.lr)"
+    assert form.label(form.field("model.path")) == "Model folder (model.path)"  # its declaration's label=
+    assert all(f["label"] and f["label"] != f["key"] and "_" not in f["label"] for f in form.fields)
+    sections = form.sections()
+    placed = [f["key"] for _, _, common, advanced in sections for f in common + advanced]
+    assert sorted(placed) == sorted(form.keys)  # every field once, common or advanced
+    assert set(COMMON) <= set(form.keys)
+    training = next(common for group, _, common, _ in sections if group == "train")
+    assert [f["key"] for f in training][:3] == ["train.max_steps", "train.epochs", "train.micro_batch_size"]
+    advanced = {f["key"] for _, _, _, rest in sections for f in rest}
+    assert "parallel.master_port" in advanced and "optim.lr" not in advanced

@@ -25,8 +25,8 @@ _HELP_STYLE = "color:#666;font-size:85%"
 
 def _field_widget(entry: dict) -> widgets.ValueWidget:
     """The widget for one schema entry (kinds: choice, bool, int, float, str, list, dict)."""
-    name, kind = entry["key"].rsplit(".", 1)[-1], entry["kind"]
-    common = {"description": name, "style": {"description_width": "150px"},
+    name, kind = entry.get("label") or entry["key"], entry["kind"]
+    common = {"description": name, "style": {"description_width": "180px"},
               "tooltip": entry["help"], "layout": widgets.Layout(width="420px")}
     if kind == "choice":
         return widgets.Dropdown(options=entry["choices"], **common)
@@ -66,14 +66,24 @@ class ConfigForm:
                 w.observe(self._on_change, names="value")
         self.widget = widgets.VBox([self.preset, self._tabs(), self.summary])
 
+    def _row(self, f: dict) -> widgets.VBox:
+        """A field: its widget (labelled with its human name), its config key and help beside it."""
+        text = f"<code>{html.escape(f['key'])}</code> · {html.escape(f['help'])}"
+        return widgets.VBox([widgets.HBox([self.widgets[f["key"]],
+                                           widgets.HTML(f"<span style='{_HELP_STYLE}'>{text}</span>",
+                                                        layout=widgets.Layout(width="520px"))]),
+                             self.errors[f["key"]]])
+
     def _tabs(self) -> widgets.Tab:
+        """One tab per section: its common fields, then the others in a closed "Advanced" fold."""
         pages = []
-        for _, title, fields in self.form.groups():
-            rows = [widgets.VBox([
-                widgets.HBox([self.widgets[f["key"]],
-                              widgets.HTML(f"<span style='{_HELP_STYLE}'>{html.escape(f['help'])}</span>",
-                                           layout=widgets.Layout(width="520px"))]),
-                self.errors[f["key"]]]) for f in fields]
+        for _, title, common, advanced in self.form.sections():
+            rows: list[widgets.Widget] = [self._row(f) for f in common]
+            if advanced:
+                fold = widgets.Accordion(children=[widgets.VBox([self._row(f) for f in advanced])],
+                                         selected_index=None if common else 0)
+                fold.set_title(0, f"Advanced ({len(advanced)})")
+                rows.append(fold)
             pages.append((title, widgets.VBox(rows)))
         tabs = widgets.Tab(children=[page for _, page in pages])
         for i, (title, _) in enumerate(pages):
@@ -136,7 +146,7 @@ class ConfigForm:
         checked = self.form.check(self.values())
         self.problems = list(checked.problems)
         for key, label in self.errors.items():
-            label.value = "".join(f"<div style='{_ERROR_STYLE};margin-left:155px'>{html.escape(m)}</div>"
+            label.value = "".join(f"<div style='{_ERROR_STYLE};margin-left:185px'>{html.escape(m)}</div>"
                                   for m in checked.by_field.get(key, []))
         if self.problems:
             items = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(m)}</li>" for k, m in self.problems)

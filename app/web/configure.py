@@ -30,7 +30,7 @@ COLUMNS = 3
 
 @dataclass
 class ConfigureTab:
-    fields: dict[str, gr.components.Component]              # field key -> its component, schema order
+    fields: dict[str, gr.components.Component]              # field key -> its component
     start_buttons: list[gr.Button] = field(default_factory=list)
     validation: Any = None                                 # the "check" outputs wiring, set by build()
 
@@ -58,14 +58,14 @@ def _help(f: dict, problems: list[str]) -> dict:
     warn = "⚠ " + "; ".join(problems) + " — " if problems else ""
     classes = ["cfg-field", "invalid"] if problems else ["cfg-field"]
     if f["kind"] == "dict":
-        return {"label": f"{warn}{f['key'].rsplit('.', 1)[-1]} (JSON)", "elem_classes": classes}
+        return {"label": f"{warn}{Form.label(f)}", "elem_classes": classes}
     info = f["help"] + _bounds(f) + (" Comma-separated." if f["kind"] == "list" else "")
     return {"info": warn + info, "elem_classes": classes}
 
 
 def _component(f: dict, value: Any, problems: list[str]) -> gr.components.Component:
     """The widget of one schema field."""
-    label, kind, elem_id = f["key"].rsplit(".", 1)[-1], f["kind"], f"cfg-{slug(f['key'])}"
+    label, kind, elem_id = Form.label(f), f["kind"], f"cfg-{slug(f['key'])}"
     shown = _help(f, problems)
     info, classes = shown.get("info"), shown["elem_classes"]
     if kind == "dict":
@@ -96,9 +96,21 @@ def _step(default: Any) -> float:
     return 0.01
 
 
-def _section(fields: list[dict], values: dict[str, Any], first: Checked, inputs: dict, notes: dict) -> None:
-    """One section's fields, COLUMNS to a row (the row is the widgets' only wrapper: fewer
-    components make the page load faster)."""
+def _section(common: list[dict], advanced: list[dict], values: dict[str, Any], first: Checked, inputs: dict,
+             notes: dict, group: str) -> None:
+    """One section: its common fields, then the rest in a closed "Advanced" fold."""
+    _rows(common, values, first, inputs, notes)
+    if advanced:
+        names = ", ".join(f.get("label") or f["key"] for f in advanced)
+        with gr.Accordion(f"Advanced ({len(advanced)}): {names}" if len(names) < 90 else
+                          f"Advanced ({len(advanced)} more fields)", open=not common,
+                          elem_id=f"cfg-advanced-{group}"):
+            _rows(advanced, values, first, inputs, notes)
+
+
+def _rows(fields: list[dict], values: dict[str, Any], first: Checked, inputs: dict, notes: dict) -> None:
+    """Fields COLUMNS to a row (the row is the widgets' only wrapper: fewer components make the
+    page load faster)."""
     for row in range(0, len(fields), COLUMNS):
         chunk = fields[row:row + COLUMNS]
         with gr.Row():
@@ -128,9 +140,9 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
     # one sub-tab per section: the browser draws a tab's fields only when it is opened, which
     # keeps the page quick to load (the summary above names every problem, wherever it is)
     with gr.Tabs(elem_id="cfg-sections"):
-        for group, title, group_fields in form.groups():
+        for group, title, common, advanced in form.sections():
             with gr.Tab(title, id=f"cfg-{group}", elem_id=f"cfg-group-{group}"):
-                _section(group_fields, values, first, fields, notes)
+                _section(common, advanced, values, first, fields, notes, group)
     with gr.Accordion("Preview: resolved run config, DeepSpeed config, launch command", open=False,
                       elem_id="cfg-preview") as preview_acc:
         with gr.Row():
