@@ -6,6 +6,8 @@
 #   ./launch.sh watch RUN_FOLDER     follow a run (a detached one) to its end
 #   ./launch.sh stop RUN_FOLDER [save=false]   stop a run (saving first unless save=false)
 #   ./launch.sh test [pytest args]   install what the tests need, then run them
+#   ./launch.sh notebook [jupyter lab args]   the notebooks in JupyterLab (widgets extension and a
+#                                    `livetune` kernel on this venv's Python) on 127.0.0.1
 set -euo pipefail
 CALLER_DIR="$PWD"  # `train` reads its config and data paths relative to where it was typed
 cd "$(dirname "$0")"
@@ -36,6 +38,17 @@ case "$cmd" in
       (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null
     fi
     exec "$PY" -m pytest "$@"
+    ;;
+  notebook)
+    shift
+    setup test  # the test extra holds jupyterlab and jupyterlab_widgets (the `notebook` extra too)
+    # the notebooks name the kernel `livetune`: this venv's Python, registered inside the venv
+    "$PY" -m ipykernel install --prefix "$VENV" --name livetune --display-name "livetune (.venv)" >/dev/null
+    root=()
+    [ "$(id -u)" = 0 ] && root=(--allow-root)
+    # serves this folder (the working folder), opening on the quickstart
+    exec "$VENV/bin/jupyter" lab --ServerApp.ip=127.0.0.1 \
+      --ServerApp.default_url=/lab/tree/notebooks/quickstart.ipynb "${root[@]}" "$@"
     ;;
   train|watch|stop)
     shift

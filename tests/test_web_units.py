@@ -369,3 +369,18 @@ def test_every_field_has_a_human_label_and_the_common_ones_come_first():
     assert [f["key"] for f in training][:3] == ["train.max_steps", "train.epochs", "train.micro_batch_size"]
     advanced = {f["key"] for _, _, _, rest in sections for f in rest}
     assert "parallel.master_port" in advanced and "optim.lr" not in advanced
+
+
+def test_compare_series_puts_several_runs_on_one_set_of_axes(tmp_path):
+    from app.web.backend.views import compare_series
+
+    views = {}
+    for name, shift in (("a", 0.0), ("b", 1.0)):
+        folder = RunFolder(tmp_path / name).create()
+        _log(folder, [{"type": "train", "step": s, "loss": 3.0 - s + shift, "time": float(s)} for s in (1, 2)]
+             + [{"type": "eval", "step": 2, "eval/loss": 1.5 + shift, "eval/exact_match": 0.25, "time": 3.0}])
+        views[name] = RunView(folder)
+    series = compare_series(views)
+    assert series["compare_loss"] == {"loss · a": [(1, 2.0), (2, 1.0)], "eval loss · a": [(2, 1.5)],
+                                      "loss · b": [(1, 3.0), (2, 2.0)], "eval loss · b": [(2, 2.5)]}
+    assert series["compare_eval"] == {"exact_match · a": [(2, 0.25)], "exact_match · b": [(2, 0.25)]}

@@ -328,3 +328,13 @@ def test_resume_from_an_fsspec_url_through_the_notebook_api(tmp_path, monkeypatc
     with pytest.raises(api.RunFailed) as failed:
         elsewhere.wait(timeout=300)
     assert f"resume={memory}: no such checkpoint folder" in str(failed.value), failed.value
+
+
+def test_the_form_says_how_to_get_widgets_where_they_cannot_be_drawn():
+    from app.notebook.form import ConfigForm
+
+    bundle = ConfigForm()._repr_mimebundle_()
+    data = bundle[0] if isinstance(bundle, tuple) else bundle
+    assert "application/vnd.jupyter.widget-view+json" in data  # a widget front end draws the widget
+    assert "./launch.sh notebook" in data["text/plain"] and "VBox(" not in data["text/plain"]
+    assert "jupyterlab_widgets" in data["text/html"]

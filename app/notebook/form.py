@@ -16,6 +16,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from app.form import DEFAULT_PRESET, SCHEMA_DEFAULTS, Form
+from app.notebook.fallback import with_note
 from contract.config import ConfigError, RunConfig
 from contract.presets import PRESETS
 
@@ -91,7 +92,7 @@ class ConfigForm:
         return tabs
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        return with_note(self.widget._repr_mimebundle_(**kwargs), "config form")
 
     # -- values -------------------------------------------------------------------------------
     def set(self, key: str, value: Any) -> None:

@@ -24,6 +24,7 @@ import ipywidgets as widgets
 
 from app.notebook import api
 from app.notebook.chat import ChatBox
+from app.notebook.fallback import with_note
 from app.notebook.form import ConfigForm
 from app.notebook.plots import render_png
 from app.notebook.watch import Watcher
@@ -101,7 +102,7 @@ class RunPanel:
             self.status])
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        return with_note(self.widget._repr_mimebundle_(**kwargs), "panel")
 
     # -- runs -----------------------------------------------------------------------------------
     def start(self) -> api.Run | None:

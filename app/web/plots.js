@@ -92,7 +92,7 @@ function panel(svg, lines, x0, y0, w, h, steps, log, title) {
   const left = x0 + 52, right = x0 + w - 8, top = y0 + (title ? 16 : 6), bottom = y0 + h - 20;
   const sx = s => left + (steps[1] > steps[0] ? (s - steps[0]) / (steps[1] - steps[0]) : 0.5) * (right - left);
   const sy = v => bottom - (ty(v) - lo) / (hi - lo) * (bottom - top);
-  if (title) el('text', { x: left, y: y0 + 12, class: 'lt-title', fill: lines[0].color }, svg).textContent = title;
+  if (title) el('text', { x: left, y: y0 + 12, class: 'lt-title', fill: spec.compare ? 'currentColor' : lines[0].color }, svg).textContent = title;
   el('rect', { x: left, y: top, width: right - left, height: bottom - top, class: 'lt-frame' }, svg);
   for (const t of niceTicks(lo, hi, 4, false)) {
     const y = bottom - (t - lo) / (hi - lo) * (bottom - top);
@@ -112,38 +112,66 @@ function panel(svg, lines, x0, y0, w, h, steps, log, title) {
   }
 }
 
+// compare mode: series are named "kind · run"; each run keeps one colour across the plots
+function lineStyle(name, i) {
+  if (!spec.compare) {
+    const color = spec.colors[name] || spec.palette[i % spec.palette.length];
+    return { color, kind: name, eval: name === 'eval' };
+  }
+  const [kind, run] = name.split(' · ');
+  const runs = [...new Set(Object.keys(store.series).map(n => n.split(' · ')[1]))].sort();
+  return { color: spec.palette[runs.indexOf(run) % spec.palette.length], kind, run, eval: /eval/.test(kind) };
+}
+
 function draw() {
-  const names = Object.keys(store.series).filter(n => store.series[n].length);
+  const names = Object.keys(store.series).filter(n => store.series[n].length).sort();
   empty.style.display = names.length ? 'none' : '';
   canvas.replaceChildren();
   legend.replaceChildren();
   if (!names.length) return;
-  let lines = [];
-  for (const name of names) {
-    const color = spec.colors[name] || spec.palette[lines.length % spec.palette.length];
-    const points = store.series[name];
-    if (name === 'raw' && spec.smoothable && store.smoothing > 0) {
-      lines.push({ name, points, color: spec.colors.raw_faded || color, opacity: 0.35, width: 1 });
-      lines.push({ name: 'smoothed', points: smooth(points, store.smoothing), color, width: 2 });
+  const lines = [], keys = new Map();
+  names.forEach((name, i) => {
+    const style = lineStyle(name, i), points = store.series[name];
+    const label = spec.compare ? style.run : name;
+    if (!style.eval && spec.smoothable && store.smoothing > 0) {
+      const faded = spec.compare ? style.color : (spec.colors.raw_faded || style.color);
+      lines.push({ name, kind: style.kind, points, color: faded, opacity: 0.3, width: 1 });
+      lines.push({ name: spec.compare ? name : 'smoothed', kind: style.kind, points: smooth(points, store.smoothing),
+                   color: style.color, width: 2 });
+      if (!spec.compare) keys.set('raw', faded);
+      keys.set(spec.compare ? label : 'smoothed', style.color);
     } else {
-      lines.push({ name, points, color, dots: name === 'eval' || spec.panels, width: name === 'eval' ? 2.5 : 1.5 });
+      lines.push({ name, kind: style.kind, points, color: style.color, dots: style.eval || spec.panels,
+                   width: style.eval ? 2.5 : 1.5 });
+      keys.set(label, style.color);
     }
-  }
-  // the eval loss is drawn last, so it lies over the train loss
-  lines.sort((a, b) => (a.name === 'eval') - (b.name === 'eval'));
+  });
+  // evaluation lines are drawn last, so they lie over the train loss
+  lines.sort((a, b) => (a.kind.includes('eval')) - (b.kind.includes('eval')));
   const steps = [Math.min(...lines.map(l => l.points[0][0])), Math.max(...lines.map(l => l.points[l.points.length - 1][0]))];
   const w = Math.max(240, canvas.clientWidth || box.clientWidth || 400);
-  const h = spec.panels ? Math.max(1, lines.length) * 110 : spec.height;
+  // panels: one per kind (an evaluation metric), each with its own scale
+  const kinds = spec.panels ? [...new Set(lines.map(l => l.kind))] : [null];
+  const h = spec.panels ? kinds.length * 110 : spec.height;
   const svg = el('svg', { width: w, height: h, viewBox: `0 0 ${w} ${h}` });
-  if (spec.panels) lines.forEach((l, i) => panel(svg, [l], 0, i * 110, w, 110, steps, false, l.name));
-  else panel(svg, lines, 0, 0, w, h, steps, store.log, null);
+  kinds.forEach((kind, i) => {
+    const mine = kind === null ? lines : lines.filter(l => l.kind === kind);
+    panel(svg, mine, 0, i * (spec.panels ? 110 : 0), w, spec.panels ? 110 : h, steps, !spec.panels && store.log,
+          spec.panels ? kind : null);
+  });
   canvas.appendChild(svg);
-  for (const l of lines) {
+  for (const [label, color] of keys) {
     const item = document.createElement('span');
     item.className = 'lt-key';
-    item.innerHTML = `<i style="background:${l.color}"></i>`;
-    item.appendChild(document.createTextNode(l.name));
+    item.innerHTML = `<i style="background:${color}"></i>`;
+    item.appendChild(document.createTextNode(label));
     legend.appendChild(item);
+  }
+  if (spec.compare && !spec.panels) {
+    const note = document.createElement('span');
+    note.className = 'lt-key';
+    note.textContent = '● dots: evaluation loss';
+    legend.appendChild(note);
   }
 }
 

@@ -53,8 +53,9 @@ class PlotSpec:
     empty: str
     smoothable: bool = False
     log_toggle: bool = False
-    panels: bool = False  # one panel (own scale) per series
+    panels: bool = False  # one panel (own scale) per series (per kind, comparing)
     height: int = 220
+    compare: bool = False  # series named "kind · run", one colour per run
 
 
 SPECS = {
@@ -68,13 +69,19 @@ SPECS = {
                      panels=True),
     "lr": PlotSpec("lr", "Learning rate", "The learning rate appears here after the first logged step."),
     "tokens": PlotSpec("tokens", "Throughput (tokens / s)", "Tokens per second appear here after the first logged step."),
+    "compare_loss": PlotSpec("compare_loss", "Loss of the runs compared (dots: evaluation loss)",
+                             "Pick two or more runs above and press Overlay: their loss curves appear "
+                             "here on one step axis.", smoothable=True, log_toggle=True, height=300, compare=True),
+    "compare_eval": PlotSpec("compare_eval", "Evaluation metrics of the runs compared",
+                             "Each evaluation metric the compared runs logged appears here in its own "
+                             "panel, one colour per run.", panels=True, compare=True),
     "memory": PlotSpec("memory", "Memory, rank 0 (MiB)", "Rank 0's memory appears here after the first logged step."),
 }
 
 
 def _template(spec: PlotSpec, elem_id: str, smoothing: float) -> str:
     data = {"id": elem_id, "colors": COLORS, "palette": PALETTE, "smoothable": spec.smoothable,
-            "panels": spec.panels, "height": spec.height, "smoothing": smoothing}
+            "panels": spec.panels, "height": spec.height, "smoothing": smoothing, "compare": spec.compare}
     controls = ""
     if spec.smoothable:
         controls += (f"<label class='lt-smooth' title='TensorBoard-style exponential moving average'>smoothing "

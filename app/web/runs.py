@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
 from app.session import SessionError
 from app.web.backend import Backend
-from app.web.plots import Plots, batch, make_plots
+from app.web.backend.views import compare_series
+from app.web.plots import Plots, batch, live_plot, make_plots
 from app.web.widgets import duration, readable
 
 COLUMNS = ["run", "state", "step", "loss", "eval metrics", "started", "duration", "path"]
@@ -29,14 +31,29 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
     plots = make_plots("runs", full=False)
     config = gr.Code("", language="yaml", label="Config", lines=14, max_lines=24, interactive=False,
                      elem_id="runs-config")
+    with gr.Accordion("Compare runs: their loss and evaluation curves on one set of axes", open=False,
+                      elem_id="runs-compare-fold"):
+        with gr.Row(equal_height=True):
+            compared = gr.Dropdown([], multiselect=True, label="Runs to compare", scale=4, elem_id="runs-compare")
+            overlay = gr.Button("Overlay", variant="primary", scale=1, elem_id="runs-overlay")
+        with gr.Row(equal_height=True):
+            overlay_loss = live_plot("compare_loss", "runs-compare-loss")
+            overlay_eval = live_plot("compare_eval", "runs-compare-eval")
 
     view = RunsView(run_state, tabs, table, chosen, summary, plots, config)
-    refresh = dict(fn=lambda path: _listing(backend, view, path), inputs=run_state, outputs=[table, chosen],
+    def listing(path: str | None) -> dict:
+        found = _listing(backend, view, path)
+        found[compared] = gr.update(choices=found[view.chosen]["choices"])
+        return found
+
+    refresh = dict(fn=listing, inputs=run_state, outputs=[table, chosen, compared],
                    api_visibility="private", show_progress="hidden")
     refresh_btn.click(**refresh)
     opened = [run_state, summary, *plots.components(), config]
     open_btn.click(readable(lambda name: _open(backend, view, name)), inputs=chosen, outputs=opened,
                    api_visibility="private")
+    overlay.click(readable(lambda paths: _overlay(backend, paths, overlay_loss, overlay_eval)), inputs=compared,
+                  outputs=[overlay_loss, overlay_eval], api_visibility="private")
     attach_btn.click(readable(lambda name: _attach(backend, view, name)), inputs=chosen,
                      outputs=[run_state, tabs], api_visibility="private")
     return refresh
@@ -90,6 +107,17 @@ def _open(backend: Backend, view: RunsView, path: str | None) -> dict:
     return {view.run_state: snap.path, view.summary: text, view.config: config,
             **{plot: batch(series.get(name, {}), None, snap.path, time.time_ns())
                for name, plot in view.plots.by_name.items()}}
+
+
+def _overlay(backend: Backend, paths: list[str] | None, loss: gr.HTML, evals: gr.HTML) -> dict:
+    """The compared runs' curves, each run in its own colour (named by its folder)."""
+    if not paths:
+        raise gr.Error("Pick the runs to compare first.", print_exception=False)
+    views = {Path(p).name: backend.watch.view(backend.session.resolve(p)) for p in paths}
+    series = compare_series(views)
+    key = "compare:" + ",".join(sorted(paths))  # the page keeps nothing from another comparison
+    return {loss: batch(series["compare_loss"], None, key, time.time_ns()),
+            evals: batch(series["compare_eval"], None, key, time.time_ns())}
 
 
 def _attach(backend: Backend, view: RunsView, path: str | None) -> dict:

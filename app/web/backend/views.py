@@ -140,6 +140,21 @@ class RunView:
         return f"# {path.name}\n{text}" if text else ""
 
 
+def compare_series(views: dict[str, RunView]) -> dict[str, dict[str, Series]]:
+    """Several runs on one set of axes (the Runs tab's overlay), by run name: the loss plot's
+    series "loss · RUN" and "eval loss · RUN", and each other evaluation metric as "METRIC · RUN"."""
+    loss: dict[str, Series] = {}
+    evals: dict[str, Series] = {}
+    for name, view in views.items():
+        view.poll()
+        series = view.series()
+        for kind, points in series["loss"].items():
+            loss[f"{'eval loss' if kind == 'eval' else 'loss'} · {name}"] = points
+        for metric, points in series["eval"].items():
+            evals[f"{metric} · {name}"] = points
+    return {"compare_loss": loss, "compare_eval": evals}
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
