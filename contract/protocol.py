@@ -45,6 +45,7 @@ _ROLES = ("system", "user", "assistant")
 
 class RunState(str, Enum):
     """A run's state, as written in `state` events; the one definition every part uses."""
+    QUEUED = "queued"        # submitted to a scheduler (Slurm), waiting for its resources
     STARTING = "starting"
     RUNNING = "running"
     PAUSED = "paused"
@@ -67,6 +68,7 @@ STATES = tuple(s.value for s in RunState)
 # The commands a front end may send in each state (status and subscribe are always answered while
 # the run is live). `stop` while stopping ends the process group without waiting for the save.
 ALLOWED_COMMANDS: dict[RunState, frozenset[str]] = {
+    RunState.QUEUED: frozenset({"stop"}),  # no rank yet: Stop cancels the job (supervisor.slurm)
     RunState.STARTING: frozenset({"status", "stop"}),
     RunState.RUNNING: frozenset({"generate", "pause", "stop", "save", "evaluate", "set", "status"}),
     RunState.PAUSED: frozenset({"generate", "resume", "stop", "save", "evaluate", "set", "status"}),
@@ -165,7 +167,11 @@ def _checked_type(label: str, name: str, value: Any, hint: Any) -> Any:
     for kind in kinds:
         base = typing.get_origin(kind) or kind
         if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # a 400-digit integer: no float holds it
+                raise ProtocolError(f"{label}: argument {name!r} is too large ({len(str(value))} "
+                                    f"digits)") from None
         if base is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if base is not int and base is not float and isinstance(value, base):
@@ -177,7 +183,11 @@ def _check_bounds(label: str, name: str, value: Any, meta: Any) -> None:
     if "minimum" not in meta or isinstance(value, bool):
         return
     lo, hi, lo_ok = meta["minimum"], meta["maximum"], not meta.get("exclusive_minimum", False)
-    if not math.isfinite(value) or value > hi or value < lo or (value == lo and not lo_ok):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float (a 400-digit number) is out of range
+        finite = False
+    if not finite or value > hi or value < lo or (value == lo and not lo_ok):
         low = f">= {lo}" if lo_ok else f"> {lo}"
         raise ProtocolError(f"{label}: argument {name!r} must be {low} and <= {hi}, got {value}")
 

@@ -27,6 +27,7 @@ from contract.run_folder import EventLog, RunFolder
 from supervisor import procs
 from supervisor.handle import RunHandle
 from supervisor.records import Failure, RunInfo, adopt_child
+from supervisor.slurm import handle_for
 from supervisor.stopping import DEFAULT_SAVE
 
 
@@ -110,7 +111,7 @@ class RunManager:
                 if not _is_run_folder(root):
                     known = ", ".join(sorted(self._scan())) or "none"
                     raise RunError(f"no run {name!r} in {self.output_dir} (runs: {known})")
-                handle = self._handles[name] = RunHandle(RunFolder(root), self.hang_timeout, self.log_lines)
+                handle = self._handles[name] = handle_for(RunFolder(root), self.hang_timeout, self.log_lines)
         return handle
 
     def attach(self, name: str) -> RunHandle:
@@ -232,10 +233,11 @@ class RunManager:
         with self._lock:
             for name in self._scan():
                 if name not in self._handles:
-                    self._handles[name] = RunHandle(RunFolder(self.output_dir / name),
-                                                    self.hang_timeout, self.log_lines)
+                    self._handles[name] = handle_for(RunFolder(self.output_dir / name),
+                                                     self.hang_timeout, self.log_lines)
             return list(self._handles.values())
 
 
 def _is_run_folder(path: Path) -> bool:
-    return path.is_dir() and ((path / "events.jsonl").exists() or (path / "launcher.pid").exists())
+    return path.is_dir() and ((path / "events.jsonl").exists() or (path / "launcher.pid").exists()
+                              or (path / "slurm_job.json").exists())

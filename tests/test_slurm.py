@@ -1,0 +1,125 @@
+"""Slurm submission against a real Slurm (tests/slurm_cluster.py: munged, slurmctld and slurmd
+on this machine, one node with 2 CPUs): `./launch.sh submit --slurm` (app.cli) writes the job
+script into the run folder and submits it; the run is listed as queued / starting, then running;
+the control plane answers once rank 0 wrote control.json; Stop scancels the job and confirms it
+ended, with no process of it left."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from contract.config import load_config
+from contract.run_folder import RunFolder
+from slurm_cluster import SlurmUnavailable, check_available, slurm_cluster
+from supervisor.client import RunClient
+from supervisor.manager import RunManager
+from supervisor.slurm import SlurmHandle, SlurmOptions, job_script, job_state, recorded_job
+
+REPO = Path(__file__).resolve().parent.parent
+DEADLINE_S = 400
+
+
+def test_the_job_script_asks_for_what_the_options_say(tmp_path):
+    cfg = load_config(overrides=["nproc=4", f"output_dir={tmp_path}"])
+    folder = RunFolder(tmp_path / "run")
+    script = job_script(cfg, folder, SlurmOptions(nodes=2, gpus_per_node=4, partition="gpu", time="2:00:00",
+                                                  account="lab"), python="/venv/bin/python")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=2:00:00", "#SBATCH --account=lab",
+                 f"#SBATCH --output={folder.logs}/slurm-%j.log"):
+        assert line in script.splitlines()
+    assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | sed 's/$/ slots=4/' > \"$RUN/hostfile\"" in script
+    launch = script.splitlines()[-1]
+    assert launch.startswith("srun --kill-on-bad-exit=1 --ntasks-per-node=1 /venv/bin/python -m torch.distributed.run")
+    assert "--nnodes=\"$SLURM_JOB_NUM_NODES\" --nproc_per_node=4 --rdzv_backend=c10d" in launch
+    assert launch.endswith("-m engine.worker --run-dir \"$RUN\"")
+    assert "#SBATCH --cpus-per-task" not in script  # 0: Slurm's default
+    with pytest.raises(ValueError, match="nodes must be >= 1"):
+        SlurmOptions(nodes=0).check()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        check_available()
+        with slurm_cluster(tmp_path_factory.mktemp("slurm")) as env:
+            old = os.environ.get("SLURM_CONF")
+            os.environ.update(env)
+            try:
+                yield env
+            finally:
+                if old is None:
+                    os.environ.pop("SLURM_CONF", None)
+                else:
+                    os.environ["SLURM_CONF"] = old
+    except SlurmUnavailable as e:
+        pytest.skip(f"no Slurm here: {e}")
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if str(run_dir).encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_submit_the_default_chat_pause_set_lr_and_stop(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    got = subprocess.run([sys.executable, "-m", "app.cli", "submit", "--slurm", "--procs-per-node", "2",
+                          "--partition", "debug", "--time", "30:00", f"output_dir={runs}", "run_name=slurm",
+                          "max_steps=5000", "logging.tensorboard=false", "checkpoint.save_at_end=false"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    folder = RunFolder(runs / "slurm")
+    job = recorded_job(folder)
+    assert job and (folder.root / "job.sbatch").is_file()
+    manager = RunManager(runs)
+    handle = manager.get("slurm")
+    assert isinstance(handle, SlurmHandle)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            (info,) = manager.list_runs()
+            if not seen or seen[-1] != info.state:
+                seen.append(info.state)
+            if info.state == "running" and info.step >= 1:
+                break
+            assert info.state in ("queued", "starting", "running"), (info, handle.failure())
+            time.sleep(0.5)
+        assert seen[-1] == "running", (seen, handle.failure())
+        assert seen[0] in ("queued", "starting"), seen
+        assert "nodes" in (folder.root / "slurm_job.json").read_text()
+        assert (folder.root / "hostfile").read_text().split() == [job_state(job).nodes, "slots=2"]
+        with RunClient.connect(folder.root, timeout=60) as client:
+            answer = client.generate("Hello", max_new_tokens=4, temperature=1.0, seed=1)
+            pieces = list(answer)
+            assert pieces and answer.result["text"] == "".join(pieces)
+            assert client.pause()["state"] == "paused"
+            assert client.set(lr=2e-4)["changes"]["lr"] == pytest.approx(2e-4)
+            status = client.status()
+            assert status["state"] == "paused" and status["world_size"] == 2
+            assert status["settings"]["lr"] == pytest.approx(2e-4)
+        stopped = manager.stop("slurm", save=False, timeout=120)
+        assert stopped.state == "finished" and stopped.stopped_by_user, stopped
+        ended = job_state(job)
+        assert ended is not None and not ended.alive, ended
+        deadline = time.monotonic() + 60
+        while run_processes(folder.root) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not run_processes(folder.root), "processes of the job were left"
+        print(f"\nSLURM states seen {seen}; job {job} ended {ended.state}")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
