@@ -5,6 +5,8 @@
 #                                    the default); Ctrl-C / closing the terminal stops the run
 #   ./launch.sh watch RUN_FOLDER     follow a run (a detached one) to its end
 #   ./launch.sh stop RUN_FOLDER [save=false]   stop a run (saving first unless save=false)
+#   ./launch.sh submit [CONFIG.yaml] --slurm [--nodes N] [--procs-per-node N] [--partition P]
+#                    [--time T] [--account A] [key=value ...]   submit the run to Slurm (sbatch)
 #   ./launch.sh test [pytest args]   install what the tests need, then run them
 #   ./launch.sh notebook [jupyter lab args]   the notebooks in JupyterLab (widgets extension and a
 #                                    `livetune` kernel on this venv's Python) on 127.0.0.1
@@ -50,7 +52,7 @@ case "$cmd" in
     exec "$VENV/bin/jupyter" lab --ServerApp.ip=127.0.0.1 \
       --ServerApp.default_url=/lab/tree/notebooks/quickstart.ipynb "${root[@]}" "$@"
     ;;
-  train|watch|stop)
+  train|watch|stop|submit)
     shift
     setup test
     cd "$CALLER_DIR"  # paths are made absolute against it, so the engine (in this folder) finds them
