@@ -152,3 +152,112 @@ def test_a_deferred_write_failure_is_raised_once_every_rank_is_through(tmp_path)
             assert "save" not in vars(writer)     # the method is the class's again
     assert writer.calls == 1 and not isinstance(caught.value, atomic.DiskFullError)
     assert not target.exists() and leftovers(target.parent) == []
+
+
+# -- 2 ranks -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_save_that_fails_on_one_rank_fails_on_both_and_training_goes_on(tmp_path):
+    from dist_utils import SCRIPTS, parse_results, run_deepspeed
+
+    proc = run_deepspeed(SCRIPTS / "ckpt_disk.py", 2, ("--out", str(tmp_path)), timeout=500)
+    (r,) = parse_results(proc)
+    assert r["step"] == r["total"] == 6            # trained to the end: nobody waited in the save
+    assert r["saved"] == [4, 6] and r["listing"] == ["latest", "step-4", "step-6"]  # no partial folder
+    (failed,) = r["failed"]
+    assert failed["path"] == str(tmp_path / "run" / "checkpoints" / "step-2") and not failed["disk_full"]
+    assert "rank 1: PermissionError: [Errno 13] Permission denied" in failed["error"]
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in failed["error"]
+    assert sorted(r["losses"], key=int) == [str(s) for s in range(1, 7)]
+
+
+@pytest.mark.slow
+def test_save_now_on_a_full_disk_is_answered_and_training_goes_on(tmp_path):
+    from control_runs import CONNECT_S, launch, task_files, wait_exit, wait_for_step
+    from supervisor.client import CommandError, RunClient
+
+    ckpts = tmp_path / "runs" / "full" / "checkpoints"
+    with tmpfs(ckpts, "40m"):
+        run = launch(tmp_path, "full", task_files(tmp_path / "task"), "max_steps=100000")
+        try:
+            with RunClient.connect(run.folder.root, timeout=CONNECT_S) as client:
+                filler = fill(ckpts, leave=2 * MiB)   # a first save, with nothing to estimate from
+                with pytest.raises(CommandError, match="save failed: DiskFullError: disk full: saving ") as full:
+                    client.save()
+                assert "written before the disk filled" in str(full.value) and str(ckpts) in str(full.value)
+                assert [p.name for p in ckpts.iterdir()] == ["filler"]  # the partial folder is gone
+                step = client.status()["step"]
+                wait_for_step(run, step + 3)           # training goes on
+                filler.unlink()
+                first = client.save()                  # room again: it succeeds
+                size = space.manifest_bytes(atomic.complete_marker(first["checkpoint"]))
+                filler = fill(ckpts, leave=size // 2)
+                with pytest.raises(CommandError, match="so the save was not started") as foreseen:
+                    client.save()
+                assert f"needs about {space.mb(size)}" in str(foreseen.value)
+                step = client.status()["step"]
+                wait_for_step(run, step + 3)
+                filler.unlink()
+                second = client.save()
+                assert second["step"] > first["step"]
+                client.stop(save=False)
+            assert wait_exit(run) == 0
+        finally:
+            from supervisor.procs import group_alive, kill_group
+            if group_alive(run.pid):
+                kill_group(run.pid, grace_s=5.0)
+    kinds = [e for e in map(json.loads, run.folder.events.read_text().splitlines())
+             if e["type"] in ("warning", "checkpoint_failed")]
+    assert [e["type"] for e in kinds] == ["checkpoint_failed", "warning", "checkpoint_failed"], kinds
+    assert kinds[0]["disk_full"] and not kinds[0]["foreseen"] and kinds[2]["foreseen"]
+    assert kinds[1]["needed_bytes"] == size and kinds[1]["free_bytes"] < size
+
+
+def cli_run(tmp_path: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, LIVETUNE_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "app.cli", "train", f"output_dir={tmp_path / 'runs'}", f"run_name={name}",
+           "nproc=2", "data.max_length=32", "batch_size=8", "precision=fp32", "logging.tensorboard=false",
+           "eval.every_n_steps=0", "eval.at_end=false", "checkpoint.save_at_end=false", "max_steps=12",
+           "checkpoint.every_n_steps=2", *args]
+    return subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+            if e["type"] == "train"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_ends_the_run_with_its_message_and_the_resume_repeats_the_losses(tmp_path):
+    run_dir = tmp_path / "runs" / "full"
+    ckpts = run_dir / "checkpoints"
+    with tmpfs(ckpts, "13m"):                            # two checkpoints (5 MiB) fit, a third does not
+        first = cli_run(tmp_path, "full", "checkpoint.keep_last=0")
+        out = first.stdout + first.stderr
+        assert first.returncode == 1, out[-3000:]
+        assert "disk full: saving " + str(ckpts / "step-6") in out and "MiB free" in out, out[-3000:]
+        assert "step-4 stays the newest complete one" in out
+        assert [c["name"] for c in atomic.list_checkpoints(str(ckpts))] == ["step-2", "step-4"]
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-2", "step-4"]
+        before = dict(train_losses(run_dir))
+        subprocess.run(["mount", "-o", "remount,size=80m", str(ckpts)], check=True)  # space freed
+        second = cli_run(tmp_path, "full", "checkpoint.keep_last=0", "resume=latest")
+        out2 = second.stdout + second.stderr
+        assert second.returncode == 0, out2[-3000:]
+        assert "finished" in out2 and "disk full" not in out2 and "run failed" not in out2
+    resumed = dict(train_losses(run_dir)[len(before):])
+    assert sorted(resumed) == list(range(5, 13))         # from step-4 on, to the end
+    assert {s: resumed[s] for s in (5, 6)} == {s: before[s] for s in (5, 6)}  # repeated exactly
+
+
+@pytest.mark.slow
+def test_on_a_full_disk_the_keep_rules_make_room_first_and_the_run_goes_on(tmp_path):
+    run_dir = tmp_path / "runs" / "room"
+    ckpts = run_dir / "checkpoints"
+    with tmpfs(ckpts, "13m"):
+        done = cli_run(tmp_path, "room", "checkpoint.keep_last=2")
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert [c["name"] for c in atomic.list_checkpoints(str(ckpts))] == ["step-10", "step-12"]
+    deleted = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+               if e["type"] == "checkpoint_deleted" and "disk full" in e.get("reason", "")]
+    assert deleted and deleted[0]["names"] == ["step-2"]

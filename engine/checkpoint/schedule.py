@@ -15,6 +15,15 @@ every other scheduled checkpoint is deleted. Checkpoints saved by hand (the cont
 `save`, `stop`) are never deleted by these rules. Because the rules read the markers on disk,
 they hold across resumes without any state of their own.
 
+A full disk (decided here): a scheduled save that does not fit first deletes the checkpoints the
+rules would delete once it is written (never the newest complete one, never a hand-saved one) and
+tries once more. If that frees nothing, or the disk is still too full, the run stops: every rank
+raises the same DiskFullError, the worker records it as the run's failure (exit 1), and its
+message names the folder, the space needed and free, and the newest complete checkpoint, which
+`resume=latest` continues from exactly. Training on without the checkpoints the config asks for
+would spend compute that a crash could not give back. Other save failures are an event and the
+run goes on (the next scheduled save tries again).
+
 With `checkpoint.load_best_at_end` the best checkpoint's weights are reloaded when training ends
 (`load_best`, before the final model is exported), leaving the trainer's position as it is.
 
@@ -113,16 +122,46 @@ class CheckpointSchedule:
         self.metrics = dict(saved.get("metrics", {}))
         self.metrics_step = saved.get("metrics_step")
 
-    def save(self, trainer) -> str:
-        """Save `checkpoints/step-<N>` now (collective) and prune by the rules."""
+    def save(self, trainer) -> str | None:
+        """Save `checkpoints/step-<N>` now (collective) and prune by the rules. A failed save is
+        an event (atomic.writing) and training goes on (None), except on a full disk: then the
+        checkpoints the rules drop go first, and if that frees nothing the run ends with the
+        DiskFullError, which names the folder, the space needed and free (module docstring)."""
         self._saved_step = step = trainer.state.global_step
         path = str(trainer.folder.checkpoints / checkpoint_name(step))
         # only metrics measured on these very weights rank a checkpoint
         metrics = self.metrics if self.metrics_step == step else {}
-        url = trainer.save_checkpoint(path, saved_by=SCHEDULE, metrics=metrics)
+        try:
+            url = trainer.save_checkpoint(path, saved_by=SCHEDULE, metrics=metrics)
+        except atomic.DiskFullError:
+            # the rules would delete these once this save is done: delete them first and try once
+            # more; when that frees nothing, the run ends with the disk-full message (raised)
+            if not self.make_room(trainer, {"name": checkpoint_name(step), "step": step,
+                                            "saved_by": SCHEDULE, "metrics": metrics}):
+                raise
+            url = trainer.save_checkpoint(path, saved_by=SCHEDULE, metrics=metrics)
+        except atomic.CheckpointError:
+            return None  # any other failure: agreed by every rank, an event; training goes on
         if trainer.env.rank == 0:
             self.prune(trainer)
         return url
+
+    def make_room(self, trainer, coming: dict) -> bool:
+        """Delete the scheduled checkpoints the rules would delete once `coming` (a marker-like
+        record of the checkpoint about to be saved) exists; collective. True when any went."""
+        doomed: list[str] = []
+        if trainer.env.rank == 0:
+            c = trainer.config.checkpoint
+            collection = atomic.location(str(trainer.folder.checkpoints))
+            present = atomic.list_checkpoints(collection.url)
+            doomed = [n for n in to_delete([*present, coming], c.keep_last, c.keep_best, c.monitor, c.mode)
+                      if n != coming["name"]]
+            for name in doomed:
+                atomic.remove(collection.child(name))
+            if doomed:
+                trainer.emit({"type": "checkpoint_deleted", "step": trainer.state.global_step, "names": doomed,
+                              "reason": "disk full: deleted before the save, as the keep rules would after it"})
+        return bool(atomic.Comm.current().broadcast(bool(doomed)))
 
     def prune(self, trainer) -> list[str]:
         c = trainer.config.checkpoint

@@ -120,11 +120,16 @@ def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampl
     meta = {"step": state.global_step, "epoch": state.epoch, "saved_by": saved_by,
             "metrics": dict(metrics or {})}
     pointer = _points_latest(run, path) if pointer is None else pointer
-    with atomic.writing(path, kind="training", meta=meta, pointer=pointer, comm=comm) as w:
-        with ds_config.recording_checkpoint_files(engine) as written:
+    with atomic.writing(path, kind="training", meta=meta, pointer=pointer, comm=comm, emit=run.emit) as w:
+        # a rank whose write fails must still reach DeepSpeed's barriers (atomic: one failure,
+        # agreed by every rank); DeepSpeed's own `latest` is written below, outside them
+        with ds_config.recording_checkpoint_files(engine) as written, \
+                w.deferring(engine.checkpoint_engine, "save"), w.deferring(engine, "_copy_recovery_script"):
             engine.save_checkpoint(str(w.local), tag=record["ds_tag"],
-                                   client_state=run.layout.checkpoint_client_state(), save_latest=True)
+                                   client_state=run.layout.checkpoint_client_state(), save_latest=False)
         w.claim_paths(written)
+        if comm.rank == 0:
+            (w.local / "latest").write_text(record["ds_tag"])  # what save_latest=True writes
         (w.local / RNG_DIR).mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), w.local / rng_file(comm.rank))
         w.claim(rng_file(comm.rank))

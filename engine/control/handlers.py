@@ -22,6 +22,7 @@ import torch.distributed as dist
 from contract.events import EventType
 from contract.protocol import (Command, Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status,
                                Stop)
+from engine.checkpoint.atomic import CheckpointError
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.control.settings import REPLACED
@@ -99,14 +100,23 @@ def resume(control: Plane, cmd: Resume, reply: Reply) -> dict:
 def stop(control: Plane, cmd: Stop, reply: Reply) -> dict:
     """Stop after this boundary. `save` (default true, contract.protocol.Stop): a training
     checkpoint now and the final model when the run ends; false: neither (whatever
-    checkpoint.save_at_end says)."""
+    checkpoint.save_at_end says). A save that fails (every rank alike, engine.checkpoint.atomic)
+    does not keep the run going: it stops without the final model either, the reply's
+    `save_error` says why, and the newest complete checkpoint is where to resume."""
     trainer = control.trainer
-    path = control.save_checkpoint() if cmd.save else None  # a failed save fails the stop: nothing lost
+    path, error = None, None
+    if cmd.save:
+        try:
+            path = control.save_checkpoint()
+        except CheckpointError as e:  # a stop must stop (a closed terminal sends one, too)
+            error = str(e)
+    final = cmd.save and error is None
     control.emit_state(RunState.STOPPING)
-    control.settings.final_save = cmd.save
+    control.settings.final_save = final
     trainer.should_stop, trainer.paused = True, False
-    return {"state": RunState.STOPPING.value, "step": trainer.state.global_step, "checkpoint": path,
-            "final_model": cmd.save}
+    result = {"state": RunState.STOPPING.value, "step": trainer.state.global_step, "checkpoint": path,
+              "final_model": final}
+    return result if error is None else {**result, "save_error": error}
 
 
 def save(control: Plane, cmd: Save, reply: Reply) -> dict:

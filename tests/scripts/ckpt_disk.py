@@ -1,0 +1,52 @@
+"""A checkpoint save that fails on rank 1 only: rank 1's write of its optimizer partition at step
+2 raises PermissionError (injected: the test runs as root, where file modes do not stop a
+write). Both ranks must come out of the save with the same error, at once, and train on; the
+schedule's next saves must succeed. Reports the losses, the checkpoints and the events."""
+
+import argparse
+import errno
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ckpt_common import make_task, overrides, report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    a = p.parse_args()
+    from contract.config import load_config
+    from engine.trainer import Trainer
+
+    task = make_task(Path(a.out) / "task")
+    cfg = load_config(overrides=overrides(task, a.out, "run", 2, [
+        "train.grad_accum=1", "epochs=1", "checkpoint.every_n_steps=2"]))
+    trainer = Trainer(config=cfg)
+    real_save = torch.save
+
+    def failing_save(obj, f, *args, **kwargs):
+        if trainer.env.rank == 1 and "global_step2" in str(f) and "optim_states" in str(f):
+            raise PermissionError(errno.EACCES, "Permission denied", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = failing_save
+    started = time.monotonic()
+    trainer.train()
+    seconds = time.monotonic() - started
+    torch.save = real_save
+    if trainer.env.rank == 0:
+        folder = trainer.folder
+        events = [json.loads(line) for line in folder.events.read_text().splitlines()]
+        report(rank=0, seconds=seconds, step=trainer.state.global_step, total=trainer.state.total_steps,
+               listing=sorted(p.name for p in folder.checkpoints.iterdir()),
+               losses={e["step"]: e["loss"] for e in events if e["type"] == "train"},
+               failed=[e for e in events if e["type"] == "checkpoint_failed"],
+               saved=[e["step"] for e in events if e["type"] == "checkpoint"])
+
+
+if __name__ == "__main__":
+    main()
