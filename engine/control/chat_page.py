@@ -25,6 +25,8 @@ from engine.control.server import ControlServer
 from contract.protocol import MAX_MESSAGE_BYTES, ProtocolError, parse_command
 
 ANSWER_TIMEOUT_S = 3600.0  # a paused-then-resumed run can take long to reach a boundary
+READ_TIMEOUT_S = 10.0      # a client that sends half a request and then nothing is dropped
+PAGE_THREADS = 16          # requests served at once; more are answered 503 at once
 
 PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>Chat with the model being trained</title>
@@ -73,6 +75,7 @@ status(); setInterval(status, 2000);
 
 class _PageHandler(BaseHTTPRequestHandler):
     server: "_PageServer"
+    timeout = READ_TIMEOUT_S  # the connection's socket timeout (StreamRequestHandler)
 
     def log_message(self, format, *args) -> None:  # keep the training log clean
         return
@@ -185,9 +188,36 @@ def _until_final(answers: "queue.Queue[dict]"):
 
 
 class _PageServer(ThreadingHTTPServer):
+    """A thread per request, at most PAGE_THREADS of them: past that a request gets 503."""
     daemon_threads = True
+    block_on_close = False
     control: ControlServer
     ids: itertools.count
+
+    def __init__(self, address, handler) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(PAGE_THREADS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\nRetry-After: 1\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class ChatPage:
