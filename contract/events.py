@@ -28,6 +28,7 @@ class EventType(str, Enum):
     CHAT_PAGE = "chat_page"      # the built-in chat page is served (control plane)
     CHECKPOINT = "checkpoint"    # a training checkpoint was written (checkpoint layer)
     CHECKPOINT_DELETED = "checkpoint_deleted"  # old checkpoints removed by the keep rule
+    CHECKPOINT_FAILED = "checkpoint_failed"    # a save failed, alike on every rank (checkpoint layer)
     RESUME = "resume"            # training state restored from a checkpoint
     EXPORT = "export"            # a model / adapter exported in Hugging Face / PEFT format
     BEST_MODEL = "best_model"    # the best checkpoint's weights loaded at the end
@@ -118,6 +119,19 @@ class CheckpointEvent(_Event, total=False):
     path: str
     saved_by: str
     seconds: float
+
+
+class CheckpointFailedEvent(_Event, total=False):
+    """`checkpoint_failed`: nothing was published and the partial folder is gone. `error` names
+    each failing rank; on a full disk (`disk_full`) `needed_bytes` (estimated from the previous
+    checkpoint) and `free_bytes`, and `foreseen` when the save was not started at all."""
+    path: str
+    kind: str
+    error: str
+    disk_full: bool
+    needed_bytes: int | None
+    free_bytes: int | None
+    foreseen: bool
 
 
 class ResumeEvent(_Event, total=False):

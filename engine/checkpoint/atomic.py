@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterator
 import fsspec
 import xxhash
 
+from contract.events import EventType
 from engine.checkpoint import space as disk
 
 MARKER = "COMPLETE.json"
@@ -471,7 +472,7 @@ def _full_foreseen(target: Location, kind: str, space: disk.Space, emit: Callabl
     if comm.rank == 0:
         print(f"warning: {message}", flush=True)
         if emit is not None:
-            emit({"type": "warning", "message": message, "path": target.url,
+            emit({"type": EventType.WARNING.value, "message": message, "path": target.url,
                   "needed_bytes": space.needed, "free_bytes": space.free})
     error = DiskFullError(message, target.url, space.needed, space.free, foreseen=True)
     _record_failure(error, target, kind, emit, comm)
@@ -482,7 +483,7 @@ def _record_failure(error: CheckpointError, target: Location, kind: str, emit: C
                     comm: Comm) -> None:
     if comm.rank != 0 or emit is None:
         return
-    event: dict[str, Any] = {"type": "checkpoint_failed", "path": target.url, "kind": kind, "error": str(error),
+    event: dict[str, Any] = {"type": EventType.CHECKPOINT_FAILED.value, "path": target.url, "kind": kind, "error": str(error),
                              "disk_full": isinstance(error, DiskFullError)}
     if isinstance(error, DiskFullError):
         event.update(needed_bytes=error.needed, free_bytes=error.free, foreseen=error.foreseen)
