@@ -301,9 +301,14 @@ def writing(url: str, kind: str, meta: dict | None = None, pointer: bool = False
         raise _full_foreseen(target, kind, space, emit, comm)
     tmp = target.parent.child(f"{TMP_PREFIX}{target.name}-{token}")
     writer = FolderWriter(Path(tmp.path), comm)
+    staging = None
+    if not target.is_local:
+        try:
+            writer.local = staging = Path(tempfile.mkdtemp(prefix="livetune-stage-"))
+        except OSError as e:  # still go on to the agreement: the body's writes fail and are noted
+            writer.fail(e)
+            writer.local = Path(os.devnull) / "livetune-stage"
     try:
-        if not target.is_local:
-            writer.local = Path(tempfile.mkdtemp(prefix="livetune-stage-"))
         try:
             yield writer
         except Exception as e:  # noqa: BLE001 - agreed on in _finish, then raised on every rank
@@ -311,8 +316,8 @@ def writing(url: str, kind: str, meta: dict | None = None, pointer: bool = False
             _drop_frames(e)
         _finish(writer, target, tmp, kind, meta or {}, pointer, space, emit)
     finally:
-        if not target.is_local:
-            shutil.rmtree(writer.local, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _drop_frames(error: BaseException | None) -> None:
