@@ -7,7 +7,9 @@ One run trains throughout (periodic evaluation off, so its speed is steady); the
 through the three cases `--rounds` times, each for `--window` seconds after the page has
 settled, and takes the speed from the run's own records (events.jsonl: step and time) inside
 each window. Cycling the cases spreads the machine's own drift over all three. Prints a
-Markdown table: median steps/s per case and its ratio to no page (target: >= 0.95).
+Markdown table: median steps/s per case and its ratio to no page (target: >= 0.95), and the
+CPU the app server and the browser used meanwhile (on a shared machine the steps/s are noisy;
+the CPU used is what watching takes from training).
 `--app-repo` serves the app from another checkout (an older commit, to compare).
 """
 
@@ -40,6 +42,24 @@ def rate(events: Path, since: float, until: float) -> float:
     return (inside[-1][0] - inside[0][0]) / max(1e-9, inside[-1][1] - inside[0][1])
 
 
+def cpu_seconds(app_pid: int) -> tuple[float, float]:
+    """CPU seconds used so far by the app server itself (not the runs it started) and by the
+    browser (every process this script started other than the app and its children)."""
+    import psutil
+
+    def used(proc: "psutil.Process") -> float:
+        try:
+            t = proc.cpu_times()
+            return t.user + t.system
+        except psutil.Error:
+            return 0.0
+
+    app = psutil.Process(app_pid)
+    app_family = {app_pid} | {c.pid for c in app.children(recursive=True)}
+    browser = [c for c in psutil.Process().children(recursive=True) if c.pid not in app_family]
+    return used(app), sum(used(c) for c in browser)
+
+
 def open_page(browser, url: str, tab: str):
     """A fresh page on the app, settled on `tab` (the app opens on Train for a run going)."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -70,6 +90,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     app = serve(root / "runs", port, root / "app.log")
     results: dict[str, list[float]] = {case: [] for case in CASES}
+    cpu: dict[str, list[tuple[float, ...]]] = {case: [] for case in CASES}  # (app, browser) cores busy
     try:
         client = Client(url, verbose=False)
         config = {"train": {"max_steps": 1_000_000}, "eval": {"every_n_steps": 0, "at_end": False},
@@ -91,9 +112,14 @@ def main() -> None:
                         context = open_page(browser, url, "Train" if case.startswith("Train") else "Chat")
                     else:
                         time.sleep(3)
-                    since = time.time()
+                    since, cpu_before = time.time(), cpu_seconds(app.pid)
                     time.sleep(args.window)
                     results[case].append(rate(events, since, time.time()))
+                    cpu_after = cpu_seconds(app.pid)
+                    cpu[case].append(tuple((b - a) / args.window for a, b in zip(cpu_before, cpu_after)))
+                    status = client.predict(run="watch", api_name="/status")
+                    if not status["alive"]:  # e.g. ended from outside: the numbers would mean nothing
+                        raise SystemExit(f"the run ended during the benchmark: {status['state']} {status['error']}")
                     if context is not None:
                         context.close()
             browser.close()
@@ -112,12 +138,17 @@ def main() -> None:
     base = statistics.median(results["no page"]) or 1e-9
     print(f"\nembedded default, {args.rounds} x {args.window:g} s per case, app from {args.app_repo}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
-    print("| case | steps/s (median) | each window | vs no page |")
-    print("|---|---|---|---|")
+    print("| case | steps/s (median) | each window | vs no page | app server CPU | browser CPU |")
+    print("|---|---|---|---|---|---|")
     for case in CASES:
         values = results[case]
         median = statistics.median(values) if values else 0.0
-        print(f"| {case} | {median:.2f} | {', '.join(f'{v:.2f}' for v in values)} | {median / base:.2f} |")
+        app_cpu = statistics.mean(c[0] for c in cpu[case]) if cpu[case] else 0.0
+        browser_cpu = statistics.mean(c[1] for c in cpu[case]) if cpu[case] else 0.0
+        print(f"| {case} | {median:.2f} | {', '.join(f'{v:.2f}' for v in values)} | {median / base:.2f} | "
+              f"{100 * app_cpu:.0f}% of a core | {100 * browser_cpu:.0f}% of a core |")
+    print("\nCPU: the mean share of one core each used during the windows (what watching takes from "
+          "training on a machine whose cores are all busy).")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ from app.web.backend import Backend
 from app.web.widgets import CSS
 
 TITLE = "livetune"
+# whether the Train tab is the one shown, read in the page once the switch has been drawn
+TRAIN_SHOWN_JS = ("async () => { await new Promise(r => setTimeout(r, 50)); const b = Array.from("
+                  "document.querySelectorAll('button[role=tab]')).find(b => b.innerText.trim() === 'Train'); "
+                  "return !!b && b.getAttribute('aria-selected') === 'true'; }")
 
 
 def build_app(backend: Backend) -> gr.Blocks:
@@ -28,7 +32,7 @@ def build_app(backend: Backend) -> gr.Blocks:
         gr.Markdown(f"## {TITLE} · fine-tune a language model and talk to it while it trains",
                     elem_id="app-title")
         run_state = gr.State(None)  # the run folder this page shows
-        timer = gr.Timer(train.TICK_S)
+        timer = gr.Timer(train.TICK_S, active=False)  # started when the Train tab is selected
         with gr.Tabs(selected="configure", elem_id="tabs") as tabs:
             with gr.Tab("Configure", id="configure", elem_id="tab-configure"):
                 config_tab = configure.build(backend, run_state, tabs)
@@ -41,6 +45,13 @@ def build_app(backend: Backend) -> gr.Blocks:
             with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
                 runs_refresh = runs.build(backend, run_state, tabs)
         config_tab.validation()
+        # the timer ticks only while the Train tab shows (a hidden tab costs the run nothing);
+        # Tabs.change fires on a click and on a handler's switch (Start, Reattach ...) alike
+        train_shown = gr.Checkbox(False, visible=False)
+        tabs.change(None, outputs=train_shown, js=TRAIN_SHOWN_JS, api_visibility="private",
+                    show_progress="hidden").then(
+            lambda on: gr.Timer(active=bool(on)), inputs=train_shown, outputs=timer, queue=False,
+            api_visibility="private", show_progress="hidden")
         chat_tab.select(**chat_refresh)
         ckpt_tab.select(**ckpt_refresh)
         runs_tab.select(**runs_refresh)

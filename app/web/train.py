@@ -123,7 +123,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     def start_confirmed(given: dict) -> dict:
         if not given[confirmed]:
             gr.Info("Not started: the run going on is left as it is.")
-            return {}
+            return {tabs: gr.update()}  # (an empty dict reads as one missing value to Gradio)
         return start_run(backend, configure.values(given), run_state, tabs)
 
     start.click(None, outputs=confirmed, js=CONFIRM_START_JS, api_visibility="private").then(
