@@ -352,7 +352,7 @@ def space_for(target: Location, kind: str) -> disk.Space:
     if not target.is_local:
         return disk.Space()
     basis = read_marker(target) if target.exists() else None
-    name = target.name
+    name: str | None = target.name
     if basis is None or basis.get("kind") != kind:
         siblings = [c for c in list_checkpoints(target.parent.url, kind) if c["name"] != target.name]
         basis, name = (siblings[-1], siblings[-1]["name"]) if siblings else (None, None)
