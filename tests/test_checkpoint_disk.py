@@ -199,7 +199,10 @@ def test_save_now_on_a_full_disk_is_answered_and_training_goes_on(tmp_path):
                 filler.unlink()
                 second = client.save()
                 assert second["step"] > first["step"]
-                client.stop(save=False)
+                fill(ckpts, leave=size // 2)
+                stopped = client.stop(save=True)       # a stop stops, even when its save fails
+                assert stopped["checkpoint"] is None and not stopped["final_model"]
+                assert stopped["save_error"].startswith("disk full: saving ")
             assert wait_exit(run) == 0
         finally:
             from supervisor.procs import group_alive, kill_group
@@ -207,7 +210,7 @@ def test_save_now_on_a_full_disk_is_answered_and_training_goes_on(tmp_path):
                 kill_group(run.pid, grace_s=5.0)
     kinds = [e for e in map(json.loads, run.folder.events.read_text().splitlines())
              if e["type"] in ("warning", "checkpoint_failed")]
-    assert [e["type"] for e in kinds] == ["checkpoint_failed", "warning", "checkpoint_failed"], kinds
+    assert [e["type"] for e in kinds] == ["checkpoint_failed", *["warning", "checkpoint_failed"] * 2], kinds
     assert kinds[0]["disk_full"] and not kinds[0]["foreseen"] and kinds[2]["foreseen"]
     assert kinds[1]["needed_bytes"] == size and kinds[1]["free_bytes"] < size
 
