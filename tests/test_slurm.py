@@ -2,7 +2,8 @@
 on this machine, one node with 2 CPUs): `./launch.sh submit --slurm` (app.cli) writes the job
 script into the run folder and submits it; the run is listed as queued / starting, then running;
 the control plane answers once rank 0 wrote control.json; Stop scancels the job and confirms it
-ended, with no process of it left."""
+ended, with no process of it left; a job whose rank was killed shows its Slurm state and the
+rank's last log lines."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from contract.run_folder import RunFolder
 from slurm_cluster import SlurmUnavailable, check_available, slurm_cluster
 from supervisor.client import RunClient
 from supervisor.manager import RunManager
-from supervisor.slurm import SlurmHandle, SlurmOptions, job_script, job_state, recorded_job
+from supervisor.slurm import SlurmHandle, SlurmOptions, job_script, job_state, recorded_job, submit
 
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 400
@@ -123,3 +124,45 @@ def test_submit_the_default_chat_pause_set_lr_and_stop(cluster, tmp_path):
         print(f"\nSLURM states seen {seen}; job {job} ended {ended.state}")
     finally:
         subprocess.run(["scancel", job], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_failed_job_shows_its_slurm_state_and_the_rank_s_log(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    cfg = load_config(overrides=[f"output_dir={runs}", "run_name=dies", "nproc=2", "max_steps=5000",
+                                 "logging.tensorboard=false", "checkpoint.save_at_end=false"])
+    folder = submit(cfg, runs, SlurmOptions(time="30:00"))
+    job = recorded_job(folder)
+    manager = RunManager(runs)
+    handle = manager.get(folder.root.name)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while handle.info().step < 1:
+            assert time.monotonic() < deadline and handle.info().state != "failed", handle.failure()
+            time.sleep(0.5)
+        (rank1,) = [p for p in run_processes(folder.root) if _is_rank(p, 1)]
+        os.kill(rank1, 9)
+        deadline = time.monotonic() + 120
+        while (state := job_state(job)) is not None and state.alive and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert state is not None and state.state == "FAILED", state
+        failure = handle.failure()
+        assert failure is not None and failure.message.startswith(f"Slurm job {job} FAILED"), failure
+        assert failure.lines, failure  # the failing rank's last log lines
+        print(f"\nSLURM failed job reported: {failure.message[:200]}")
+        assert not run_processes(folder.root)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+
+
+def _is_rank(pid: int, rank: int) -> bool:
+    """Whether `pid` is the worker of `rank` (not the torchrun agent, whose command also names it)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read()
+        if b"engine.worker" not in command or b"torch.distributed.run" in command:
+            return False
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"RANK={rank}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
