@@ -65,15 +65,16 @@ def test_web_backend_exports_into_a_folder_relative_to_where_the_app_runs(tmp_pa
     """The Checkpoints tab's Export button: backend -> `python -m engine.checkpoint export`."""
     from transformers import AutoModelForCausalLM
 
-    from app.web.backend import Backend, BackendError
+    from app.session import SessionError
+    from app.web.backend import Backend
     run = train(tmp_path, "web", "zero_stage=2")
     backend = Backend(tmp_path)
     monkeypatch.chdir(tmp_path)
-    message = backend.export(str(run / "checkpoints" / "step-3"), "exports/mine")
+    message = backend.store.export(str(run / "checkpoints" / "step-3"), "exports/mine")
     assert str(tmp_path / "exports" / "mine") in message
     AutoModelForCausalLM.from_pretrained(tmp_path / "exports" / "mine")
-    with pytest.raises(BackendError, match="no adapter to merge"):  # the CLI's own reason, not a traceback
-        backend.export(str(run / "checkpoints" / "step-3"), "exports/merged", merge_lora=True)
+    with pytest.raises(SessionError, match="no adapter to merge"):  # the CLI's own reason, not a traceback
+        backend.store.export(str(run / "checkpoints" / "step-3"), "exports/merged", merge_lora=True)
 
 
 def test_lora_checkpoint_merged_equals_base_plus_adapter(tmp_path):
