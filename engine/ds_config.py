@@ -1,25 +1,8 @@
-"""The DeepSpeed config layer: the run config becomes a complete, consistent DeepSpeed config.
-
-It follows the Hugging Face `"auto"` convention (transformers' HfTrainerDeepSpeedConfig), with
-one difference: a key that is *absent* is treated like `"auto"` wherever the run config knows
-its value, so a run without any DeepSpeed config gets a complete one. Explicit values that
-contradict the run config are all collected and reported in one :class:`DeepSpeedConfigError`.
-
-Optimizer and scheduler ownership (as transformers' `deepspeed_optim_sched` has it):
-
-- an `optimizer` section: DeepSpeed builds the optimizer, and then a `scheduler` section is
-  required too (our trainer builds a torch scheduler only around its own torch optimizer, so a
-  DeepSpeed optimizer alone would silently train at a constant learning rate);
-- no `optimizer` section: the trainer passes a torch optimizer; `scheduler` may still be given
-  (DeepSpeed then wraps the torch optimizer); under ZeRO-Offload this needs
-  `zero_force_ds_cpu_optimizer: false`, which is set with a warning.
-
-`"type": "auto"` picks DeepSpeed's counterpart of the run's choice: optim.name adamw -> AdamW,
-sgd -> SGD; optim.scheduler constant -> WarmupLR, linear -> WarmupDecayLR, cosine ->
-WarmupCosineLR (decaying to 0, like the torch cosine schedule). Their warmup is linear, as the
-run config's is (DeepSpeed's default would be logarithmic). DeepSpeed's schedules are not step
-for step the torch ones the trainer builds: they spend the first two steps at warmup_min_lr and
-warm up over at least 2 steps; leave "scheduler" out for the trainer's exact schedule.
+"""The DeepSpeed layer of the running engine. The config itself is built torch-free in
+`contract.deepspeed_config` (the Hugging Face `"auto"` convention, every contradiction in one
+error; the pre-flight check runs the same code before any rank starts); this module adds what
+needs the hardware or a live engine: the precision probe, ZeRO-3 construction, and every
+DeepSpeed internal the engine touches.
 
 ZeRO-3: build models inside :func:`zero3_init`, and Hugging Face models through `from_config` /
 `from_pretrained` there: those initialise (or load) the weights on the shards. Calling a model

@@ -1,13 +1,5 @@
-"""Row formats: checking one row and turning rows into (input_ids, labels).
-
-=============  ==========================================  ===================================
-format         row                                         loss on
-=============  ==========================================  ===================================
-text           {"text"}                                    every token
-input_output   {"input", "output"}                         the output tokens (+ eos)
-chat           {"messages": [{"role", "content"}, ...]}    assistant turns (chat template)
-tokenized      {"input_ids", "labels"?}                    labels (default: input_ids)
-=============  ==========================================  ===================================
+"""Row formats: turning checked rows into (input_ids, labels). The formats, their rows and what
+the loss is on are declared in `contract.data_rows` (torch-free, shared with the pre-flight check).
 
 Special tokens follow the tokenizer: text and input are encoded with its special tokens (bos
 where it adds one); an output is encoded without and followed by eos, so the model learns to
