@@ -19,22 +19,22 @@ from app.web.plots import HAVE_JS, Plots, batch, make_plots
 from app.web.widgets import banner_html, readable, status_html
 from contract.protocol import Evaluate, Pause, Resume, RunState, Save, Set
 
-TICK_S = 0.5  # how often a page looks for news (a look that finds none sends nothing)
+TICK_S = 1.0  # how often the Train tab looks for news (a look that finds none sends nothing)
 # Read in the page as each tick leaves: the run it shows, what its plots hold (plots.HAVE_JS),
 # whether the user has clicked a tab yet (set by a click listener, NAVIGATION_HEAD, given to
 # launch(); a page state updated through the server could arrive after the first tick), and
 # whether the Train tab and its log are on screen: a hidden tab is sent nothing.
+# It also closes the "Stopping ..." note once the last look showed the run ended.
 TICK_JS = ("(path, shown, have, navigated, visible, log_open) => { const on = id => { const e = "
            "document.getElementById(id); return !!e && e.offsetParent !== null && document.visibilityState "
-           "!== 'hidden'; }; return [path, shown, " + HAVE_JS + ", !!window.livetuneNavigated, "
-           "on('train-status'), on('train-log')]; }")
-# after each look: open the Train tab when the first look found a run going, unless the user has
-# clicked a tab meanwhile; close the "Stopping ..." note once the run has ended
+           "!== 'hidden'; }; const s = document.getElementById('run-state'); if (s && /finished|failed/.test("
+           "s.innerText)) document.querySelectorAll('.toast-body').forEach(t => { if (/Stopping/.test(t.innerText)) "
+           "{ const c = t.querySelector('.toast-close'); if (c) c.click(); } }); return [path, shown, " + HAVE_JS +
+           ", !!window.livetuneNavigated, on('train-status'), on('train-log')]; }")
+# after the page's first look: open the Train tab when it found a run going, unless the user has
+# clicked a tab meanwhile
 AFTER_TICK_JS = ("(go) => { if (go && !window.livetuneNavigated) { const b = Array.from(document.querySelectorAll("
-                 "'button[role=tab]')).find(b => b.innerText.trim() === 'Train'); if (b) b.click(); } "
-                 "const s = document.getElementById('run-state'); if (s && /finished|failed/.test(s.innerText)) "
-                 "document.querySelectorAll('.toast-body').forEach(t => { if (/Stopping/.test(t.innerText)) "
-                 "{ const c = t.querySelector('.toast-close'); if (c) c.click(); } }); }")
+                 "'button[role=tab]')).find(b => b.innerText.trim() === 'Train'); if (b) b.click(); } }")
 NAVIGATION_HEAD = ("<script>document.addEventListener('click', e => { if (e.target.closest && "
                    "e.target.closest('button[role=tab]')) window.livetuneNavigated = true; }, true);</script>")
 LIVE_STATES = ("starting", "running", "paused", "stopping")
@@ -113,12 +113,13 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
         return refresh(backend, view, path, shown, _json(have_text), visible=on_screen,
                        log_open=log_shown, open_tab=not navigated)
 
-    # the page's first look skips the queue (one plain request: the page is shown sooner)
-    for trigger, queued in ((page.load, False), (timer.tick, True)):
-        trigger(tick, inputs=[run_state, seen, have, navigated, visible, log_open], outputs=view.outputs(),
-                js=TICK_JS, show_progress="hidden", concurrency_limit=None, api_visibility="private",
-                queue=queued).then(
-            None, inputs=open_train, js=AFTER_TICK_JS, api_visibility="private", show_progress="hidden")
+    # the page's first look skips the queue (one plain request: the page is shown sooner); only
+    # it may open this tab, so the timer's ticks are one event each
+    look = dict(fn=tick, inputs=[run_state, seen, have, navigated, visible, log_open], outputs=view.outputs(),
+                js=TICK_JS, show_progress="hidden", concurrency_limit=None, api_visibility="private")
+    page.load(**look, queue=False).then(None, inputs=open_train, js=AFTER_TICK_JS, api_visibility="private",
+                                        show_progress="hidden")
+    timer.tick(**look, queue=True)
 
     def start_confirmed(given: dict) -> dict:
         if not given[confirmed]:
