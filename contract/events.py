@@ -102,10 +102,13 @@ class CommandEvent(_Event, total=False):
 
 
 class SetEvent(_Event, total=False):
-    """The settings a `set` changed, with their values after and before."""
+    """The settings a `set` changed, with their values after and before. `step` is the last
+    step done; the change applies from `applies_from_step` (step + 1), and `changes["lr"]` is
+    the rate that step trains with, as the `train` records log each step's own rate."""
     step: int
     changes: dict[str, Any]
     before: dict[str, Any]
+    applies_from_step: int
 
 
 class ChatPageEvent(_Event, total=False):

@@ -24,6 +24,7 @@ class StepInfo:
     loss: float
     tokens: int          # real (non-pad) tokens trained in this step, all ranks
     step_time: float     # seconds
+    lr: float | None = None  # the rate this step trained with, read before its update
 
 
 class Monitor:
@@ -37,8 +38,11 @@ class LossMonitor(Monitor):
 
 
 class LRMonitor(Monitor):
+    """The learning rate the step was trained with (not the next step's: the scheduler has
+    already advanced when the monitors run)."""
+
     def measure(self, trainer, info):
-        return {"lr": trainer.current_lr()}
+        return {"lr": info.lr if info.lr is not None else trainer.current_lr()}
 
 
 class StepTimeMonitor(Monitor):

@@ -112,9 +112,10 @@ class Trainer:
                     break
                 self.callbacks.fire("on_train_batch_begin", self, micro_batches)
                 started = time.perf_counter()
+                lr = self.current_lr()  # the step's own rate: every strategy advances the schedule
                 loss, tokens = self._step(micro_batches)                          # step
                 self._record(StepInfo(state.global_step, epoch, loss, tokens,    # record
-                                      time.perf_counter() - started))
+                                      time.perf_counter() - started, lr))
                 self.callbacks.fire("on_train_batch_end", self, loss)
                 live = live_settings(self)  # the schedule, as the control plane may have changed it
                 if _due(state.global_step, live.eval_every(cfg)):                # evaluate if due

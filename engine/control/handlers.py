@@ -153,9 +153,12 @@ def set_values(control: Plane, cmd: Set, reply: Reply) -> dict:
     after = current_settings(control)
     names = list(cmd.given())
     changes = {k: after[k] for k in names}
+    # set between steps: `lr` is the rate the next step trains with (train records log each
+    # step's own rate), so the change applies from step + 1
+    applies = trainer.state.global_step + 1
     trainer.emit({"type": EventType.SET.value, "step": trainer.state.global_step, "changes": changes,
-                  "before": {k: before[k] for k in names}})
-    return {"step": trainer.state.global_step, "changes": changes}
+                  "before": {k: before[k] for k in names}, "applies_from_step": applies})
+    return {"step": trainer.state.global_step, "changes": changes, "applies_from_step": applies}
 
 
 def _check_settable(control: Plane, cmd: Set) -> None:
