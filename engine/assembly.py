@@ -68,6 +68,8 @@ def assemble(cfg: RunConfig, *, model=None, tokenizer=None, loss_fn: Callable | 
     layout, method = kind(env), method_of(cfg)
     folder, events = setup.open_run_folder(cfg, run_dir, env.rank == 0)
     precision = setup.precision_of(cfg)
+    if model is None:
+        setup.check_model_config(cfg)  # before the tokenizer: an unknown architecture is named
     tokenizer = tokenizer or setup.tokenizer_of(cfg)
     train, evaluation, eval_rows, reports = setup.datasets_of(cfg, tokenizer, train_dataset, eval_dataset)
     data = Data(train, evaluation, eval_rows, reports, train_collate_fn, eval_collate_fn)

@@ -46,6 +46,15 @@ def hidden_size(folder: str | Path) -> int | None:
     return getattr(text, "hidden_size", None) or getattr(text, "d_model", None)
 
 
+def read_config(folder: str | Path, *, trust_remote_code: bool = False):
+    """The folder's transformers config; an unreadable one or an unknown architecture is a
+    ModelFolderError naming model.path."""
+    try:
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelFolderError(f"model.path: {folder} is not a Hugging Face model folder: {e}") from None
+
+
 def build_model(folder: str | Path, *, seed: int, precision: str, attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, init_context=contextlib.nullcontext,
                 trust_remote_code: bool = False) -> torch.nn.Module:
@@ -55,10 +64,7 @@ def build_model(folder: str | Path, *, seed: int, precision: str, attn_implement
     partitioned while it is built and no rank ever holds all of it.
     """
     folder = Path(folder)
-    try:
-        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ModelFolderError(f"model.path: {folder} is not a Hugging Face model folder: {e}") from None
+    config = read_config(folder, trust_remote_code=trust_remote_code)
     torch.manual_seed(seed)
     _import_model_class(config)
     with init_context():

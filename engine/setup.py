@@ -103,6 +103,12 @@ def model_dir_of(cfg: RunConfig) -> Path:
     return Path(cfg.model.path) if cfg.model.path else _default_assets().model_dir
 
 
+def check_model_config(cfg: RunConfig) -> None:
+    """Read the model folder's config first, so a bad config.json or an unknown architecture is
+    named as such, not as a tokenizer that failed to load."""
+    model_layer.read_config(model_dir_of(cfg), trust_remote_code=cfg.model.trust_remote_code)
+
+
 def tokenizer_of(cfg: RunConfig):
     field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
     return model_layer.load_tokenizer(cfg.model.tokenizer or model_dir_of(cfg), field)

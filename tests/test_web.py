@@ -256,15 +256,18 @@ def test_gradio_client_start_chat_set_stop(app):
     status = client.predict(run="api-run", api_name="/status")
     set_at = changed["step"]
     assert status["state"] == "running"
-    wait_until(lambda: client.predict(run="api-run", api_name="/status")["step"] > set_at + 1, 120,
-               "a step after the change")
+    assert changed["applies_from_step"] == set_at + 1
+    wait_until(lambda: client.predict(run="api-run", api_name="/status")["step"] > set_at + 2, 120,
+               "two steps after the change")
     events = [json.loads(line) for line in (runs / "api-run" / "events.jsonl").read_text().splitlines()]
     lrs = {e["step"]: e["lr"] for e in events if e["type"] == "train"}
-    # the schedule goes on from the new value: one step later it is 5e-4 times the schedule's
-    # own step-to-step ratio (measured on the two steps before the change)
+    # each train record logs the rate its step trained with: the step after the change trains
+    # with 5e-4; the schedule goes on from there, one step later 5e-4 times the schedule's own
+    # step-to-step ratio (measured on the two steps before the change)
     ratio = lrs[set_at] / lrs[set_at - 1]
-    assert lrs[set_at + 1] == pytest.approx(5e-4 * ratio, rel=0.05)
+    assert lrs[set_at + 1] == pytest.approx(5e-4, rel=1e-6)
     assert lrs[set_at + 1] != pytest.approx(lrs[set_at] * ratio, rel=0.05)
+    assert lrs[set_at + 2] == pytest.approx(5e-4 * ratio, rel=0.05)
     # the status read just after the change shows the new value, moved on by the schedule for
     # any steps the run took in between (it does not stop to wait for the reader)
     assert status["settings"]["lr"] == pytest.approx(5e-4 * ratio ** (status["step"] - set_at), rel=0.1)
@@ -290,6 +293,10 @@ def test_browser_shows_a_failed_run_with_its_last_log_lines(app, browser, tmp_pa
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    # a tokenizer too: the pre-flight check passes (it does not load the model class), and the
+    # run fails at start-up in the engine, on the unknown architecture
+    from conftest import make_tiny_tokenizer
+    make_tiny_tokenizer().save_pretrained(broken)
     config = {"model": {"path": str(broken)}, "train": {"max_steps": 5}, "logging": {"run_name": "broken"}}
     Client(url, verbose=False).predict(config=json.dumps(config), preset="", api_name="/start")
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
