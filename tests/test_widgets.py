@@ -338,3 +338,16 @@ def test_the_form_says_how_to_get_widgets_where_they_cannot_be_drawn():
     assert "application/vnd.jupyter.widget-view+json" in data  # a widget front end draws the widget
     assert "./launch.sh notebook" in data["text/plain"] and "VBox(" not in data["text/plain"]
     assert "jupyterlab_widgets" in data["text/html"]
+
+
+def test_the_panel_refuses_to_set_an_untouched_learning_rate_box(tmp_path):
+    from app.notebook.panel import RunPanel
+
+    panel = RunPanel(output_dir=tmp_path / "runs", attach_live=False)
+    try:
+        panel.lr.value = 0.0  # the box's empty value
+        assert panel.set_lr() is None
+        assert panel.messages[-1] == ("set lr: type a learning rate > 0 first (to stop learning on purpose: "
+                                      "run.set(lr=0))", True)
+    finally:
+        panel.close()

@@ -175,7 +175,12 @@ class RunPanel:
         return self._command("evaluate", lambda run: run.evaluate())
 
     def set_lr(self) -> Future | None:
+        """Send the box's learning rate; 0 (the box's empty value) is refused: a click on an
+        untouched box must not stop learning (from code, `run.set(lr=0)` does it on purpose)."""
         lr = float(self.lr.value)
+        if not lr > 0:
+            self._error("set lr: type a learning rate > 0 first (to stop learning on purpose: run.set(lr=0))")
+            return None
         return self._command("set lr", lambda run: run.set(lr=lr))
 
     def wait_idle(self, timeout: float | None = None) -> None:
