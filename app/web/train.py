@@ -170,7 +170,7 @@ class TrainView:
     def outputs(self) -> list:
         start = [self.start] if self.start is not None else []
         return [self.run_state, self.seen, self.open_train, self.status, self.banner,
-                *self.plots.components(), self.log, self.lr, *self.buttons.values(), *start]
+                *self.plots.components(), self.log, *self.buttons.values(), *start]
 
     def controls(self, state: str | None) -> dict:
         """Each button enabled when the run's state allows its command; Resume is the primary
