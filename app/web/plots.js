@@ -87,7 +87,7 @@ function panel(svg, lines, x0, y0, w, h, steps, log, title) {
   if (!all.length) return;
   const ty = v => log ? Math.log10(v) : v;
   let lo = Math.min(...all.map(ty)), hi = Math.max(...all.map(ty));
-  if (hi - lo < 1e-12) { lo -= 0.5 || 1; hi += 0.5; }
+  if (hi - lo <= Math.abs(hi) * 1e-9) { const pad = Math.abs(hi) * 0.1 || 1; lo -= pad; hi += pad; }  // a flat line
   const pad = (hi - lo) * 0.05; lo -= pad; hi += pad;
   const left = x0 + 52, right = x0 + w - 8, top = y0 + (title ? 16 : 6), bottom = y0 + h - 20;
   const sx = s => left + (steps[1] > steps[0] ? (s - steps[0]) / (steps[1] - steps[0]) : 0.5) * (right - left);
