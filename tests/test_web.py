@@ -263,10 +263,13 @@ def test_gradio_client_start_chat_set_stop(app):
     lrs = {e["step"]: e["lr"] for e in events if e["type"] == "train"}
     # each train record logs the rate its step trained with: the step after the change trains
     # with 5e-4; the schedule goes on from there, one step later 5e-4 times the schedule's own
-    # step-to-step ratio (measured on the two steps before the change)
-    ratio = lrs[set_at] / lrs[set_at - 1]
+    # step-to-step ratio there (the unchanged schedule's rates of steps set_at+1 and set_at+2,
+    # extrapolated linearly from the two steps before the change: exact during the warmup)
+    a, b = lrs[set_at], lrs[set_at - 1]
+    unchanged_next = 2 * a - b
+    ratio = (3 * a - 2 * b) / unchanged_next
     assert lrs[set_at + 1] == pytest.approx(5e-4, rel=1e-6)
-    assert lrs[set_at + 1] != pytest.approx(lrs[set_at] * ratio, rel=0.05)
+    assert lrs[set_at + 1] != pytest.approx(unchanged_next, rel=0.05)
     assert lrs[set_at + 2] == pytest.approx(5e-4 * ratio, rel=0.05)
     # the status read just after the change shows the new value, moved on by the schedule for
     # any steps the run took in between (it does not stop to wait for the reader)
