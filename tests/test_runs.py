@@ -176,7 +176,7 @@ def test_a_second_manager_reattaches_and_stops_the_run(tmp_path, env):
     attached = second.attach("long")
     assert attached.info().state == "running" and attached.pid == pgid
     assert [r.name for r in second.list_runs() if r.alive] == ["long"]
-    info = second.stop("long", timeout=60)
+    info = second.stop("long", timeout=180)  # stop saves a checkpoint and the model first (the default)
     assert_no_process_left(pgid)
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values())
     assert info.state == "finished" and not info.alive and info.stopped_by_user
