@@ -113,17 +113,10 @@ def train(argv: list[str]) -> int:
     signals = Signals()
     previous = {sig: signal.signal(sig, signals) for sig in HANDLED_SIGNALS}
     try:
-        try:
-            # the run is this terminal's: it ends with this process, even one killed by SIGKILL
-            handle = RunManager(cfg.logging.output_dir).start(cfg, die_with_this_process=True,
-                                                              checked=checked)
-        except RunRefused as e:
-            say(str(e), "red")
-            return 2
-        except RunError as e:
-            say(str(e), "red")
-            return 1
-        say(f"run folder: {handle.folder.root}")
+        # the run is this terminal's: it ends with this process, even one killed by SIGKILL
+        handle = _start(RunManager(cfg.logging.output_dir), cfg, checked, die_with_this_process=True)
+        if isinstance(handle, int):
+            return handle
         code = follow(handle, signals)
         if signals.received:
             return _stop_on_signal(handle, signals.received[0])
@@ -164,9 +157,11 @@ def show_preflight(report: PreflightReport) -> None:
         say(str(PreflightError(report.problems)), "red")
 
 
-def _start_detached(manager: RunManager, cfg: RunConfig, checked: PreflightReport | None = None) -> int:
+def _start(manager: RunManager, cfg: RunConfig, checked: PreflightReport | None,
+           die_with_this_process: bool = False):
+    """The started run's handle, or the exit code when it could not start (2: refused)."""
     try:
-        handle = manager.start(cfg, checked=checked)
+        handle = manager.start(cfg, checked=checked, die_with_this_process=die_with_this_process)
     except RunRefused as e:
         say(str(e), "red")
         return 2
@@ -174,6 +169,13 @@ def _start_detached(manager: RunManager, cfg: RunConfig, checked: PreflightRepor
         say(str(e), "red")
         return 1
     say(f"run folder: {handle.folder.root}")
+    return handle
+
+
+def _start_detached(manager: RunManager, cfg: RunConfig, checked: PreflightReport | None = None) -> int:
+    handle = _start(manager, cfg, checked)
+    if isinstance(handle, int):
+        return handle
     say(f"detached (process group {handle.pid}): the run goes on without this terminal. Watch "
         f"and stop it in the web app's run list (`./launch.sh --output-dir {manager.output_dir}`), "
         f"or with `./launch.sh watch {handle.folder.root}` and `./launch.sh stop {handle.folder.root}`.")
