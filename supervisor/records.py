@@ -12,7 +12,7 @@ from pathlib import Path
 
 from contract.run_folder import RunFolder, tail_lines
 
-from supervisor.procs import running
+from supervisor.procs import read_proc, running
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,9 @@ def adopt_child(proc: subprocess.Popen) -> None:
 
 
 def reap(pid: int | None) -> int | None:
-    """The exit code of launcher `pid` if this process started it and it has ended, else None."""
+    """The exit code of launcher `pid` if this process started it and it has ended, else None.
+    (The reaper thread's `wait` may hold the Popen's lock; `poll` then answers None although the
+    launcher has ended: the code arrives on a later look.)"""
     with _children_lock:
         proc = _children.get(pid) if pid is not None else None
     return proc.poll() if proc is not None else None
@@ -109,10 +111,15 @@ def reap(pid: int | None) -> int | None:
 
 def child_running(pid: int | None) -> bool:
     """Whether `pid` is a launcher this process started that has not ended. (Right after the
-    fork its command line is still ours, so /proc cannot tell yet whose it is.)"""
+    fork its command line is still ours, so /proc cannot tell yet whose it is.) Not `poll()`:
+    while the reaper thread waits on the launcher, `poll()` answers None even for a zombie; the
+    process table says whether it still runs."""
     with _children_lock:
         proc = _children.get(pid) if pid is not None else None
-    return proc is not None and proc.poll() is None
+    if proc is None or proc.returncode is not None:
+        return False
+    seen = read_proc(proc.pid)
+    return seen is not None and not seen.zombie
 
 
 # A stop in progress, whichever manager (or process) is doing it: the others must not take the
