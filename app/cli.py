@@ -303,6 +303,10 @@ class _Shown:
             text = "  ".join(f"{k[5:]} {v:.4g}" for k, v in shown.items())
             self.metrics["eval"] = text
             say(f"step {event.get('step')} eval: {text}")
+        elif kind == "warning":
+            say(f"warning: {event.get('message', '')}", "yellow")
+        elif kind == "checkpoint_failed":
+            say(f"checkpoint failed ({event.get('kind', 'save')}): {event.get('error', '')}", "red")
         elif kind == "state" and event.get("state") in (RunState.STOPPING, RunState.PAUSED):
             say(f"{event['state']} at step {event.get('step', '?')}", "yellow")
         p.update(self.task, metrics="  ".join(self.metrics.values()))

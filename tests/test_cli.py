@@ -167,6 +167,22 @@ def test_log_lines_with_brackets_are_printed_as_text(capsys):
         assert line in err
 
 
+def test_warnings_and_failed_saves_of_a_run_are_printed(capsys):
+    """A `warning` event and a `checkpoint_failed` event reach the terminal (as text: a path in
+    brackets must not be taken for markup)."""
+    from rich.progress import Progress
+
+    from app.cli import _Shown
+    with Progress(disable=True) as progress:
+        shown = _Shown(progress, progress.add_task("training", total=10))
+        shown.event({"type": "warning", "message": "loss is NaN at step 3 [/x]"})
+        shown.event({"type": "checkpoint_failed", "kind": "save", "disk_full": True,
+                     "error": "disk full at /runs/r/checkpoints/step-4: needs 9 MB, 1 MB free"})
+    err = capsys.readouterr().err
+    assert "warning: loss is NaN at step 3 [/x]" in err
+    assert "checkpoint failed (save): disk full at /runs/r/checkpoints/step-4: needs 9 MB, 1 MB free" in err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
 def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing(tmp_path, sig, cleanup):
     proc, run_dir, out = start_cli(tmp_path, "signalled", "max_steps=5000")
