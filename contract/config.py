@@ -98,6 +98,11 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp16", "fp32"] = _f(
         "auto", "Training precision; auto takes bf16 where the hardware does bf16 fast, else fp32.")
     seed: int = _f(42, "Seed of weights init, data order and dropout.")
+    loss_average: Literal["tokens", "micro_batch"] = _f(
+        "tokens", "The step's loss: tokens = the sum of the token losses over every micro-batch of the "
+        "step on every data-parallel rank, divided by their number of label tokens (the Hugging Face "
+        "Trainer's objective; the same whatever the split into micro-batches, accumulation and ranks); "
+        "micro_batch = the mean of the micro-batches' mean losses (each micro-batch weighs the same).")
 
 
 @dataclass
