@@ -264,3 +264,23 @@ def test_on_a_full_disk_the_keep_rules_make_room_first_and_the_run_goes_on(tmp_p
     deleted = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
                if e["type"] == "checkpoint_deleted" and "disk full" in e.get("reason", "")]
     assert deleted and deleted[0]["names"] == ["step-2"]
+
+
+@pytest.mark.slow
+def test_a_model_export_under_zero3_that_fills_the_disk_fails_on_both_ranks_without_a_hang(tmp_path):
+    """Rank 0's shard write fails mid-export while rank 1 waits in the ZeRO-3 gathers: rank 0
+    goes on through them, both ranks get the same DiskFullError, nothing is published, and the
+    next export succeeds and loads in transformers."""
+    from dist_utils import SCRIPTS, parse_results, run_deepspeed
+
+    proc = run_deepspeed(SCRIPTS / "export_disk.py", 2, ("--out", str(tmp_path)), timeout=400)
+    by_rank = {r["rank"]: r for r in parse_results(proc)}
+    assert sorted(by_rank) == [0, 1]
+    for r in by_rank.values():
+        assert r["error"]["type"] == "DiskFullError", r["error"]
+        assert str(tmp_path / "export" / "model") in r["error"]["text"]
+        assert "rank 0: OSError: [Errno 28] No space left on device" in r["error"]["text"]
+    assert by_rank[0]["listing"] == ["model"]  # the partial folder is gone
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(by_rank[0]["model"])
+    assert sum(p.numel() for p in model.parameters()) > 0

@@ -23,14 +23,13 @@ the tensor), so the LoRA merge in `adapters.py` writes through the same streamin
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from huggingface_hub.serialization._base import parse_size_to_int
@@ -115,10 +114,15 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def write_weights(entries: list[Entry], folder: Path, comm: Comm,
+def write_weights(entries: list[Entry], w: atomic.FolderWriter,
                   max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> dict:
-    """Write `entries` as safetensors shards in `folder` (rank 0; collective under ZeRO-3).
-    Returns {"shards": n, "bytes": total, "largest_shard": bytes}."""
+    """Write `entries` as safetensors shards in `w.local` (rank 0; collective under ZeRO-3).
+    Returns {"shards": n, "bytes": total, "largest_shard": bytes}.
+
+    A write that fails (a full disk) is noted on the writer, not raised: rank 0 must still take
+    part in every gather the other ranks wait in, and the save then fails alike on every rank
+    when :func:`atomic.writing` ends."""
+    comm = w.comm
     limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     shards = plan_shards(entries, limit)
     names = shard_names(len(shards))
@@ -127,19 +131,29 @@ def write_weights(entries: list[Entry], folder: Path, comm: Comm,
         # Gathering a whole shard held it on every rank, with DeepSpeed's gather buffers, and
         # save_file copied it once more: about 3 shards per rank (bench_checkpoint).
         layout = [(e.key, e.shape, e.dtype) for e in shard]
-        writer = StreamedSafetensors(str(folder / name), layout, {"format": "pt"}) if comm.rank == 0 else None
-        with writer or contextlib.nullcontext():
-            for e in shard:
-                with ds_config.gathered(e.params, modifier_rank=None):
-                    if writer is not None:
-                        writer.write(e.key, e.make())
+        out = _noted(w, StreamedSafetensors, str(w.local / name), layout, {"format": "pt"}) if comm.rank == 0 else None
+        for e in shard:
+            with ds_config.gathered(e.params, modifier_rank=None):
+                if out is not None and w.problem is None:
+                    _noted(w, out.write, e.key, e.make())
+        if out is not None:
+            _noted(w, out.close)  # a shard cut short raises here, unless a failure is noted already
         weight_map.update({e.key: name for e in shard})
     total = sum(e.nbytes for e in entries)
-    if comm.rank == 0 and len(shards) > 1:
+    if comm.rank == 0 and len(shards) > 1 and w.problem is None:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+        _noted(w, (w.local / SAFE_INDEX).write_text, json.dumps(index, indent=2, sort_keys=True))
     largest = max((sum(e.nbytes for e in s) for s in shards), default=0)
     return {"shards": len(shards), "bytes": total, "largest_shard": largest}
+
+
+def _noted(w: atomic.FolderWriter, call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)`, with a failure noted on `w` (the first counts) instead of raised."""
+    try:
+        return call(*args)
+    except Exception as e:  # noqa: BLE001 - raised at the writer's agreement, on every rank
+        w.fail(e)
+        return None
 
 
 def write_model_files(folder: Path, hf_model, tokenizer, dtype: torch.dtype) -> None:
@@ -165,7 +179,7 @@ def save_hf(run: RunContext, path: str, hf_model: torch.nn.Module, entries: list
     dtype = entries[0].dtype if entries else torch.float32
     meta = {"step": run.state.global_step}
     with atomic.writing(path, kind=kind, meta=meta, comm=comm) as w:
-        info = write_weights(entries, w.local, comm, max_shard_size)
+        info = write_weights(entries, w, max_shard_size)
         if comm.rank == 0:
             write_model_files(w.local, hf_model, run.tokenizer, dtype)
     info["seconds"] = time.perf_counter() - started
