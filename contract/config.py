@@ -60,7 +60,22 @@ class DataConfig:
     batching: Literal["random", "group_by_length", "packing"] = _f(
         "group_by_length", "How samples form batches: random order, batches of similar length "
         "(little padding), or several samples packed per row (per-sample attention and positions).")
-    num_workers: int = _f(0, "Data loader worker processes.", minimum=0)
+    num_workers: int = _f(0, "Data loader worker processes (a run's training sources are drawn "
+                          "in the main process, step by step: this applies to evaluation data).", minimum=0)
+    sources: list[dict] = _f([], "Several training sources, each {path, format, weight, name}: a "
+                             "file or saved dataset folder, its row format (auto by default), its "
+                             "weight (>= 0; batches draw from the sources in proportion) and a name "
+                             "(default: the file name). Empty: data.train is the one source.",
+                             label="Training sources")
+
+
+@dataclass
+class TeachConfig:
+    per_step: int = _f(4, "Samples of a taught answer in each of the next global batches.", minimum=1)
+    steps: int = _f(20, "Batches a taught answer is mixed into.", minimum=1)
+    check_after: int = _f(20, "Steps after a teach when the model is asked the prompt again "
+                          "(greedy) and the old and new answers are recorded; 0: never.", minimum=0)
+    max_new_tokens: int = _f(32, "Tokens generated for the answers before and after teaching.", minimum=1)
 
 
 @dataclass
@@ -136,6 +151,12 @@ class EvalConfig:
                                "ROUGE, predictions saved in the run folder).")
     max_new_tokens: int = _f(32, "Tokens generated per sample by generating evaluators.", minimum=1)
     max_samples: int = _f(0, "Evaluate on at most this many samples; 0: all.", minimum=0)
+    early_stopping_patience: int = _f(0, "Stop training after this many evaluations in a row "
+                                      "without improvement of checkpoint.monitor; 0: never stop early.",
+                                      minimum=0, label="Early stopping patience")
+    early_stopping_threshold: float = _f(0.0, "How much checkpoint.monitor must improve on its best "
+                                         "to count as an improvement (early stopping).", minimum=0.0,
+                                         label="Early stopping threshold")
 
 
 @dataclass
@@ -148,6 +169,12 @@ class CheckpointConfig:
     mode: Literal["min", "max"] = _f("min", "Whether smaller or larger `monitor` is better.")
     save_at_end: bool = _f(True, "Save the final model (Hugging Face format) when training ends.")
     load_best_at_end: bool = _f(False, "Reload the best checkpoint's weights at the end.")
+    snapshots_keep: int = _f(2, "In-memory snapshots kept for instant rewinds (the `snapshot` "
+                             "command); the oldest goes first; 0: snapshots off.", minimum=0,
+                             maximum=1000, label="Snapshots kept")
+    snapshots_max_mib: int = _f(0, "Most host memory (MiB, per machine) the snapshots may take "
+                                "together; the oldest go first; 0: no bound but snapshots_keep.",
+                                minimum=0, label="Snapshot memory (MiB)")
 
 
 @dataclass
@@ -169,6 +196,46 @@ class ControlConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The spike guard (engine.spike_guard): every step's loss and gradient norm are judged, and
+    a non-finite value, a loss spike or a gradient norm above the bound triggers an action."""
+    enabled: bool = _f(False, "Judge every step and act by itself on a non-finite loss, a loss "
+                       "spike or a gradient norm above grad_norm_max.", label="Spike guard on")
+    warmup_steps: int = _f(10, "Steps whose loss only feeds the spike statistic before spikes are "
+                           "judged (non-finite values and the norm bound count from step 1).",
+                           minimum=0, label="Guard warm-up steps")
+    window: int = _f(20, "The spike statistic is taken over the losses of the last n accepted steps.",
+                     minimum=3, maximum=10000, label="Spike window (steps)")
+    spike_z: float = _f(6.0, "A loss spikes when it is above the window's median by more than spike_z "
+                        "robust standard deviations (1.4826 x the median absolute deviation) ...",
+                        minimum=0.0, label="Spike threshold (robust z)")
+    spike_ratio: float = _f(1.2, "... and at least spike_ratio x the median (a nearly flat loss then "
+                            "does not make every wiggle a spike); 1: the z threshold alone.",
+                            minimum=1.0, label="Spike ratio to the median")
+    grad_norm_max: float = _f(0.0, "Bound on the global gradient norm (before clipping); 0: off.",
+                              minimum=0.0, label="Gradient norm bound")
+    on_nonfinite: Literal["skip", "rewind", "pause"] = _f(
+        "skip", "Action on a non-finite loss: skip the update, rewind to the newest good checkpoint "
+        "or snapshot (lr x lr_scale), or pause and notify.", label="On a non-finite loss")
+    on_spike: Literal["skip", "rewind", "pause"] = _f("skip", "Action on a loss spike (as on_nonfinite).",
+                                                      label="On a loss spike")
+    on_grad_norm: Literal["rewind", "pause"] = _f(
+        "rewind", "Action on a gradient norm above the bound, or non-finite. The norm is known only "
+        "once the update is applied, so it cannot be skipped.", label="On a gradient norm")
+    lr_scale: float = _f(0.5, "Factor on the learning rate at each guard rewind.", minimum=0.0,
+                         maximum=1.0, label="Learning-rate factor per rewind")
+    max_rewinds: int = _f(3, "Guard rewinds in the whole run; once spent, a trigger that would "
+                          "rewind pauses instead.", minimum=0, label="Most guard rewinds")
+    max_skips_in_a_row: int = _f(5, "Skipped steps in a row after which the guard pauses instead "
+                                 "(a run whose every step spikes is not training).", minimum=1,
+                                 label="Most skips in a row")
+    snapshot_every_n_steps: int = _f(0, "Take an in-memory snapshot every n steps for the guard to "
+                                     "rewind to (fast, no disk); 0: off (it rewinds to checkpoints "
+                                     "and to the snapshots you take).", minimum=0,
+                                     label="Guard snapshot every N steps")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -180,6 +247,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    teach: TeachConfig = field(default_factory=TeachConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     resume: str = _f("", "Continue from a training checkpoint folder, or `latest` in the run folder.",
                      label="Resume from checkpoint")
 
@@ -194,7 +263,7 @@ class RunConfig:
 
     @property
     def uses_default_task(self) -> bool:
-        return not self.data.train
+        return not self.data.train and not self.data.sources
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -395,6 +464,8 @@ def absolute_paths(c: RunConfig) -> None:
     wherever it is read again (resume, the app)."""
     c.model.path, c.model.tokenizer = _absolute(c.model.path), _absolute(c.model.tokenizer)
     c.data.train, c.data.eval = _absolute(c.data.train), _absolute(c.data.eval)
+    c.data.sources = [{**s, "path": _absolute(s["path"])} if isinstance(s.get("path"), str) else s
+                      for s in c.data.sources]
     c.logging.output_dir = _absolute(c.logging.output_dir)
     c.parallel.hostfile = _absolute(c.parallel.hostfile)
     if c.resume != "latest":
@@ -443,6 +514,11 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
     if evaluates and not c.data.eval and not c.uses_default_task:
         problems.append(("eval.every_n_steps" if c.eval.every_n_steps else "eval.every_n_epochs",
                          "evaluation is scheduled but data.eval names no evaluation data"))
+    if c.eval.early_stopping_patience and not evaluates:
+        problems.append(("eval.early_stopping_patience", "early stopping watches evaluations: set "
+                         "eval.every_n_steps or eval.every_n_epochs"))
+    if c.eval.early_stopping_patience and not c.checkpoint.monitor:
+        problems.append(("checkpoint.monitor", "early stopping needs a metric to watch"))
     if c.checkpoint.keep_best and not c.checkpoint.monitor:
         problems.append(("checkpoint.monitor", "keep_best needs a metric to rank by"))
     if c.resume == "latest" and not c.logging.run_name:
@@ -463,10 +539,90 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
     for key, data_path in (("data.train", c.data.train), ("data.eval", c.data.eval)):
         if data_path and not Path(data_path).exists():
             problems.append((key, f"no such file or folder: {data_path}"))
+    problems += source_problems(c.data)
     if p.hostfile and not Path(p.hostfile).is_file():
         problems.append(("parallel.hostfile", f"no such file: {p.hostfile}"))
     from contract.layout_checks import layout_problems  # torch-free: model config.json, hostfile
     problems += layout_problems(c)
+    problems += guard_problems(c)
+    return problems
+
+
+SOURCE_KEYS = ("path", "format", "weight", "name")
+SOURCE_FORMATS = ("auto", "text", "input_output", "chat", "tokenized")
+
+
+def source_problems(d: DataConfig) -> list[tuple[str, str]]:
+    """Each `data.sources` entry: a mapping with an existing path, a known format, a finite
+    weight >= 0 and a unique name; at least one weight above 0; not together with data.train."""
+    import math
+    problems: list[tuple[str, str]] = []
+    if d.sources and d.train:
+        problems.append(("data.sources", "give data.train (one source) or data.sources, not both"))
+    names: set[str] = set()
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        unknown = [k for k in s if k not in SOURCE_KEYS]
+        if unknown:
+            problems.append((key, f"unknown key {', '.join(map(str, unknown))}; allowed: {', '.join(SOURCE_KEYS)}"))
+        path = s.get("path")
+        if not isinstance(path, str) or not path:
+            problems.append((f"{key}.path", "a file or saved dataset folder is needed"))
+        elif "://" not in path and not Path(path).exists():
+            problems.append((f"{key}.path", f"no such file or folder: {path}"))
+        if s.get("format", "auto") not in SOURCE_FORMATS:
+            problems.append((f"{key}.format", f"must be one of {', '.join(SOURCE_FORMATS)}, got {s.get('format')!r}"))
+        weight = s.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            problems.append((f"{key}.weight", f"must be a number >= 0 (0 pauses the source), got {weight!r}"))
+        name = source_name(s, i)
+        if name in names:
+            problems.append((f"{key}.name", f"{name!r} names two sources; give each its own name"))
+        names.add(name)
+    weights = [s.get("weight", 1.0) for s in d.sources]
+    if d.sources and not any(isinstance(w, (int, float)) and w > 0 for w in weights):
+        problems.append(("data.sources", "at least one source needs a weight above 0"))
+    return problems
+
+
+def source_name(source: dict, index: int) -> str:
+    """A source's name: its `name`, else its file's stem, else source<index>."""
+    name = source.get("name")
+    if isinstance(name, str) and name:
+        return name
+    path = source.get("path")
+    return Path(path).stem if isinstance(path, str) and path else f"source{index}"
+
+
+def guard_problems(c: RunConfig) -> list[tuple[str, str]]:
+    """What the spike guard cannot do in this run: skipping needs the update to wait for the
+    loss (the engine step, one micro-batch per step); rewind and pause act through the control plane."""
+    g = c.guard
+    if not g.enabled:
+        return []
+    problems = []
+    actions = {"guard.on_nonfinite": g.on_nonfinite, "guard.on_spike": g.on_spike}
+    for key, action in actions.items():
+        if action != "skip":
+            continue
+        if c.method.name in FUSED_METHODS:
+            problems.append((key, f"skip needs the update to wait for the guard, but {c.method.name} "
+                             "updates inside backward; choose rewind or pause"))
+        elif c.parallel.pp_size > 1:
+            problems.append((key, "skip needs the update to wait for the guard, but the pipeline schedule "
+                             "runs forward, backward and update in one call; choose rewind or pause"))
+        elif c.train.grad_accum > 1:
+            problems.append((key, "skip judges the loss before the backward, which needs train.grad_accum 1 "
+                             "(earlier micro-batches would be accumulated already); choose rewind or pause"))
+    if g.grad_norm_max > 0:  # (a non-finite norm without the control plane is only reported)
+        actions["guard.on_grad_norm"] = g.on_grad_norm
+    acting = [k for k, a in actions.items() if a != "skip"]
+    if acting and not c.control.enabled:
+        other = "set guard.grad_norm_max 0" if acting[0] == "guard.on_grad_norm" else "choose skip"
+        problems.append((acting[0], f"rewind and pause act through the control plane; set control.enabled "
+                         f"true, or {other}"))
+    if g.lr_scale <= 0:
+        problems.append(("guard.lr_scale", f"must be above 0 (a rate of 0 cannot be scaled back), got {g.lr_scale}"))
     return problems
 
 
