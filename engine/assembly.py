@@ -10,7 +10,8 @@ method objects, the checkpoint schedule, the control plane when `control.enabled
     method    full / PEFT / fused                       -> Method object
     data      tokenizer, datasets, loaders, step count
     engine    DeepSpeed config, model, deepspeed.initialize -> RunContext
-    loop      step strategy, evaluators, checkpoint schedule, control plane, resume point
+    loop      step strategy, evaluators, checkpoint schedule, control plane, resume point,
+              the callbacks the config asks for (early stopping)
 
 Nothing here imports the Trainer; the Trainer imports this module.
 """
@@ -28,6 +29,7 @@ from engine.checkpoint import CheckpointSchedule, resolve_resume
 from engine.context import RunContext, TrainerState
 from engine.control import Control
 from engine.ds_config import DeepSpeedSetup
+from engine.early_stopping import EarlyStopping
 from engine.methods import method_of
 from engine.model import count_parameters
 from engine.parallel.layouts import layout_class
@@ -117,6 +119,12 @@ def epochs(cfg: RunConfig, micro_batches: int) -> int:
     if cfg.train.max_steps:
         return math.ceil(cfg.train.max_steps / max(1, micro_batches // cfg.train.grad_accum))
     return cfg.train.epochs
+
+
+def config_callbacks(cfg: RunConfig) -> list:
+    """The callbacks the config itself asks for (after the user's own): early stopping."""
+    stopping = EarlyStopping.from_config(cfg)
+    return [stopping] if stopping is not None else []
 
 
 def control_plane(trainer, chat_page: bool) -> Control | None:

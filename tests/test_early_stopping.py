@@ -1,0 +1,110 @@
+"""Early stopping (issue 15): the rule on its own, and a real 1-rank run that ends early with an
+`early_stop` event; a run resumed from a checkpoint before the stop ends at the same step (the
+count of evaluations without improvement is part of the training checkpoint)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contract.config import load_config
+from contract.run_folder import read_events
+from control_runs import task_files
+from engine.early_stopping import EarlyStopping
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class _Trainer:
+    """The little of a trainer the callback touches."""
+
+    def __init__(self):
+        self.should_stop, self.events = False, []
+        self.state = type("S", (), {"global_step": 0})()
+
+    def emit(self, event):
+        self.events.append(event)
+
+
+def _feed(stopping: EarlyStopping, values: list[float]) -> _Trainer:
+    t = _Trainer()
+    for step, value in enumerate(values, 1):
+        t.state.global_step = step
+        stopping.on_evaluate_end(t, {stopping.metric[len("eval/"):]: value, "other": 0.0})
+        if t.should_stop:
+            break
+    return t
+
+
+def test_patience_counts_evaluations_without_an_improvement_beyond_the_threshold():
+    t = _feed(EarlyStopping("eval/loss", "min", patience=2, threshold=0.05), [2.0, 1.5, 1.48, 1.47, 1.0])
+    assert t.should_stop and t.state.global_step == 4  # 1.48 and 1.47 are within 0.05 of 1.5
+    (event,) = t.events
+    assert event == {"type": "early_stop", "step": 4, "metric": "eval/loss", "value": 1.47, "best": 1.5,
+                     "best_step": 2, "patience": 2, "threshold": 0.05}
+
+
+def test_an_improvement_resets_the_count_and_max_mode_and_nan():
+    t = _feed(EarlyStopping("eval/loss", "min", patience=2), [2.0, 2.1, 1.9, 2.0, 1.8])
+    assert not t.should_stop  # never two in a row
+    t = _feed(EarlyStopping("accuracy", "max", patience=1), [0.5, 0.6, 0.6])
+    assert t.should_stop and t.events[0]["metric"] == "eval/accuracy" and t.events[0]["best"] == 0.6
+    t = _feed(EarlyStopping("eval/loss", "min", patience=2), [1.0, float("nan"), float("nan")])
+    assert t.should_stop  # a NaN never counts as better
+
+
+def test_a_metric_the_evaluation_does_not_report_is_a_warning():
+    t = _Trainer()
+    EarlyStopping("eval/accuracy", "max", patience=1).on_evaluate_end(t, {"loss": 1.0})
+    assert not t.should_stop and "eval/accuracy" in t.events[0]["message"] and "loss" in t.events[0]["message"]
+
+
+def test_the_config_names_what_early_stopping_needs():
+    with pytest.raises(ValueError, match="eval.early_stopping_patience: early stopping watches evaluations: "
+                       "set eval.every_n_steps or eval.every_n_epochs"):
+        load_config(overrides=["eval.early_stopping_patience=2"])
+    with pytest.raises(ValueError, match="eval.early_stopping_threshold"):
+        load_config(overrides=["eval.early_stopping_threshold=-1"])
+
+
+SCRIPT = """
+import sys
+from contract.config import load_config
+from engine import Trainer
+trainer = Trainer(config=load_config(overrides=sys.argv[1:]))
+trainer.train()
+print("STOPPED_AT", trainer.state.global_step, flush=True)
+"""
+
+
+def _train(tmp_path: Path, task: dict, name: str, *extra: str) -> list[dict]:
+    env = dict(os.environ, LIVETUNE_CACHE=task["cache"], HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    args = [f"output_dir={tmp_path / 'runs'}", f"run_name={name}", "max_steps=20", "batch_size=8",
+            "data.max_length=32", f"data.train={task['train']}", f"data.eval={task['eval']}",
+            "precision=fp32", "logging.tensorboard=false", "control.enabled=false", "eval.at_end=false",
+            "eval.batch_size=16", "eval.max_samples=16", "eval.every_n_steps=1",
+            "eval.early_stopping_patience=2", "eval.early_stopping_threshold=100",  # only the first counts
+            "checkpoint.every_n_steps=2", "checkpoint.keep_last=0", "checkpoint.save_at_end=false", *extra]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return list(read_events(tmp_path / "runs" / name / "events.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_run_ends_early_and_a_resumed_run_ends_at_the_same_step(tmp_path):
+    task = task_files(tmp_path / "task")
+    events = _train(tmp_path, task, "first")
+    (stop,) = [e for e in events if e["type"] == "early_stop"]
+    assert (stop["step"], stop["best_step"], stop["metric"]) == (3, 1, "eval/loss")
+    assert max(e["step"] for e in events if e["type"] == "train") == 3
+    assert [e["state"] for e in events if e["type"] == "state"][-1] == "finished"
+    # resumed from step 2, after one evaluation without improvement: one more ends it at step 3
+    resumed = _train(tmp_path, task, "resumed", f"resume={tmp_path / 'runs' / 'first' / 'checkpoints' / 'step-2'}")
+    (again,) = [e for e in resumed if e["type"] == "early_stop"]
+    assert (again["step"], again["best"]) == (3, stop["best"])
+    assert max(e["step"] for e in resumed if e["type"] == "train") == 3
