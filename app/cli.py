@@ -367,7 +367,8 @@ def submit(argv: list[str]) -> int:
     """`submit [CONFIG.yaml] --slurm [options] [key=value ...]`; returns the exit code."""
     import argparse
 
-    from supervisor.slurm import SlurmError, SlurmOptions, submit as submit_job
+    from app.session import Session, SessionError
+    from supervisor.slurm import SlurmOptions
     if any(a in ("-h", "--help") for a in argv):
         print(SUBMIT_HELP)
         return 0
@@ -402,14 +403,17 @@ def submit(argv: list[str]) -> int:
     show_preflight(checked)
     if not checked.ok:
         return 2
+    session = Session(cfg.logging.output_dir)  # the web app's "Submit to Slurm" goes the same way
     try:
-        folder = submit_job(cfg, cfg.logging.output_dir, opts)
-    except SlurmError as e:
+        root = Path(session.submit(cfg, opts, checked=checked).path)
+    except SessionError as e:
         say(str(e), "red")
-        return 1
-    job = (folder.root / "slurm_job.json").read_text()
-    say(f"run folder: {folder.root}\nsubmitted: {job}\nwatch it with `./launch.sh watch {folder.root}`, "
-        f"stop it with `./launch.sh stop {folder.root}`, or in the web app's run list.")
+        return 2 if e.problems else 1
+    finally:
+        session.close()
+    job = (root / "slurm_job.json").read_text()
+    say(f"run folder: {root}\nsubmitted: {job}\nwatch it with `./launch.sh watch {root}`, "
+        f"stop it with `./launch.sh stop {root}`, or in the web app's run list.")
     return 0
 
 

@@ -17,6 +17,9 @@ Torch-free, Gradio-free, ipywidgets-free.
 
 from __future__ import annotations
 
+import copy
+import os
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -24,10 +27,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from contract.config import RunConfig
+from contract.preflight import PreflightReport, fingerprint, preflight
 from contract.protocol import (COMMANDS, Command, Generate, ProtocolError, RunState, Stop,
                                allowed_commands)
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, RunRefused, stopping
 from supervisor.client import CommandError, Generation, RunClient, RunGone
+from supervisor.slurm import SlurmError, SlurmOptions, submit as submit_job
 
 COMMAND_TIMEOUT_S = 120.0  # a command waits for the next step boundary (an evaluation may be running)
 INFO_TTL_S = 0.5           # several pages polling one run share one look at its processes
@@ -179,6 +184,38 @@ class Session:
         except (RunError, OSError) as e:
             raise SessionError(f"the run could not be started: {e}") from None
         path = str(handle.folder.root)
+        with self._lock:
+            self._current = path
+        return self.info(path, fresh=True)
+
+    def submit(self, cfg: RunConfig, options: SlurmOptions, output_dir: str | Path | None = None,
+               checked: PreflightReport | None = None) -> RunInfo:
+        """Submit a run of `cfg` to Slurm (`supervisor.slurm.submit`: the job script and the job
+        id in its folder) instead of starting it here; the terminal's `submit --slurm` and the web
+        app's "Submit to Slurm" both come here. The pre-flight check runs first, as for Start
+        (`checked`: a report the caller already made for this config); `options.procs_per_node`,
+        when set, is the run's parallel.nproc. The run becomes the current run; it shows as
+        queued until Slurm starts the job."""
+        try:
+            options.check()
+        except ValueError as e:
+            raise SessionError(str(e)) from None
+        cfg = copy.deepcopy(cfg)
+        if options.procs_per_node:
+            cfg.parallel.nproc = options.procs_per_node
+        if checked is None or checked.fingerprint != fingerprint(cfg):
+            checked = preflight(cfg)
+        if not checked.ok:
+            refused = RunRefused(checked)
+            raise SessionError(str(refused), refused.problems)
+        manager = self.manager(output_dir or cfg.logging.output_dir or self.output_dir)
+        # sbatch hands its environment to the job (--export=ALL): the run's extra variables too
+        env = {**os.environ, **self.run_env} if self.run_env else None
+        try:
+            folder = submit_job(cfg, manager.output_dir, options, env=env)
+        except (SlurmError, OSError, subprocess.SubprocessError) as e:
+            raise SessionError(f"the job could not be submitted: {e}") from None
+        path = str(folder.root)
         with self._lock:
             self._current = path
         return self.info(path, fresh=True)

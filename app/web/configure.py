@@ -1,6 +1,10 @@
 """The Configure tab: every run config field, grouped, generated from the schema; presets; YAML
 load and save; previews (resolved config, DeepSpeed JSON after "auto" filling, launch command);
-validation as the user types, each problem shown under its field, Start disabled while any."""
+validation as the user types, each problem shown under its field, Start disabled while any; the
+pre-flight check's warnings (dropped or truncated rows, the loud ones first) and where each value
+comes from (the preset, the form, the schema's default), with a button that fits the settings to
+the user's own model and data as the terminal does (`Form.for_own_model`); "Submit to Slurm"
+beside Start (`app.web.slurm`)."""
 
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ import gradio as gr
 
 from app.form import DEFAULT_PRESET, Checked, Form
 from app.web.backend import Backend
+from app.web import slurm
 from app.web.backend.preview import PreviewError, describe_data, describe_model
-from app.web.widgets import problems_html, readable
+from app.web.widgets import problems_html, provenance_html, readable
 from contract.presets import PRESETS
 from contract.run_folder import RunFolder
 from supervisor.launch import launch_command
@@ -134,7 +139,13 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
         load = gr.UploadButton("Load YAML", file_types=[".yaml", ".yml", ".json"], scale=1, elem_id="cfg-load")
         save = gr.DownloadButton("Save YAML", value=_yaml_file(form.to_yaml(values)), scale=1, elem_id="cfg-save")
         start = gr.Button("Start training", variant="primary", interactive=first.ok, scale=2, elem_id="cfg-start")
-    summary = gr.HTML(problems_html(_all_problems(form, first)), elem_id="cfg-summary")
+    slurm_fold = slurm.build(first.ok)
+    summary = gr.HTML(_summary(form, first), elem_id="cfg-summary")
+    first_origin, first_fits = provenance(form, values, DEFAULT_PRESET)
+    with gr.Row(equal_height=True):
+        origin = gr.HTML(first_origin, elem_id="cfg-provenance")
+        fit = gr.Button("Fit the settings to my model and data", size="sm", visible=first_fits, scale=0,
+                        min_width=220, elem_id="cfg-fit-own")
     fields: dict[str, gr.components.Component] = {}
     notes: dict[str, gr.Markdown] = {}
     # one sub-tab per section: the browser draws a tab's fields only when it is opened, which
@@ -154,27 +165,30 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
                           interactive=False, elem_id="cfg-command")
         ds_button = gr.Button("Resolve the DeepSpeed config", size="sm", elem_id="cfg-ds-button")
 
-    tab = ConfigureTab(fields, [start])
+    tab = ConfigureTab(fields, [start, slurm_fold.button])
     shown = gr.State(first.by_field)  # the problems this page shows under its fields
     yaml_path = gr.State(None)  # the YAML file this page offers last wrote (removed when replaced)
 
     def check(given: dict) -> dict:
         values = tab.values(given)
         checked = form.check(values)
+        origin_html, fits = provenance(form, values, given[preset])
         before = given[shown]
         # only the fields whose problems changed are sent: a field being typed in stays as it is
         marks = {fields[f["key"]]: gr.update(**_help(f, checked.by_field.get(f["key"], [])))
                  for f in form.fields if checked.by_field.get(f["key"]) != before.get(f["key"])}
         written = _yaml_file(form.to_yaml(values), given[yaml_path])
         return {shown: checked.by_field, **marks, yaml_path: written,
-                summary: problems_html(_all_problems(form, checked)),
+                summary: _summary(form, checked), origin: origin_html, fit: gr.update(visible=fits),
                 **{b: gr.update(interactive=checked.ok) for b in tab.start_buttons},
                 resolved: checked.config.to_yaml() if checked.ok else "# fix the problems above first",
                 command: _command(backend, checked), save: written}
 
     def wire_validation() -> None:
-        outputs = [shown, yaml_path, *fields.values(), summary, *tab.start_buttons, resolved, command, save]
-        gr.on([c.change for c in fields.values()], check, inputs={shown, yaml_path, *fields.values()},
+        outputs = [shown, yaml_path, *fields.values(), summary, origin, fit, *tab.start_buttons, resolved,
+                   command, save]
+        gr.on([preset.change, *(c.change for c in fields.values())], check,
+              inputs={shown, yaml_path, preset, *fields.values()},
               outputs=outputs, trigger_mode="always_last", show_progress="hidden", api_visibility="private")
 
     tab.validation = wire_validation  # wired by the app once every Start button exists
@@ -193,7 +207,51 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
                          show_progress="minimal", api_visibility="private")
     start.click(readable(lambda given: start_run(backend, tab.values(given), run_state, tabs)),
                 inputs=tab.inputs, outputs=[run_state, tabs], api_visibility="private")
+    slurm_fold.button.click(
+        readable(lambda given: slurm.submit_run(backend, tab.values(given), slurm_fold.values(given), run_state, tabs)),
+        inputs={*tab.inputs, *slurm_fold.inputs}, outputs=[run_state, tabs], api_visibility="private")
+    fit.click(readable(lambda given: fit_own(form, tab, tab.values(given), given[preset])),
+              inputs={preset, *tab.inputs}, outputs=list(fields.values()), api_visibility="private")
     return tab
+
+
+def provenance(form: Form, values: dict[str, Any], preset: str) -> tuple[str, bool]:
+    """Where each value on the form comes from (HTML), and whether a run with the user's own
+    model or data would start from other values (`Form.for_own_model`: the Fit button shows)."""
+    sources = form.sources(values, preset)
+    titles = {"form": "set on this form", "preset": f"from the preset {preset!r}"}
+    by_source = {title: [f"{key}={_short(values.get(key))}" for key, found in sources.items() if found == kind]
+                 for kind, title in titles.items()}
+    own = form.for_own_model(values, preset)
+    fitted = [f"{key} {_short(values.get(key))} → {_short(own[key])}" for key in form.keys
+              if own.get(key) != values.get(key)]
+    return provenance_html(by_source, fitted), bool(fitted)
+
+
+def fit_own(form: Form, tab: ConfigureTab, values: dict[str, Any], preset: str) -> dict:
+    """The Fit button: the values a run with the user's own model or data starts from."""
+    own = form.for_own_model(values, preset)
+    changed = [key for key in form.keys if own.get(key) != values.get(key)]
+    gr.Info("Fitted: " + ", ".join(f"{k} = {_short(own[k])}" for k in changed) if changed else
+            "Nothing to fit: no own model or data, or another preset.")
+    return tab.show({key: own[key] for key in changed}) or {tab.fields["model.path"]: gr.update()}
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = str(value) if value not in (None, "") else "''"
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _summary(form: Form, checked: Checked) -> str:
+    """The summary box: every problem, or the pre-flight check's warnings, by section › field."""
+    report = checked.preflight
+    if report is None or checked.problems:
+        return problems_html(_all_problems(form, checked))
+    titles = {f["key"]: title for _, title, fields in form.groups() for f in fields}
+
+    def named(findings: list[tuple[str, str]]) -> list[str]:
+        return [f"{titles.get(form.owner(k) or '', 'Config')} › {k}: {m}" for k, m in findings]
+    return problems_html([], named(report.warnings), named(report.loud))
 
 
 def start_run(backend: Backend, values: dict[str, Any], run_state: gr.State, tabs: gr.Tabs) -> dict:

@@ -37,7 +37,7 @@ AFTER_TICK_JS = ("(go) => { if (go && !window.livetuneNavigated) { const b = Arr
                  "'button[role=tab]')).find(b => b.innerText.trim() === 'Train'); if (b) b.click(); } }")
 NAVIGATION_HEAD = ("<script>document.addEventListener('click', e => { if (e.target.closest && "
                    "e.target.closest('button[role=tab]')) window.livetuneNavigated = true; }, true);</script>")
-LIVE_STATES = ("starting", "running", "paused", "stopping")
+LIVE_STATES = tuple(s.value for s in RunState if s.live)  # queued (a Slurm job waiting) included
 # asked in the page before Start while the shown run is live, and before setting the lr to 0
 CONFIRM_START_JS = ("() => { const s = document.getElementById('run-state'); const live = !!s && "
                     f"{list(LIVE_STATES)}.includes(s.innerText.trim()); return !live || window.confirm("

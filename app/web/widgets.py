@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import html
 import inspect
+from pathlib import Path
 from typing import Any, Callable
 
 import gradio as gr
@@ -15,9 +16,11 @@ from app.session import SessionError
 from app.web.backend.watch import Snapshot
 from contract.config import ConfigError
 from contract.protocol import RunState
+from contract.run_folder import RunFolder
 from supervisor import Failure
+from supervisor.slurm import recorded_job
 
-STATE_COLORS = {RunState.STARTING.value: "#6b7280", RunState.RUNNING.value: "#059669",
+STATE_COLORS = {RunState.QUEUED.value: "#0891b2", RunState.STARTING.value: "#6b7280", RunState.RUNNING.value: "#059669",
                 RunState.PAUSED.value: "#d97706", RunState.STOPPING.value: "#7c3aed",
                 RunState.FINISHED.value: "#2563eb", RunState.FAILED.value: "#dc2626"}
 
@@ -35,6 +38,11 @@ CSS = """
 .fail-banner { border: 1px solid #fca5a5; background: #fef2f2; border-radius: 8px; padding: 10px 14px; color: #7f1d1d; }
 .fail-banner pre { max-height: 220px; overflow: auto; font-size: 0.8em; background: #fff; padding: 6px; white-space: pre-wrap; }
 .muted { color: #6b7280; font-size: 0.9em; }
+.warn-box { border-left: 4px solid #d97706; padding: 6px 12px !important; background: #fffbeb; margin-top: 6px; }
+.provenance { font-size: 0.85em; color: #374151; }
+.provenance ul { margin: 2px 0 2px 1.2em; }
+.own-note { color: #92400e; }
+.branch-live { font-weight: 600; }
 footer { display: none !important; }
 """
 
@@ -92,6 +100,10 @@ def status_html(snap: Snapshot | None, note: str | None = None) -> str:
              f"<span id='run-step'>step {p.step}{total}</span>", f"epoch {p.epoch}"]
     if p.state == RunState.RUNNING:
         parts.append(f"ETA {duration(p.eta_s)}")
+    if p.state == RunState.QUEUED:
+        job = recorded_job(RunFolder(Path(snap.path)))
+        parts.append(f"<span class='muted' id='run-queued'>waiting in Slurm's queue (job {html.escape(str(job))}); "
+                     "Stop cancels it</span>")
     parts.append(f"elapsed {duration(p.elapsed_s)}")
     for key, label, fmt in (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.2e}"), ("tokens_per_s", "tok/s", "{:.0f}")):
         if key in p.last:
@@ -119,10 +131,41 @@ def banner_html(failure: Failure | None, error: str | None = None) -> str:
             f"<pre>{html.escape(lines)}</pre></div>")
 
 
-def problems_html(problems: list[str]) -> str:
+def problems_html(problems: list[str], warnings: list[str] | None = None,
+                  loud: list[str] | None = None) -> str:
+    """The Configure tab's summary: every problem (Start stays disabled), or that the config is
+    valid and what the pre-flight check warns of (`loud`: to be seen first, e.g. many rows
+    truncated; `warnings`: dropped rows and the like), each naming its field."""
     if not problems:
-        return "<div class='ok-box'>The config is valid: press <b>Start</b>.</div>"
+        ok = "<div class='ok-box'>The config is valid: press <b>Start</b> (or <i>Submit to Slurm</i>).</div>"
+        return ok + warnings_html(warnings or [], loud or [])
     items = "".join(f"<li>{html.escape(p)}</li>" for p in problems)
     n = len(problems)
     return (f"<div class='problems-box' id='config-problems'><b>{n} problem{'s' * (n != 1)} to fix "
             f"before Start</b><ul>{items}</ul></div>")
+
+
+def warnings_html(warnings: list[str], loud: list[str]) -> str:
+    """The pre-flight check's warnings, the loud ones first and in bold; empty when none."""
+    if not warnings and not loud:
+        return ""
+    items = "".join(f"<li><b>WARNING {html.escape(w)}</b></li>" for w in loud)
+    items += "".join(f"<li>{html.escape(w)}</li>" for w in warnings)
+    n = len(loud) + len(warnings)
+    return (f"<div class='warn-box' id='config-warnings'><b>{n} warning{'s' * (n != 1)} from the "
+            f"pre-flight check</b> (the run can start)<ul>{items}</ul></div>")
+
+
+def provenance_html(by_source: dict[str, list[str]], fitted: list[str]) -> str:
+    """Where the form's values come from: {source title: ["key=value", ...]} in order; `fitted`:
+    the preset values a run with the user's own model or data would not take (issue 16)."""
+    lines = [f"<li><b>{html.escape(title, quote=False)}</b>: {html.escape(', '.join(items), quote=False)}</li>"
+             for title, items in by_source.items() if items]
+    lines.append("<li>every other field: the schema's default</li>")
+    own = ""
+    if fitted:
+        own = ("<p class='own-note'>Your own model or data, but the embedded default's settings still "
+               f"apply to {len(fitted)} field{'s' * (len(fitted) != 1)} ({html.escape(', '.join(fitted))}). "
+               "The terminal would not take them: press <i>Fit the settings to my model and data</i> "
+               "to do the same here.</p>")
+    return f"<div class='provenance' id='config-provenance'><b>Where the values come from</b><ul>{''.join(lines)}</ul>{own}</div>"

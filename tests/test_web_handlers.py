@@ -1,0 +1,148 @@
+"""The web app's round-3 handlers without a browser (each returns {component: value} or raises a
+readable error): "Submit to Slurm" beside Start (the job script is written from the fold's
+options through Session.submit, the terminal's code path, and Slurm's refusal is shown), the
+queued state on the Train tab, the Configure tab's pre-flight warnings and where each value comes
+from."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gradio as gr
+import pytest
+
+from app.form import DEFAULT_PRESET
+from app.session import SessionError
+from app.web import configure, slurm, train
+from app.web.backend import Backend
+from app.web.backend.views import Progress
+from app.web.backend.watch import Snapshot
+from app.web.plots import make_plots
+from app.web.widgets import status_html
+from contract.protocol import RunState
+from contract.run_folder import RunFolder
+from supervisor import RunInfo
+
+
+@pytest.fixture
+def backend(tmp_path):
+    found = Backend(tmp_path / "runs")
+    yield found
+    found.close()
+
+
+def _form_values(backend: Backend, **changes) -> dict:
+    values = backend.form.preset_values(DEFAULT_PRESET)
+    values.update(changes)
+    return values
+
+
+# -- Submit to Slurm ----------------------------------------------------------------------------
+
+def test_the_slurm_fold_reads_its_options_and_names_each_bad_one():
+    opts = slurm.options({"nodes": 2.0, "procs_per_node": 4, "gpus_per_node": 0, "cpus_per_task": 8,
+                          "partition": " gpu ", "time": "2:00:00", "account": ""})
+    assert (opts.nodes, opts.procs_per_node, opts.cpus_per_task, opts.partition, opts.time) == (2, 4, 8, "gpu", "2:00:00")
+    with pytest.raises(gr.Error) as e:
+        slurm.options({"nodes": 0, "procs_per_node": 1.5, "gpus_per_node": None, "cpus_per_task": 0,
+                       "partition": "a b", "time": "", "account": ""})
+    message = str(e.value.message)
+    assert "procs_per_node: a whole number" in message and "gpus_per_node: a whole number" in message
+    assert "partition: no spaces" in message
+    with pytest.raises(gr.Error, match="nodes must be >= 1"):
+        slurm.options({"nodes": 0, "procs_per_node": 0, "gpus_per_node": 0, "cpus_per_task": 0,
+                       "partition": "", "time": "", "account": ""})
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="Slurm's sbatch is not installed")
+def test_submit_to_slurm_writes_the_job_of_the_form_and_shows_slurms_refusal(backend, tmp_path, monkeypatch):
+    # a Slurm client with a configuration that names no cluster: sbatch refuses at once, with its
+    # own words (the real cluster's path is tests/test_slurm.py's, through the same Session.submit)
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    values = _form_values(backend, **{"logging.run_name": "web-slurm", "train.max_steps": 5})
+    fold = {"nodes": 1, "procs_per_node": 2, "gpus_per_node": 0, "cpus_per_task": 2,
+            "partition": "debug", "time": "0:10:00", "account": "lab"}
+    with gr.Blocks():
+        run_state, tabs = gr.State(None), gr.Tabs()
+    with pytest.raises(SessionError, match="(?s)sbatch refused the job: .*ClusterName") as e:
+        slurm.submit_run(backend, values, fold, run_state, tabs)
+    assert not e.value.problems  # not a pre-flight refusal
+    folder = RunFolder(tmp_path / "runs" / "web-slurm")
+    script = (folder.root / "job.sbatch").read_text().splitlines()
+    for line in ("#SBATCH --nodes=1", "#SBATCH --partition=debug", "#SBATCH --time=0:10:00",
+                 "#SBATCH --account=lab", "#SBATCH --cpus-per-task=2"):
+        assert line in script
+    assert "--nproc_per_node=2" in script[-1]  # procs per node is the run's nproc
+    events = [json.loads(line) for line in folder.events.read_text().splitlines()]
+    assert events[-1]["state"] == "failed" and "sbatch refused" in events[-1]["error"]
+    (listed,) = backend.session.runs()
+    assert listed.name == "web-slurm" and listed.state == "failed" and not listed.alive
+    # a config the pre-flight check refuses is not submitted at all
+    bad = _form_values(backend, **{"data.train": str(tmp_path / "missing.jsonl"), "logging.run_name": "bad"})
+    with pytest.raises(gr.Error, match="data.train"):
+        slurm.submit_run(backend, bad, fold, run_state, tabs)
+    assert not (tmp_path / "runs" / "bad").exists()
+
+
+def test_a_queued_run_is_live_on_the_train_tab_and_only_stop_is_offered(tmp_path):
+    folder = RunFolder(tmp_path / "runs" / "queued").create()
+    (folder.root / "slurm_job.json").write_text(json.dumps({"job_id": "4242"}))
+    info = RunInfo("queued", str(folder.root), "queued", True, 0, None, {}, 1.0, None, None, None, None)
+    snap = Snapshot(str(folder.root), info, Progress("queued", 0, None, 0, None, 3.0, {}, {}, None), 1, None)
+    text = status_html(snap)
+    assert ">queued</span>" in text and "waiting in Slurm's queue (job 4242)" in text
+    assert RunState.QUEUED.value in train.LIVE_STATES and "'queued'" in train.CONFIRM_START_JS
+    with gr.Blocks():
+        view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(),
+                               make_plots("q"), gr.Code(), gr.Textbox(),
+                               {name: gr.Button() for name in train.COMMAND_OF}, gr.Button())
+    controls = view.controls("queued")
+    assert {n for n, b in view.buttons.items() if controls[b]["interactive"]} == {"stop", "stop_other"}
+    assert controls[view.start]["variant"] == "secondary"  # a live run: Start is not the primary button
+
+
+# -- Configure: warnings and where each value comes from -----------------------------------------
+
+def _rows_file(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_the_summary_shows_the_preflight_warnings_and_where_each_value_comes_from(backend, tmp_path):
+    form = backend.form
+    rows = [{"input": f"reverse: {w}", "output": w[::-1]} for w in ("abc", "hello", "zorb", "qux")]
+    rows += [{"question": "no such keys"}] + [{"input": "x" * 1500, "output": "y" * 1500}] * 3
+    data = _rows_file(tmp_path / "train.jsonl", rows)
+    values = _form_values(backend, **{"data.train": data, "data.format": "input_output"})
+    # the embedded default's preset with the user's own data: its evaluation schedule is refused
+    # (issue 16 §5); the page says where each value comes from and offers the terminal's fit
+    assert "eval.every_n_steps" in dict(form.check(values).problems)
+    origin, fits = configure.provenance(form, values, DEFAULT_PRESET)
+    assert "set on this form</b>: data.train=" in origin and "data.format=input_output" in origin
+    assert "from the preset 'embedded default'</b>: " in origin and "data.max_length=32" in origin
+    assert fits and "Your own model or data" in origin
+    with gr.Blocks():
+        tab = configure.ConfigureTab({f["key"]: gr.Textbox() for f in form.fields})
+    fitted = configure.fit_own(form, tab, values, DEFAULT_PRESET)
+    shown = {key: fitted[c] for key, c in tab.fields.items() if c in fitted}
+    assert shown["train.max_steps"] == form.values_for()["train.max_steps"]  # the schema's default
+    assert "data.train" not in shown and "data.format" not in shown  # what the user set stays
+    after = {**values, **shown}
+    assert configure.provenance(form, after, DEFAULT_PRESET)[1] is False  # nothing more to fit
+    checked = form.check(after)
+    assert checked.ok, checked.problems
+    summary = configure._summary(form, checked)
+    assert "The config is valid" in summary and "id='config-warnings'" in summary
+    assert "Data › data.train" in summary and "row 5" in summary  # the dropped row, by number
+    assert "<b>WARNING Data › data.max_length" in summary and "truncated" in summary  # loud: 3 of 7 rows cut
+    # the embedded default itself: everything from the preset, no fitting offered
+    plain = _form_values(backend)
+    origin, fits = configure.provenance(form, plain, DEFAULT_PRESET)
+    assert not fits and "set on this form" not in origin
+    problems = _form_values(backend, **{"data.train": str(tmp_path / "nope.jsonl")})
+    bad = form.check(problems)
+    assert not bad.ok and "problem" in configure._summary(form, bad) and "config-warnings" not in configure._summary(form, bad)
