@@ -86,8 +86,7 @@ def open_run_folder(cfg: RunConfig, run_dir: str | None, is_rank0: bool) -> tupl
         return folder, None
     if not folder.config.exists():
         folder.config.write_text(cfg.to_yaml())
-    events, _ = open_sinks(folder.events, folder.tensorboard if cfg.logging.tensorboard else None)
-    return folder, events
+    return folder, open_sinks(folder.events, cfg)
 
 
 def precision_of(cfg: RunConfig) -> str:
