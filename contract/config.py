@@ -183,13 +183,6 @@ class LoggingConfig:
     run_name: str = _f("", "Name of this run's folder. Empty: a timestamp.")
     log_every_n_steps: int = _f(1, "Write a training record every n steps.", minimum=1)
     tensorboard: bool = _f(True, "Also write TensorBoard event files.")
-    csv: bool = _f(False, "Also write train.csv and eval.csv (one row per record) in the run folder.",
-                   label="CSV files")
-    wandb: Literal["off", "offline", "online"] = _f("off", "Also log to Weights & Biases: offline writes "
-                                                    "the run under <run folder>/wandb/ with no network "
-                                                    "(wandb sync uploads it later); online needs wandb login.",
-                                                    label="Weights & Biases")
-    wandb_project: str = _f("livetune", "The W&B project the run is logged to.", label="W&B project")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0 when attached to a terminal.")
 
 

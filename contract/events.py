@@ -33,6 +33,9 @@ class EventType(str, Enum):
     EXPORT = "export"            # a model / adapter exported in Hugging Face / PEFT format
     BEST_MODEL = "best_model"    # the best checkpoint's weights loaded at the end
     WARNING = "warning"          # something the user should know; the run goes on
+    REWIND = "rewind"            # training state restored in place; later steps abandoned (engine.checkpoint.rewind)
+    BRANCH = "branch"            # the run goes on as a new branch of the run folder's tree (contract.branches)
+    SNAPSHOT = "snapshot"        # the training state kept in host memory, or one evicted
 
 
 class _Event(TypedDict):
@@ -151,6 +154,87 @@ class ExportEvent(_Event, total=False):
     path: str
     step: int
     seconds: float
+
+
+class RewindEvent(_Event, total=False):
+    """`rewind`: every rank loaded `target` (`source`: its checkpoint URL or "snapshot:<name>")
+    in place. Training goes on from `step`; `abandoned` is [first, last] of the steps given up
+    ([] when none), `from_step` the step before the rewind. `reason`: "user", or the guard's."""
+    target: str
+    source: str
+    step: int
+    from_step: int
+    abandoned: list[int]
+    branch: str
+    reason: str
+    epoch: int
+    batch_in_epoch: int
+    seconds: float
+
+
+class BranchEvent(RewindEvent, total=False):
+    """`branch`: as a rewind, then the run goes on as branch `branch`, child of `parent`, forked
+    at `step`; `changes`: the settings the branch command changed. Events after it without a
+    `branch` field belong to this branch (contract.branches)."""
+    parent: str
+    changes: dict[str, Any]
+
+
+class SnapshotEvent(_Event, total=False):
+    """`snapshot`: `name` kept at `step` in host memory; `bytes` its size (every rank of this
+    machine together), `kept` the names kept, `evicted` those dropped to make room, `total_bytes`
+    what the kept ones take."""
+    name: str
+    step: int
+    branch: str
+    bytes: int
+    total_bytes: int
+    kept: list[str]
+    evicted: list[str]
+    seconds: float
+
+
+class DataEvent(_Event, total=False):
+    """`data`: `change` is add / weight / remove / forget; `source` the source after it (name,
+    path, format, weight, kind, samples, seen, scheduled), `sources` all live ones; add reports
+    `report`, `dropped` and `dropped_rows` (row numbers and why); weight `before`; forget `id`."""
+    step: int
+    change: Literal["add", "weight", "remove", "forget"]
+    source: dict[str, Any]
+    sources: list[dict[str, Any]]
+    applies_from_step: int
+    report: str
+    dropped: int
+    dropped_rows: list[str]
+    before: float
+    id: str
+
+
+class TeachEvent(_Event, total=False):
+    """`teach`: entry `id` (t1, t2 ...), `prompt` as the model saw it, `answer`, the greedy answer
+    before (`old`), its rate (`per_step` samples in each of `steps` batches), `check_at_step`."""
+    step: int
+    id: str
+    prompt: str
+    answer: str
+    old: str
+    per_step: int
+    steps: int
+    check_at_step: int | None
+
+
+class TeachCheckEvent(_Event, total=False):
+    """`teach_check`: the prompt asked again `steps` steps after `taught_at_step`: `old` and `new`
+    greedy answers, `learned` when the new one is the taught `answer`."""
+    step: int
+    id: str
+    prompt: str
+    answer: str
+    old: str
+    new: str
+    taught_at_step: int
+    steps: int
+    learned: bool
 
 
 class WarningEvent(_Event, total=False):

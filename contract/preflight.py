@@ -18,7 +18,6 @@ counted, dropped rows by number, truncated rows estimated without tokenizing the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,16 +94,8 @@ def preflight(cfg: RunConfig) -> PreflightReport:
     if train is not None and train.format == "chat" or cfg.data.format == "chat":
         _chat_template(cfg, report)
     report.problems += _deepspeed(cfg, model, train, report)
-    _monitor_packages(cfg, report)
     report.problems = list(dict.fromkeys(report.problems))  # a finding said once
     return report
-
-
-def _monitor_packages(cfg: RunConfig, report: PreflightReport) -> None:
-    """A monitor back end whose package is missing would fail rank 0 alone, after the others started."""
-    if cfg.logging.wandb != "off" and importlib.util.find_spec("wandb") is None:
-        report.problems.append(("logging.wandb", f"{cfg.logging.wandb} needs the wandb package, which is not "
-                                "installed: pip install wandb, or set logging.wandb=off"))
 
 
 # -- the model folder ---------------------------------------------------------------------------

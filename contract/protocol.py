@@ -14,7 +14,8 @@ Server -> client, one object per line, each tagged with the request id it belong
     {"type": "event", "line": N, "event": {...}}                an events.jsonl record (subscribers)
 
 Each command is one frozen dataclass below (:class:`Generate`, :class:`Pause`, :class:`Resume`,
-:class:`Stop`, :class:`Save`, :class:`Evaluate`, :class:`Set`, :class:`Status`, and the
+:class:`Stop`, :class:`Save`, :class:`Evaluate`, :class:`Set`, :class:`Status`, :class:`Rewind`,
+:class:`Branch`, :class:`Snapshot`, :class:`Branches`, and the
 :class:`Subscribe` request). Its fields are its arguments; their types, defaults, documentation
 and bounds are declared there once, and validation, the wire form and every front end's
 defaults (`Stop.save` is True everywhere) come from that declaration. Constructing a command
@@ -70,8 +71,10 @@ STATES = tuple(s.value for s in RunState)
 ALLOWED_COMMANDS: dict[RunState, frozenset[str]] = {
     RunState.QUEUED: frozenset({"stop"}),  # no rank yet: Stop cancels the job (supervisor.slurm)
     RunState.STARTING: frozenset({"status", "stop"}),
-    RunState.RUNNING: frozenset({"generate", "pause", "stop", "save", "evaluate", "set", "status"}),
-    RunState.PAUSED: frozenset({"generate", "resume", "stop", "save", "evaluate", "set", "status"}),
+    RunState.RUNNING: frozenset({"generate", "pause", "stop", "save", "evaluate", "set", "status",
+                                 "rewind", "branch", "snapshot", "branches"}),
+    RunState.PAUSED: frozenset({"generate", "resume", "stop", "save", "evaluate", "set", "status",
+                                "rewind", "branch", "snapshot", "branches"}),
     RunState.STOPPING: frozenset({"status", "stop"}),
     RunState.FINISHED: frozenset(),
     RunState.FAILED: frozenset(),
@@ -341,6 +344,75 @@ class Set(Command):
             raise ProtocolError(f"set: name at least one of {names}")
 
 
+def _check_target(label: str, target: str) -> None:
+    if not target.strip():
+        raise ProtocolError(f"{label}: argument 'target' must name a checkpoint (step-40), a step "
+                            "number (40) or a snapshot")
+
+
+@dataclass(frozen=True)
+class Rewind(Command):
+    """Go back, in place, to a checkpoint or snapshot of this run: every rank loads it into the
+    running engines (model, optimizer, scheduler, data position, RNGs, live settings) and
+    training goes on from there on the same branch; the steps after it are abandoned."""
+    name: ClassVar[str] = "rewind"
+    target: str = _arg("", "The checkpoint (step-40, or 40: that step's checkpoint of the present "
+                       "branch, else of an ancestor) or a snapshot's name.")
+
+    def _check(self) -> None:
+        _check_target(self.label, self.target)
+
+
+@dataclass(frozen=True)
+class Branch(Command):
+    """Rewind to `target` and go on as a new branch `name` (the present branch stays as it is and
+    can be branched from later), optionally with changed settings."""
+    name: ClassVar[str] = "branch"
+    target: str = _arg("", "The checkpoint or snapshot the branch starts from (as rewind's).")
+    branch: str = _arg("", "The new branch's name (letters, digits, - _ .; unique in the run).")
+    lr: float | None = _arg(None, "Learning rate of the branch's first step (as set).", minimum=0.0, maximum=10.0)
+    lr_scale: float | None = _arg(None, "Factor on the configured schedule (as set).",
+                                  minimum=0.0, maximum=1e6, exclusive_minimum=True)
+    grad_clip: float | None = _arg(None, "Gradient clipping norm; 0: off.", minimum=0.0, maximum=1e9)
+    eval_every_n_steps: int | None = _arg(None, "Evaluate every n steps; 0: off.", minimum=0, maximum=2**31)
+    save_every_n_steps: int | None = _arg(None, "Checkpoint every n steps; 0: off.", minimum=0, maximum=2**31)
+
+    def _check(self) -> None:
+        _check_target(self.label, self.target)
+        from contract.branches import check_name  # the one rule for names (torch-free, ours)
+        try:
+            check_name(self.branch, "branch")
+        except ValueError as e:
+            raise ProtocolError(f"branch: {e}") from None
+
+    def settings(self) -> dict[str, Any]:
+        """The settings the branch changes, as `set` arguments."""
+        return {k: v for k, v in self.given().items() if k not in ("target", "branch")}
+
+
+@dataclass(frozen=True)
+class Snapshot(Command):
+    """Keep the complete training state in host memory now, for an instant rewind (bounded by
+    checkpoint.snapshots_keep / snapshots_max_mib; the oldest goes first)."""
+    name: ClassVar[str] = "snapshot"
+    # `snapshot`, not `name`: `name` is every command's wire name
+    snapshot: str | None = _arg(None, "The snapshot's name (unique among those kept); default snap-<step>.")
+
+    def _check(self) -> None:
+        if self.snapshot is not None:
+            from contract.branches import check_name
+            try:
+                check_name(self.snapshot, "snapshot")
+            except ValueError as e:
+                raise ProtocolError(f"snapshot: {e}") from None
+
+
+@dataclass(frozen=True)
+class Branches(Command):
+    """The run's branch tree, the present branch, its checkpoints and the snapshots in memory."""
+    name: ClassVar[str] = "branches"
+
+
 @dataclass(frozen=True)
 class Status(Command):
     """The run now: step, state, last metrics, queue, settings and memory."""
@@ -363,7 +435,7 @@ class Subscribe(Command):
 
 # the commands a run executes, by wire name (subscribe is a request for events, not a command)
 COMMANDS: dict[str, type[Command]] = {c.name: c for c in (
-    Generate, Pause, Resume, Stop, Save, Evaluate, Set, Status)}
+    Generate, Pause, Resume, Stop, Save, Evaluate, Set, Status, Rewind, Branch, Snapshot, Branches)}
 REQUESTS: dict[str, type[Command]] = {**COMMANDS, Subscribe.name: Subscribe}
 # the requests rank 0 may answer from its server thread (status only without `ranks`)
 IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate)

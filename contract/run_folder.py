@@ -8,6 +8,8 @@ Torch-free: the app process uses it to list runs, rebuild plots and find the con
         control.json       control socket address and token (mode 0600), written by rank 0
         logs/              launcher.log and one log per rank (files, never an undrained pipe)
         checkpoints/       training checkpoints; `latest` names the newest complete one
+        branches.json      the branch tree, once the run has branched (contract.branches)
+        branches/<b>/checkpoints/   each branch's own checkpoints (the root branch's: checkpoints/)
         model/             the final model (Hugging Face format) or adapter (PEFT format)
         tensorboard/       TensorBoard event files
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from contract.branches import ROOT, checkpoints_dir
 from contract.protocol import jsonable
 
 if TYPE_CHECKING:
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RunFolder:
     root: Path
+    branch: str = ROOT  # the branch training writes to: its checkpoints (contract.branches)
 
     @property
     def config(self) -> Path:
@@ -51,7 +55,8 @@ class RunFolder:
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        """The present branch's training checkpoints."""
+        return checkpoints_dir(self.root, self.branch)
 
     @property
     def model(self) -> Path:
@@ -79,9 +84,13 @@ class EventLog:
         self._file = open(self.path, "a", buffering=1, encoding="utf-8")
         self._lock = threading.Lock()
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
+        # set once the run has branches: every event then names the branch it belongs to
+        self.branch: str | None = None
 
     def emit(self, event: dict[str, Any]) -> dict[str, Any]:
         event.setdefault("time", time.time())
+        if self.branch is not None:
+            event.setdefault("branch", self.branch)
         line = json.dumps(event, default=jsonable)
         with self._lock:
             self._file.write(line + "\n")

@@ -86,7 +86,8 @@ def open_run_folder(cfg: RunConfig, run_dir: str | None, is_rank0: bool) -> tupl
         return folder, None
     if not folder.config.exists():
         folder.config.write_text(cfg.to_yaml())
-    return folder, open_sinks(folder.events, cfg)
+    events, _ = open_sinks(folder.events, folder.tensorboard if cfg.logging.tensorboard else None)
+    return folder, events
 
 
 def precision_of(cfg: RunConfig) -> str:

@@ -75,6 +75,8 @@ class Trainer:
         self.monitors = list(monitors) if monitors is not None else [m() for m in DEFAULT_MONITORS]
         self.should_stop = False
         self.paused = False
+        self.rewound = False  # a rewind / branch moved the position: the loop starts its epoch again
+        self.snapshots = None  # in-memory snapshots (engine.checkpoint.rewind.snapshot_store)
         parts = assembly.assemble(
             self.config, model=model, tokenizer=tokenizer, loss_fn=loss_fn, optimizer=optimizer,
             lr_scheduler=lr_scheduler, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -103,12 +105,13 @@ class Trainer:
         self.callbacks.fire("on_train_begin", self)
         self._control_boundary()  # a pause sent before the first step holds it back
         self.emit({"type": "state", "state": "running", "step": state.global_step})
-        for epoch in range(state.epoch, self._epochs()):
-            state.epoch = epoch
+        while state.epoch < self._epochs():
+            self.rewound = False
+            epoch = state.epoch
             loader = self.train_loader(epoch, start_batch=state.batch_in_epoch)
             self.callbacks.fire("on_train_epoch_begin", self)
             for micro_batches in _chunks(loader, cfg.train.grad_accum):
-                if self._done():
+                if self._done() or self.rewound:
                     break
                 self.callbacks.fire("on_train_batch_begin", self, micro_batches)
                 started = time.perf_counter()
@@ -117,11 +120,15 @@ class Trainer:
                 self._record(StepInfo(state.global_step, epoch, loss, tokens,    # record
                                       time.perf_counter() - started, lr))
                 self.callbacks.fire("on_train_batch_end", self, loss)
+                if self.rewound:  # a hook rewound (the guard): this step's later phases are abandoned
+                    continue
                 live = live_settings(self)  # the schedule, as the control plane may have changed it
                 if _due(state.global_step, live.eval_every(cfg)):                # evaluate if due
                     self.evaluate()
                 self.checkpoints.after_step(self, live.save_every(cfg))          # checkpoint if due
                 self._control_boundary()                                         # control boundary
+            if self.rewound:  # a rewind at a boundary: go on from the restored (epoch, batch)
+                continue
             if self._done():
                 break
             state.batch_in_epoch = 0
@@ -321,6 +328,8 @@ class Trainer:
         """End the control plane (answering what is still queued) and close the event log."""
         if self.control is not None:
             self.control.close()
+        if self.snapshots is not None:
+            self.snapshots.close()
         if self.events is not None:
             self.events.close()
             self.events = None

@@ -11,7 +11,8 @@ evaluated step carries that step's metrics. After each save the rules run on wha
   their own step (a checkpoint between evaluations has no metric and is not ranked),
 - and always the newest one (`last`, the one `latest` names);
 
-every other scheduled checkpoint is deleted. Checkpoints saved by hand (the control plane's
+every other scheduled checkpoint is deleted -- except a checkpoint that a branch of the run
+folder's tree starts from (contract.branches: the fork points are never deleted). Checkpoints saved by hand (the control plane's
 `save`, `stop`) are never deleted by these rules. Because the rules read the markers on disk,
 they hold across resumes without any state of their own.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from contract.branches import BranchTree
 from engine.checkpoint import atomic, state
 
 SCHEDULE = "schedule"
@@ -58,10 +60,13 @@ def metric_of(metrics: dict, monitor: str) -> float | None:
     return None
 
 
-def to_delete(checkpoints: list[dict], keep_last: int, keep_best: int, monitor: str, mode: str) -> list[str]:
+def to_delete(checkpoints: list[dict], keep_last: int, keep_best: int, monitor: str, mode: str,
+              protected: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Names of the scheduled checkpoints the rules drop (see the module docstring).
-    `checkpoints`: markers with "name", "step", "saved_by", "metrics"."""
-    scheduled = sorted((c for c in checkpoints if c.get("saved_by") == SCHEDULE), key=lambda c: c["step"])
+    `checkpoints`: markers with "name", "step", "saved_by", "metrics" (and "url"); `protected`:
+    URLs never dropped (the checkpoints branches start from)."""
+    scheduled = sorted((c for c in checkpoints if c.get("saved_by") == SCHEDULE and c.get("url") not in protected),
+                       key=lambda c: c["step"])
     if not scheduled:
         return []
     keep = {scheduled[-1]["name"]}
@@ -154,8 +159,8 @@ class CheckpointSchedule:
             c = trainer.config.checkpoint
             collection = atomic.location(str(trainer.folder.checkpoints))
             present = atomic.list_checkpoints(collection.url)
-            doomed = [n for n in to_delete([*present, coming], c.keep_last, c.keep_best, c.monitor, c.mode)
-                      if n != coming["name"]]
+            doomed = [n for n in to_delete([*present, coming], c.keep_last, c.keep_best, c.monitor, c.mode,
+                                           fork_points(trainer)) if n != coming["name"]]
             for name in doomed:
                 atomic.remove(collection.child(name))
             if doomed:
@@ -166,7 +171,8 @@ class CheckpointSchedule:
     def prune(self, trainer) -> list[str]:
         c = trainer.config.checkpoint
         collection = str(trainer.folder.checkpoints)
-        doomed = to_delete(atomic.list_checkpoints(collection), c.keep_last, c.keep_best, c.monitor, c.mode)
+        doomed = to_delete(atomic.list_checkpoints(collection), c.keep_last, c.keep_best, c.monitor, c.mode,
+                           fork_points(trainer))
         if doomed:
             atomic.flush_before_deleting(atomic.location(collection))
         for name in doomed:
@@ -174,6 +180,11 @@ class CheckpointSchedule:
         if doomed:
             trainer.emit({"type": "checkpoint_deleted", "step": trainer.state.global_step, "names": doomed})
         return doomed
+
+
+def fork_points(trainer) -> set[str]:
+    """The checkpoint URLs the run folder's branches start from (never deleted)."""
+    return {atomic.location(u).url for u in BranchTree.load(trainer.folder.root).fork_sources()}
 
 
 def load_best(trainer) -> None:

@@ -7,6 +7,8 @@ A checkpoint folder (published atomically by `atomic.writing`)::
         trainer_state.json       position, parallel layout, model fingerprint, sampler, run config
         callbacks.pt             the callbacks' states (the control plane's live settings, ...)
         rng/rank00000.pt ...     Python, NumPy and torch (and CUDA) RNG states, one file per rank
+        loop/rank00000.pt ...    the optimizer / schedule DeepSpeed does not hold (LOMO / AdaLomo's
+                                 fused optimizer and its schedule), one file per rank; absent otherwise
         latest                   \\
         zero_to_fp32.py           | DeepSpeed's own layout, written by engine.save_checkpoint:
         global_step40/            | model, optimizer partitions per rank, lr scheduler; its
@@ -47,10 +49,13 @@ from engine.rng import rng_state, set_rng_state
 STATE_FILE = "trainer_state.json"
 CALLBACKS_FILE = "callbacks.pt"
 RNG_DIR = "rng"
+LOOP_DIR = "loop"
 LAYOUT_KEYS = ("world_size", "dp_size", "tp_size", "pp_size", "zero_stage")
 MODEL_KEYS = ("precision", "method", "parameters", "trainable_parameters")
 _RANKED = re.compile(r"zero_pp_rank_(\d+)_")
-_RNG = re.compile(rf"{RNG_DIR}/rank(\d+)\.pt$")
+_RNG = re.compile(rf"(?:{RNG_DIR}|{LOOP_DIR})/rank(\d+)\.pt$")
+# saves going on in this process (a rewind refuses to load in the middle of one)
+SAVING: list[str] = []
 
 
 class DataMismatchError(CheckpointError):
@@ -59,6 +64,10 @@ class DataMismatchError(CheckpointError):
 
 def rng_file(rank: int) -> str:
     return f"{RNG_DIR}/rank{rank:05d}.pt"
+
+
+def loop_file(rank: int) -> str:
+    return f"{LOOP_DIR}/rank{rank:05d}.pt"
 
 
 def ds_tag(step: int) -> str:
@@ -93,6 +102,51 @@ def describe_layout(layout: dict) -> str:
             f"{'s' * (layout.get('world_size') != 1)})")
 
 
+def record_of(run: RunContext, sampler) -> dict:
+    """What trainer_state.json records: position, layout, model, data order, config, versions."""
+    state = run.state
+    return {"position": {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
+                         "global_step": state.global_step, "total_steps": state.total_steps},
+            "ds_tag": ds_tag(state.global_step), "layout": layout_record(run), "model": model_of(run),
+            "sampler": sampler_state(sampler, run), "config": run.config.to_dict(), "versions": _versions()}
+
+
+def loop_state(run: RunContext) -> dict | None:
+    """This rank's optimizer and schedule where DeepSpeed's checkpoint does not hold them (the
+    fused LOMO / AdaLomo optimizer is built after the engine, and so is its schedule); None when
+    DeepSpeed holds both."""
+    engine, state = run.engine, {}
+    if run.optimizer is not None and run.optimizer is not engine.optimizer:
+        state["optimizer"] = run.optimizer.state_dict()
+        scaler = getattr(run.optimizer, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+    if run.lr_scheduler is not None and run.lr_scheduler is not engine.lr_scheduler:
+        state["lr_scheduler"] = run.lr_scheduler.state_dict()
+    return state or None
+
+
+def load_loop_state(run: RunContext, state: dict | None) -> None:
+    if not state:
+        return
+    if "optimizer" in state:
+        run.optimizer.load_state_dict(state["optimizer"])
+        if "scaler" in state:
+            run.optimizer.scaler.load_state_dict(state["scaler"])
+    if "lr_scheduler" in state:
+        run.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+@contextlib.contextmanager
+def saving(path: str) -> Iterator[None]:
+    """Mark a save of `path` as going on in this process (engine.checkpoint.rewind refuses then)."""
+    SAVING.append(path)
+    try:
+        yield
+    finally:
+        SAVING.remove(path)
+
+
 # -- saving ---------------------------------------------------------------------------------------
 def _points_latest(run: RunContext, path: str) -> bool:
     folder = getattr(run, "folder", None)
@@ -113,14 +167,12 @@ def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampl
     """
     started, comm = time.perf_counter(), Comm.current()
     state, engine = run.state, run.engine
-    record = {"position": {"epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch,
-                           "global_step": state.global_step, "total_steps": state.total_steps},
-              "ds_tag": ds_tag(state.global_step), "layout": layout_record(run), "model": model_of(run),
-              "sampler": sampler_state(sampler, run), "config": run.config.to_dict(), "versions": _versions()}
+    record = record_of(run, sampler)
     meta = {"step": state.global_step, "epoch": state.epoch, "saved_by": saved_by,
             "metrics": dict(metrics or {})}
     pointer = _points_latest(run, path) if pointer is None else pointer
-    with atomic.writing(path, kind="training", meta=meta, pointer=pointer, comm=comm, emit=run.emit) as w:
+    with saving(path), atomic.writing(path, kind="training", meta=meta, pointer=pointer, comm=comm,
+                                      emit=run.emit) as w:
         # a rank whose write fails must still reach DeepSpeed's barriers (atomic: one failure,
         # agreed by every rank); DeepSpeed's own `latest` is written below, outside them
         with ds_config.recording_checkpoint_files(engine) as written, \
@@ -133,6 +185,11 @@ def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampl
         (w.local / RNG_DIR).mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), w.local / rng_file(comm.rank))
         w.claim(rng_file(comm.rank))
+        loop = loop_state(run)
+        if loop is not None:
+            (w.local / LOOP_DIR).mkdir(parents=True, exist_ok=True)
+            torch.save(loop, w.local / loop_file(comm.rank))
+            w.claim(loop_file(comm.rank))
         if comm.rank == 0:
             (w.local / STATE_FILE).write_text(json.dumps(record, indent=1, default=str))
             torch.save(states, w.local / CALLBACKS_FILE)
@@ -235,18 +292,33 @@ def _universal_hint(url: str, record: dict) -> str:
             'the DeepSpeed config {"checkpoint": {"load_universal": true}}')
 
 
-def load_checkpoint(run: RunContext, path: str, *, sampler, restore_states: Callable[[dict], None]) -> dict:
+def load_checkpoint(run: RunContext, path: str, *, sampler, restore_states: Callable[[dict], None],
+                    announce: bool = True, fields: dict | None = None) -> dict:
     """Restore the training state saved at `path`; every rank calls this. `sampler`: the run's
     batch sampler (the data order must match); `restore_states` gets the saved states of the
-    callbacks and the loop's parts. Returns the marker."""
+    callbacks and the loop's parts. The same function restores a running engine in place (a
+    rewind, engine.checkpoint.rewind, with `announce` False: it writes its own event). `fields`
+    go into the `resume` event. Returns the marker."""
     started = time.perf_counter()
     with verified(run, path, sampler) as (folder, marker, record, local):
-        _restore(run, local, record, restore_states)
-    changes = _config_changes(record.get("config", {}), run.config.to_dict())
-    run.emit({"type": "resume", "checkpoint": folder.url, "step": run.state.global_step,
-              "epoch": run.state.epoch, "batch_in_epoch": run.state.batch_in_epoch,
-              "config_changes": changes, "seconds": round(time.perf_counter() - started, 3)})
+        restore(run, local, record, _read(local / CALLBACKS_FILE),
+                _read(local / rng_file(run.env.rank)), _read_optional(local / loop_file(run.env.rank)),
+                restore_states)
+    if announce:
+        changes = _config_changes(record.get("config", {}), run.config.to_dict())
+        run.emit({"type": "resume", "checkpoint": folder.url, "step": run.state.global_step,
+                  "epoch": run.state.epoch, "batch_in_epoch": run.state.batch_in_epoch,
+                  "config_changes": changes, "seconds": round(time.perf_counter() - started, 3),
+                  **(fields or {})})
     return marker
+
+
+def _read(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _read_optional(path: Path) -> Any:
+    return _read(path) if path.exists() else None
 
 
 def load_weights(run: RunContext, path: str) -> None:
@@ -259,18 +331,25 @@ def load_weights(run: RunContext, path: str) -> None:
             raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {path}")
 
 
-def _restore(run: RunContext, local: Path, record: dict, restore_states: Callable[[dict], None]) -> None:
+def restore(run: RunContext, local: Path, record: dict, states: dict, rng: dict, loop: dict | None,
+            restore_states: Callable[[dict], None]) -> None:
+    """Put a saved training state into the run's (running or just built) engines: DeepSpeed's
+    part from the folder `local` (model, optimizer, scheduler, in this layout's partitions), then
+    the loop's own optimizer / schedule (`loop`), the callbacks' and loop parts' `states`, the
+    position, and last the RNG streams `rng`. The one restore of a resume at start, a rewind
+    from disk and a rewind from a snapshot (engine.checkpoint.snapshots)."""
     load_path, _ = run.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_module_strict=True,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {local}")
-    restore_states(torch.load(local / CALLBACKS_FILE, map_location="cpu", weights_only=False))
+    load_loop_state(run, loop)
+    restore_states(states)
     position = record["position"]
     run.state.epoch = int(position["epoch"])
     run.state.batch_in_epoch = int(position["batch_in_epoch"])
     run.state.global_step = int(position["global_step"])
     # last: nothing may draw random numbers between here and the next step
-    set_rng_state(torch.load(local / rng_file(run.env.rank), map_location="cpu", weights_only=False))
+    set_rng_state(rng)
 
 
 _NOT_TRAINING = ("resume", "logging.", "control.", "checkpoint.", "eval.")

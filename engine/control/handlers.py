@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from contract.events import EventType
-from contract.protocol import (Command, Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status,
-                               Stop)
+from contract.protocol import (Branch, Branches, Command, Evaluate, Generate, Pause, Resume, Rewind, RunState,
+                               Save, Set, Snapshot, Status, Stop)
+from engine.checkpoint import rewind as rewinding
 from engine.checkpoint.atomic import CheckpointError
 from engine.control.pending import Reply
 from engine.control.run import Plane
@@ -190,6 +191,54 @@ def current_settings(control: Plane) -> dict:
             "generation": live.generation_params()}
 
 
+# -- rewind, branch, snapshot (engine.checkpoint.rewind) ------------------------------------------------
+def _not_ended(control: Plane, what: str) -> None:
+    if control.ended:
+        raise CommandRefused(f"{what}: training has ended; start a new run with resume= instead")
+
+
+def rewind(control: Plane, cmd: Rewind, reply: Reply) -> dict:
+    """Load the target into the running engines on every rank; training goes on from there."""
+    _not_ended(control, "rewind")
+    try:
+        return rewinding.rewind_in_place(control.trainer, cmd.target).event()
+    except CheckpointError as e:  # refused alike on every rank before anything changed
+        raise CommandRefused(f"rewind: {e}") from None
+
+
+def branch(control: Plane, cmd: Branch, reply: Reply) -> dict:
+    """Rewind, then go on as a new branch with the command's settings (applied as a `set`)."""
+    _not_ended(control, "branch")
+    changes = cmd.settings()
+    if changes:  # checked before anything moves: a refused setting refuses the branch
+        _check_settable(control, Set(**changes))
+    try:
+        result = rewinding.branch_in_place(control.trainer, cmd.target, cmd.branch, settings=changes)
+    except (CheckpointError, ValueError) as e:
+        raise CommandRefused(f"branch: {e}") from None
+    out = result.event("branch")
+    if changes:
+        out["set"] = set_values(control, Set(**changes), reply)
+    return out
+
+
+def snapshot(control: Plane, cmd: Snapshot, reply: Reply) -> dict:
+    try:
+        return rewinding.take_snapshot(control.trainer, cmd.snapshot)
+    except CheckpointError as e:
+        raise CommandRefused(str(e)) from None
+
+
+def branches(control: Plane, cmd: Branches, reply: Reply) -> dict:
+    trainer = control.trainer
+    tree = rewinding.tree_of(trainer)
+    store = rewinding.snapshot_store(trainer)
+    return {"current": rewinding.current_branch(trainer), "step": trainer.state.global_step,
+            "tree": tree.to_dict()["branches"], **rewinding.available(trainer),
+            "snapshot_details": [{"name": s.name, "step": s.step, "branch": s.branch, "bytes": s.bytes}
+                                 for s in store.snapshots]}
+
+
 # -- status -----------------------------------------------------------------------------------------
 def status(control: Plane, cmd: Status, reply: Reply) -> dict:
     """Queued `status` with `ranks`: every rank's memory, gathered here (collective)."""
@@ -215,4 +264,5 @@ def memory_mb() -> dict[str, float]:
 HANDLERS: dict[type[Command], Handler] = {
     Generate: generate, Pause: pause, Resume: resume, Stop: stop, Save: save,
     Evaluate: evaluate, Set: set_values, Status: status,
+    Rewind: rewind, Branch: branch, Snapshot: snapshot, Branches: branches,
 }

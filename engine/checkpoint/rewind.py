@@ -1,0 +1,224 @@
+"""Rewind, branch and snapshot a live run in place: no process restarts, every rank at once.
+
+    rewind_in_place(trainer, target, reason="user") -> RewindResult
+    branch_in_place(trainer, target, name, reason="user") -> RewindResult
+    take_snapshot(trainer, name=None) -> dict                    (the `snapshot` event)
+    snapshot_store(trainer) -> SnapshotStore
+
+Every rank calls them at the same step boundary, with the same arguments (the control plane's
+handlers do, and so may the loop itself: the spike guard). `trainer` is the Trainer (its
+`load_checkpoint`-side helpers restore the callbacks' and loop parts' states; `ctx` is the run).
+
+A rewind restores exactly what a resume at start restores -- the model, the optimizer, the
+schedule, the data position, every RNG stream and the live settings -- through the same
+function (engine.checkpoint.state.load_checkpoint from disk, state.restore from a snapshot),
+into the engines that are running. It then sets `trainer.rewound`, on which the loop starts its
+epoch again at the restored position. The rewind is an event (`rewind`, or `branch`) naming
+the abandoned steps; nothing already written is changed.
+
+Targets: a snapshot's name; a checkpoint name (`step-40`) or step number (`40`) -- the present
+branch's checkpoint, else the newest ancestor's at or before the fork; or a checkpoint folder.
+Refused, with nothing changed (RewindError on every rank alike): an unknown target (the message
+lists what there is), a checkpoint of another layout or model (state.check_compatible names both),
+an unfinished checkpoint (its save has not completed), and a rewind while a save is going on.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from contract.branches import ROOT, BranchTree, checkpoints_dir
+from engine.checkpoint import atomic
+from engine.checkpoint import state as ckpt
+from engine.checkpoint.atomic import CheckpointError
+from engine.checkpoint.snapshots import SnapshotError, SnapshotStore
+
+SNAPSHOT_PREFIX = "snapshot:"
+_STEP = re.compile(r"(?:step-)?(\d+)")
+
+
+class RewindError(CheckpointError):
+    """The rewind / branch / snapshot does not apply (the same on every rank); nothing changed."""
+
+
+@dataclass
+class RewindResult:
+    """What a rewind did; `event()` is its `rewind` / `branch` event."""
+    target: str               # as asked
+    source: str               # the checkpoint URL, or "snapshot:<name>"
+    step: int                 # training goes on after this step
+    from_step: int            # the step before the rewind
+    abandoned: list[int]      # [first, last] steps given up; [] when none
+    branch: str               # the branch training goes on in
+    epoch: int
+    batch_in_epoch: int
+    reason: str = "user"
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def event(self, kind: str = "rewind") -> dict[str, Any]:
+        fields = asdict(self)
+        extra = fields.pop("extra")
+        return {"type": kind, **fields, **extra}
+
+
+# -- the run's parts ----------------------------------------------------------------------------------
+def snapshot_store(trainer) -> SnapshotStore:
+    """The run's snapshots (made on first use, bounded by the checkpoint config)."""
+    store = getattr(trainer, "snapshots", None)
+    if store is None:
+        c = trainer.config.checkpoint
+        store = trainer.snapshots = SnapshotStore(c.snapshots_keep, c.snapshots_max_mib)
+    return store
+
+
+def current_branch(trainer) -> str:
+    return getattr(trainer.folder, "branch", ROOT)
+
+
+def tree_of(trainer) -> BranchTree:
+    return BranchTree.load(trainer.folder.root)
+
+
+# -- targets --------------------------------------------------------------------------------------------
+def resolve(trainer, target: str) -> tuple[str, str]:
+    """(source, owning branch) of `target`: "snapshot:<name>" or a checkpoint URL."""
+    target = str(target).strip()
+    store = snapshot_store(trainer)
+    name = target.removeprefix(SNAPSHOT_PREFIX)
+    snap = store.get(name)
+    if snap is not None:
+        return SNAPSHOT_PREFIX + name, snap.branch
+    if target.startswith(SNAPSHOT_PREFIX):
+        raise RewindError(f"no snapshot named {name!r} (kept: {', '.join(store.names()) or 'none'})")
+    match = _STEP.fullmatch(target)
+    tree = tree_of(trainer)
+    if match is not None:
+        return _checkpoint_of_step(trainer, tree, int(match.group(1)), target)
+    if Path(target).is_dir():
+        folder = Path(target).resolve()
+        if atomic.read_marker(atomic.location(str(folder))) is None:
+            raise RewindError(f"{target} is not a complete training checkpoint (its save has not "
+                              "finished, or it is no checkpoint); nothing was changed")
+        return str(folder), _owner(trainer, tree, folder.parent)
+    raise RewindError(f"{target!r} is no checkpoint or snapshot of this run; " + _available(trainer, tree))
+
+
+def _checkpoint_of_step(trainer, tree: BranchTree, step: int, target: str) -> tuple[str, str]:
+    branch = current_branch(trainer)
+    chain = tree.ancestry(branch) if branch in tree.branches else [branch]
+    limit = None  # an ancestor's checkpoints count up to the fork its child on the chain took
+    for name in reversed(chain):
+        folder = checkpoints_dir(trainer.folder.root, name) / f"step-{step}"
+        if (limit is None or step <= limit) and folder.is_dir():
+            if atomic.read_marker(atomic.location(str(folder))) is None:
+                raise RewindError(f"step-{step} of branch {name!r} is not complete (its save has not "
+                                  "finished); nothing was changed")
+            return atomic.location(str(folder)).url, name
+        info = tree.branches.get(name)
+        limit = info.fork_step if info is not None else None
+    raise RewindError(f"no checkpoint of step {step} on branch {branch!r} or its ancestors; "
+                      + _available(trainer, tree))
+
+
+def _owner(trainer, tree: BranchTree, collection: Path) -> str:
+    for name in tree.branches:
+        if checkpoints_dir(trainer.folder.root, name).resolve() == collection.resolve():
+            return name
+    return current_branch(trainer)
+
+
+def available(trainer) -> dict[str, list]:
+    """The checkpoints of the present branch and its ancestors, and the snapshots kept."""
+    tree, branch = tree_of(trainer), current_branch(trainer)
+    chain = tree.ancestry(branch) if branch in tree.branches else [branch]
+    found = {name: [c["name"] for c in atomic.list_checkpoints(str(checkpoints_dir(trainer.folder.root, name)))]
+             for name in chain}
+    return {"checkpoints": found, "snapshots": snapshot_store(trainer).names()}
+
+
+def _available(trainer, tree: BranchTree) -> str:
+    there = available(trainer)
+    ckpts = "; ".join(f"{b}: {', '.join(n) or 'none'}" for b, n in there["checkpoints"].items())
+    return f"checkpoints ({ckpts}); snapshots: {', '.join(there['snapshots']) or 'none'}"
+
+
+# -- rewind ----------------------------------------------------------------------------------------------
+def rewind_in_place(trainer, target: str, reason: str = "user", *, emit: bool = True) -> RewindResult:
+    """Load `target` into the running engines on every rank (collective) and make the loop go on
+    from there; returns what was done (and, when `emit`, writes the `rewind` event)."""
+    if ckpt.SAVING:
+        raise RewindError(f"a save is going on ({', '.join(ckpt.SAVING)}); rewind once it has finished")
+    started, before = time.perf_counter(), trainer.state.global_step
+    source, _ = resolve(trainer, target)
+    if source.startswith(SNAPSHOT_PREFIX):
+        snapshot_store(trainer).restore(trainer.ctx, source[len(SNAPSHOT_PREFIX):], trainer._restore_part_states,
+                                        trainer._batch_sampler())
+    else:
+        ckpt.load_checkpoint(trainer.ctx, source, sampler=trainer._batch_sampler(),
+                             restore_states=trainer._restore_part_states, announce=False)
+    trainer.rewound = True  # the loop starts its epoch again at the restored position
+    step = trainer.state.global_step
+    result = RewindResult(target=str(target), source=source, step=step, from_step=before,
+                          abandoned=[step + 1, before] if before > step else [], branch=current_branch(trainer),
+                          epoch=trainer.state.epoch, batch_in_epoch=trainer.state.batch_in_epoch, reason=reason,
+                          seconds=round(time.perf_counter() - started, 4))
+    if emit:
+        trainer.emit(result.event("rewind"))
+    return result
+
+
+def branch_in_place(trainer, target: str, name: str, reason: str = "user",
+                    settings: dict[str, Any] | None = None) -> RewindResult:
+    """Rewind to `target` and go on as the new branch `name` of the run folder's tree (collective).
+    The branch the run leaves keeps its checkpoints. `settings` (the branch command's changes)
+    are recorded in the tree; the caller applies them (the control plane's `set`)."""
+    tree = tree_of(trainer)
+    if name in tree.branches:
+        raise RewindError(f"branch {name!r} exists already (branches: {', '.join(tree.branches)})")
+    parent_now = current_branch(trainer)
+    source, owner = resolve(trainer, target)
+    result = rewind_in_place(trainer, target, reason, emit=False)
+    tree.add(name, owner, result.step, source, settings)
+    tree.current = name
+    if trainer.env.rank == 0:
+        tree.save(trainer.folder.root)
+    switch_branch(trainer, name)
+    result.branch = name
+    result.extra = {"parent": owner, "left": parent_now, "changes": dict(settings or {})}
+    trainer.emit(result.event("branch"))
+    return result
+
+
+def switch_branch(trainer, name: str) -> None:
+    """Make `name` the branch training writes to: its checkpoints folder, its events' tag."""
+    from dataclasses import replace
+    trainer.ctx.folder = replace(trainer.folder, branch=name)
+    trainer.folder.checkpoints.mkdir(parents=True, exist_ok=True)
+    if trainer.events is not None:
+        trainer.events.branch = name
+
+
+# -- snapshot --------------------------------------------------------------------------------------------
+def take_snapshot(trainer, name: str | None = None) -> dict[str, Any]:
+    """Keep the training state in host memory as snapshot `name` (default snap-<step>; collective);
+    writes and returns the `snapshot` event."""
+    store = snapshot_store(trainer)
+    name = name or f"snap-{trainer.state.global_step}"
+    if store.get(name) is not None:  # the default name of a second snapshot at one step
+        raise RewindError(f"a snapshot named {name!r} exists already (kept: {', '.join(store.names())})")
+    started = time.perf_counter()
+    try:
+        snap, evicted = store.take(trainer.ctx, name, current_branch(trainer), trainer._part_states(),
+                                   trainer._batch_sampler())
+    except SnapshotError as e:
+        raise RewindError(str(e)) from None
+    event = {"type": "snapshot", "name": name, "step": snap.step, "branch": snap.branch, "bytes": snap.bytes,
+             "total_bytes": store.total_bytes(), "kept": store.names(), "evicted": evicted,
+             "seconds": round(time.perf_counter() - started, 4)}
+    trainer.emit(dict(event))
+    return event

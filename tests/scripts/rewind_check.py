@@ -1,0 +1,93 @@
+"""Rewind, branch and snapshot in place, through the control plane's real path (rank 0's command
+queue -> the step-boundary broadcast -> every rank's handler), under several layouts one after
+the other in one launch. Each layout's run (9 steps: 3 epochs of 3, dropout on, grad_accum 2):
+
+    step 2: snapshot s2;  step 4: the schedule saves step-4 (and step-8 later)
+    step 6: rewind to s2          -> steps 3..6 again
+    step 6 (again): rewind to 4   -> steps 5..6 again, then 7, 8
+    step 8: branch b from step-4  -> steps 5..9 on branch b
+plus refusals at step 1: an unknown checkpoint, a taken branch name, a checkpoint of another
+layout (the previous layout's step-4). Prints per rank the (step, loss) sequence, the replies and
+the branch tree. Not a test module (tests/test_rewind.py runs it)."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ckpt_common import make_task, overrides, report  # noqa: E402
+
+LAYOUTS = {"zero0": (0, []), "zero2": (2, []), "zero3": (3, []), "lora": (2, ["method=lora"]),
+           "lomo": (0, ["method=lomo", "lr=5e-2"]), "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"])}
+
+
+def plan(other: str | None) -> dict[int, list]:
+    """Commands queued after the n-th step trained (counting repeats)."""
+    from contract.protocol import Branch, Rewind, Snapshot
+    first = [Rewind(target="step-99"), Branch(target="step-4", branch="main")]
+    if other:
+        first.append(Rewind(target=other))
+    return {1: first, 2: [Snapshot(snapshot="s2")], 6: [Rewind(target="s2")], 10: [Rewind(target="4")],
+            14: [Branch(target="step-4", branch="b")]}
+
+
+def run_layout(name: str, task: dict, out: Path, other: str | None) -> dict:
+    from contract.config import load_config
+    from contract.protocol import Status
+    from engine.callbacks import Callback
+    from engine.control.pending import Reply
+    from engine.trainer import Trainer
+
+    zero, extra = LAYOUTS[name]
+    cfg = load_config(overrides=overrides(task, str(out / "runs"), name, zero, [
+        *extra, "control.enabled=true", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2"]))
+    seen: list[list] = []
+    replies: list[dict] = []
+    todo = plan(other)
+
+    class Driver(Callback):
+        def on_train_batch_end(self, trainer, loss):
+            seen.append([trainer.state.global_step, loss])
+            if trainer.env.rank == 0:
+                for cmd in todo.get(len(seen), []):
+                    req = f"{len(seen)}-{cmd.name}"
+                    trainer.control.commands.put(req, cmd, Reply(req, replies.append))
+
+    trainer = Trainer(config=cfg, callbacks=[Driver()])
+    trainer.train()
+    assert Status  # the module imports cleanly
+    result = {"layout": name, "rank": trainer.env.rank, "seen": seen, "folder": str(trainer.folder.root),
+              "branch": trainer.folder.branch,
+              "replies": [_short(r) for r in replies if r.get("type") in ("done", "error")]}
+    trainer.close()
+    return result
+
+
+def _short(reply: dict) -> dict:
+    """A reply small enough for a result line."""
+    if reply["type"] == "error":
+        return {"id": reply["id"], "error": reply["message"][:240]}
+    res = reply["result"]
+    return {"id": reply["id"], **{k: res[k] for k in ("step", "from_step", "abandoned", "branch", "parent", "bytes",
+                                                      "seconds") if k in res}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layouts", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    a = p.parse_args()
+    out = Path(a.out)
+    task = make_task(out / "task")
+    other = None
+    for name in a.layouts.split(","):
+        r = run_layout(name, task, out, other)
+        report(**r)
+        other = str(Path(r["folder"]) / "checkpoints" / "step-4")
+
+
+if __name__ == "__main__":
+    main()
