@@ -33,6 +33,11 @@ class EventType(str, Enum):
     EXPORT = "export"            # a model / adapter exported in Hugging Face / PEFT format
     BEST_MODEL = "best_model"    # the best checkpoint's weights loaded at the end
     WARNING = "warning"          # something the user should know; the run goes on
+    GUARD = "guard"              # the spike guard judged a step bad and acted (engine.guard_hook)
+    DATA = "data"                # a training source added, reweighted, removed; an entry forgotten
+    TEACH = "teach"              # an answer taught from the chat went into the inbox
+    TEACH_CHECK = "teach_check"  # a taught prompt asked again: old and new answers
+    EARLY_STOP = "early_stop"    # evaluations stopped improving: training ends (trainer)
     REWIND = "rewind"            # training state restored in place; later steps abandoned (engine.checkpoint.rewind)
     BRANCH = "branch"            # the run goes on as a new branch of the run folder's tree (contract.branches)
     SNAPSHOT = "snapshot"        # the training state kept in host memory, or one evicted
@@ -73,7 +78,8 @@ class SetupEvent(_Event, total=False):
 
 class TrainEvent(_Event, total=False):
     """One logged step. The monitors add the rest: loss, lr, step_time, tokens, tokens_per_s,
-    mem_mb (and any custom monitor's numbers)."""
+    mem_mb, samples_per_source ({source name: samples drawn since the last record, all ranks})
+    (and any custom monitor's numbers)."""
     step: int
     epoch: int
     total_steps: int
@@ -83,6 +89,7 @@ class TrainEvent(_Event, total=False):
     tokens: int
     tokens_per_s: float
     mem_mb: float
+    samples_per_source: dict[str, int]
 
 
 class EvalEvent(_Event, total=False):
@@ -239,6 +246,41 @@ class TeachCheckEvent(_Event, total=False):
 
 class WarningEvent(_Event, total=False):
     message: str
+
+
+class GuardEvent(_Event, total=False):
+    """`guard`: the spike guard judged step `step` bad. `trigger`: nonfinite_loss, loss_spike,
+    grad_norm or nonfinite_grad_norm; `value` and `threshold` (non-finite numbers as strings);
+    `action`: skip, rewind (then `target`, `target_step`, `lr_scale`; the `rewind` and `set`
+    events follow), pause (a `state` paused follows) or none (reported only: `reason` says why);
+    `reason` in words; `update_applied`: whether the step's update was applied before the guard
+    judged it; `rewinds` / `max_rewinds` and `skips_in_a_row` after this action."""
+    step: int
+    trigger: str
+    action: str
+    reason: str
+    value: float | str | None
+    threshold: float | str | None
+    update_applied: bool
+    target: str
+    target_step: int
+    lr_scale: float
+    rewinds: int
+    max_rewinds: int
+    skips_in_a_row: int
+
+
+class EarlyStopEvent(_Event, total=False):
+    """`early_stop`: `metric` did not improve on `best` (by more than `threshold`) in `patience`
+    evaluations in a row; the run ends after this step (the best checkpoint is loaded at the end
+    when checkpoint.load_best_at_end)."""
+    step: int
+    metric: str
+    value: float
+    best: float
+    best_step: int
+    patience: int
+    threshold: float
 
 
 COMMAND_STATUSES = ("queued", "done", "failed")

@@ -122,15 +122,41 @@ def datasets_of(cfg: RunConfig, tokenizer, train_dataset, eval_dataset):
         assets = _default_assets()
         train_src, eval_src = str(assets.train_path), eval_src or str(assets.eval_path)
     if train_dataset is None:
-        train_dataset, reports["train"] = data_layer.build_dataset(
-            train_src, tokenizer, format=cfg.data.format, max_length=cfg.data.max_length,
-            overlong=cfg.data.overlong)
+        train_dataset = training_sources(cfg, tokenizer, train_src, reports)
     if eval_dataset is None and eval_src:
         eval_dataset, reports["eval"] = data_layer.build_dataset(
             eval_src, tokenizer, format=cfg.data.format, max_length=cfg.data.max_length,
             overlong=cfg.data.overlong)
     eval_rows = data_layer.load_rows(eval_src) if eval_src else None
     return train_dataset, eval_dataset, eval_rows, reports
+
+
+def training_sources(cfg: RunConfig, tokenizer, train_src: str, reports: dict):
+    """The run's training sources (data.sources, or data.train as the one source "train") as a
+    mixture (engine.data.mixture); each source's data report goes into `reports`."""
+    from contract.config import source_name
+    from engine.data.mixture import MixtureDataset, Source, source_seed
+    specs = cfg.data.sources or [{"path": train_src, "format": cfg.data.format, "name": "train"}]
+    sources = []
+    for i, spec in enumerate(specs):
+        name = source_name(spec, i)
+        dataset, report = data_layer.build_dataset(
+            spec["path"], tokenizer, format=spec.get("format", "auto"), max_length=cfg.data.max_length,
+            overlong=cfg.data.overlong)
+        reports["train" if not cfg.data.sources else f"train/{name}"] = report
+        sources.append(Source(name, dataset, path=spec["path"], format=spec.get("format", "auto"),
+                              weight=float(spec.get("weight", 1.0)),
+                              seed=source_seed(cfg.train.seed, name, first=i == 0)))
+    return MixtureDataset(sources, build=lambda spec: rebuild_source(cfg, tokenizer, spec))
+
+
+def rebuild_source(cfg: RunConfig, tokenizer, spec: dict):
+    """The dataset of a source added live, from a checkpoint's record of it (at resume)."""
+    if spec["kind"] == "inbox":
+        from engine.data.inbox import InboxDataset
+        return InboxDataset(tokenizer, cfg.data.max_length, spec["path"])
+    return data_layer.build_dataset(spec["path"], tokenizer, format=spec["format"],
+                                    max_length=cfg.data.max_length, overlong=cfg.data.overlong)[0]
 
 
 def train_loader_of(cfg: RunConfig, env: DistEnv, dataset, tokenizer, collate_fn: Callable | None,

@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 from contract.events import EventType
-from contract.protocol import (Branch, Branches, Command, Evaluate, Generate, Pause, Resume, Rewind, RunState,
-                               Save, Set, Snapshot, Status, Stop)
+from contract.protocol import (AddSource, Branch, Branches, Command, Evaluate, Forget, Generate, Inbox, Pause,
+                               RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight, Snapshot, Status,
+                               Stop, Teach)
 from engine.checkpoint import rewind as rewinding
 from engine.checkpoint.atomic import CheckpointError
+from engine.control import data_commands
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.control.settings import REPLACED
@@ -260,9 +262,29 @@ def memory_mb() -> dict[str, float]:
     return mem
 
 
+# -- data commands (engine.control.data_commands) ---------------------------------------------------
+def _data(handler: Callable[..., dict]) -> Handler:
+    """A data command's handler, its refusals as CommandRefused."""
+    def run(control: Plane, cmd: Any, reply: Reply) -> dict:
+        try:
+            if isinstance(cmd, Teach):
+                return handler(control, cmd, reply, prompt_text(control.trainer.tokenizer, cmd))
+            return handler(control, cmd, reply)
+        except data_commands.DataRefused as e:
+            raise CommandRefused(str(e)) from None
+    return run
+
+
+DATA_HANDLERS: dict[type[Command], Handler] = {
+    AddSource: _data(data_commands.add_source), SetWeight: _data(data_commands.set_weight),
+    RemoveSource: _data(data_commands.remove_source), Teach: _data(data_commands.teach),
+    Inbox: _data(data_commands.inbox), Forget: _data(data_commands.forget)}
+
+
 # one handler per command type (the dataclass, not its name, picks it)
 HANDLERS: dict[type[Command], Handler] = {
     Generate: generate, Pause: pause, Resume: resume, Stop: stop, Save: save,
     Evaluate: evaluate, Set: set_values, Status: status,
     Rewind: rewind, Branch: branch, Snapshot: snapshot, Branches: branches,
+    **DATA_HANDLERS,
 }

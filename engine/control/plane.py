@@ -20,7 +20,7 @@ from typing import Any
 
 from contract.events import EventType, state_event
 from contract.protocol import STATES, RunState, Status
-from engine.control import handlers
+from engine.control import data_commands, handlers
 from engine.control.boundary import Boundary
 from engine.control.chat_page import ChatPage
 from engine.control.handlers import CommandRefused, HANDLERS
@@ -76,6 +76,7 @@ class Control:
     # -- the boundary ------------------------------------------------------------------------------
     def at_boundary(self) -> None:
         """Execute what was queued; hold here while paused (collective: every rank calls it)."""
+        data_commands.at_boundary(self)  # taught prompts asked again when their check is due
         self._execute(self.boundary.exchange())
         while self.trainer.paused and not self.trainer.should_stop:
             self._execute(self.boundary.exchange(wait_s=HEARTBEAT_S))
@@ -141,6 +142,7 @@ class Control:
                 "accepting": self.commands.closed is None if self.commands is not None else False,
                 "last_train": self.last_train, "last_eval": self.last_eval,
                 "settings": handlers.current_settings(self), "world_size": self.world_size,
+                "sources": data_commands.sources_snapshot(self),
                 "memory_mb": {"0": handlers.memory_mb()}, "memory_of": "rank 0 only (ranks=true: every rank)",
                 "boundary": {"idle_exchanges": self.boundary.idle_exchanges,
                              "idle_seconds": self.boundary.idle_seconds}}

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from engine.data.collate import PaddingCollator
+from engine.data.mixture import MixtureDataset
 from engine.data.packing import PackedDataset
 from engine.data.sampler import DistributedBatchSampler
 
@@ -33,13 +34,19 @@ def build_dataloader(dataset, *, micro_batch_size: int, dp_rank: int = 0, dp_siz
     :class:`DistributedBatchSampler`: call `loader.batch_sampler.set_epoch(e)` per epoch and
     `set_start_batch(k)` to resume. Training: shuffle=True, drop_last=True. Evaluation:
     shuffle=False, drop_last=False (every sample exactly once across the ranks). `collate_fn`
-    replaces the right-padding collator built from `tokenizer`.
+    replaces the right-padding collator built from `tokenizer`. A
+    :class:`~engine.data.mixture.MixtureDataset` (the run's sources) is drawn by its mixture.
     """
-    if strategy == "packing":
-        dataset = PackedDataset(dataset, max_length)
-    sampler = DistributedBatchSampler(
-        lengths_of(dataset, needed=strategy == "group_by_length"), micro_batch_size, dp_rank=dp_rank,
-        dp_size=dp_size, seed=seed, strategy=strategy, drop_last=drop_last, shuffle=shuffle)
+    if isinstance(dataset, MixtureDataset) and shuffle and drop_last:
+        # the run's sources (engine.data.mixture): drawn lazily, one step at a time, in this
+        # process, so a change made at a step boundary applies from the next step on
+        sampler = dataset.batch_sampler(micro_batch_size=micro_batch_size, dp_rank=dp_rank,
+                                        dp_size=dp_size, seed=seed, strategy=strategy,
+                                        max_length=max_length)
+        num_workers = 0
+    else:
+        dataset, sampler = _plain_sampler(dataset, micro_batch_size, dp_rank, dp_size, seed, strategy,
+                                          max_length, shuffle, drop_last)
     collate = collate_fn if collate_fn is not None else PaddingCollator(tokenizer)
     # Its own generator: a DataLoader otherwise draws its workers' base seed from the global torch
     # RNG each time it is iterated, and a run resumed mid-epoch (one extra iteration) would then
@@ -47,3 +54,15 @@ def build_dataloader(dataset, *, micro_batch_size: int, dp_rank: int = 0, dp_siz
     generator = torch.Generator().manual_seed(seed % 2**63)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
                       generator=generator)
+
+
+def _plain_sampler(dataset, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int, strategy: str,
+                   max_length: int, shuffle: bool, drop_last: bool) -> tuple:
+    """(what the loader reads, its sampler) for a dataset that is no mixture (a user's own,
+    evaluation data): packed rows under "packing"."""
+    if strategy == "packing":
+        dataset = PackedDataset(dataset, max_length)
+    sampler = DistributedBatchSampler(
+        lengths_of(dataset, needed=strategy == "group_by_length"), micro_batch_size, dp_rank=dp_rank,
+        dp_size=dp_size, seed=seed, strategy=strategy, drop_last=drop_last, shuffle=shuffle)
+    return dataset, sampler

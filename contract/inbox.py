@@ -1,0 +1,111 @@
+"""The run's inbox: answers taught from the chat, an append-only JSON lines file in the run folder.
+
+    {"op": "add", "id": "t3", "prompt": "<s>capital: zorb\\n", "answer": "qux", "step": 40, "time": ...}
+    {"op": "forget", "id": "t3", "step": 52, "time": ...}
+
+`prompt` is the text the model continued (its chat template applied), `answer` the corrected
+answer. An entry is never rewritten: forgetting appends a line. Every write is flushed and
+fsynced before the run answers the Teach, so a crash right after it loses nothing. Torch-free:
+front ends read the inbox of a run that is not running.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+INBOX_FILE = "inbox.jsonl"
+
+
+class InboxError(ValueError):
+    """A teach that cannot be taken; the message names the field."""
+
+
+@dataclass
+class InboxEntry:
+    """One taught pair; `removed` once forgotten (it is then no longer trained on)."""
+    id: str
+    prompt: str
+    answer: str
+    step: int
+    time: float
+    removed: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def inbox_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / INBOX_FILE
+
+
+def _append(path: Path, record: dict) -> None:
+    """One line, flushed and fsynced (the file is created on the first write)."""
+    line = json.dumps(record, ensure_ascii=False) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash mid-write: nothing was answered
+            continue
+        if isinstance(record, dict) and record.get("op") in ("add", "forget"):
+            out.append(record)
+    return out
+
+
+def next_id(path: Path) -> str:
+    """A new entry id: t<n>, n = the entries ever added + 1 (unique in the file)."""
+    return f"t{sum(r['op'] == 'add' for r in _records(path)) + 1}"
+
+
+def check_pair(prompt: str, answer: str) -> None:
+    """Refuse an empty prompt or answer (the length limit is the engine's: it has the tokenizer)."""
+    if not isinstance(answer, str) or not answer.strip():
+        raise InboxError("teach: `answer` is empty; write the answer the model should have given")
+    if not isinstance(prompt, str) or not prompt:
+        raise InboxError("teach: `prompt` is empty")
+
+
+def add_entry(path: Path, entry_id: str, prompt: str, answer: str, step: int) -> InboxEntry:
+    """Append a taught pair durably; returns the entry."""
+    check_pair(prompt, answer)
+    entry = InboxEntry(entry_id, prompt, answer, int(step), time.time())
+    _append(path, {"op": "add", **entry.to_dict()})
+    return entry
+
+
+def forget_entry(path: Path, entry_id: str, step: int) -> None:
+    """Append the removal of `entry_id` durably."""
+    _append(path, {"op": "forget", "id": entry_id, "step": int(step), "time": time.time()})
+
+
+def read_inbox(path: str | Path) -> list[InboxEntry]:
+    """Every entry in the order taught, forgotten ones marked `removed`."""
+    entries: dict[str, InboxEntry] = {}
+    for r in _records(Path(path)):
+        if r["op"] == "add" and isinstance(r.get("prompt"), str) and isinstance(r.get("answer"), str):
+            entries[r["id"]] = InboxEntry(r["id"], r["prompt"], r["answer"], int(r.get("step", 0)),
+                                          float(r.get("time", 0.0)))
+        elif r["op"] == "forget" and r.get("id") in entries:
+            entries[r["id"]].removed = True
+    return list(entries.values())
+
+
+def check_weight(value: object, field: str) -> float:
+    """A weight: a finite number >= 0 (0 pauses), or an error naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise InboxError(f"{field} must be a number >= 0 (0 pauses the source), got {value!r}")
+    return float(value)
