@@ -19,6 +19,9 @@ from typing import Any, Literal
 
 import yaml
 
+from contract.branches import names_branch, resume_problem
+from contract.hub import is_hub_id
+
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
     """A dataclass field with its documentation (and optional bounds) in the metadata."""
@@ -36,9 +39,9 @@ EVALUATORS = ("perplexity", "choice", "exact_match", "generation")
 
 @dataclass
 class ModelConfig:
-    path: str = _f("", "Local Hugging Face model folder. Empty: the embedded tiny default model.",
-                   label="Model folder")
-    tokenizer: str = _f("", "Tokenizer folder. Empty: the model folder's own tokenizer.")
+    path: str = _f("", "Local Hugging Face model folder, or a hub ID (owner/name) read from the Hugging "
+                   "Face cache. Empty: the embedded tiny default model.", label="Model folder or hub ID")
+    tokenizer: str = _f("", "Tokenizer folder or hub ID. Empty: the model's own tokenizer.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     attn_implementation: Literal["sdpa", "eager"] = _f("sdpa", "Attention kernel of the model.")
     trust_remote_code: bool = _f(False, "Allow model code shipped inside the model folder to run.")
@@ -183,6 +186,13 @@ class LoggingConfig:
     run_name: str = _f("", "Name of this run's folder. Empty: a timestamp.")
     log_every_n_steps: int = _f(1, "Write a training record every n steps.", minimum=1)
     tensorboard: bool = _f(True, "Also write TensorBoard event files.")
+    csv: bool = _f(False, "Also write train.csv and eval.csv (one row per record) in the run folder.",
+                   label="CSV files")
+    wandb: Literal["off", "offline", "online"] = _f("off", "Also log to Weights & Biases: offline writes "
+                                                    "the run under <run folder>/wandb/ with no network "
+                                                    "(wandb sync uploads it later); online needs wandb login.",
+                                                    label="Weights & Biases")
+    wandb_project: str = _f("livetune", "The W&B project the run is logged to.", label="W&B project")
     progress_bar: bool = _f(True, "Show a progress bar on rank 0 when attached to a terminal.")
 
 
@@ -207,7 +217,7 @@ class GuardConfig:
     window: int = _f(20, "The spike statistic is taken over the losses of the last n accepted steps.",
                      minimum=3, maximum=10000, label="Spike window (steps)")
     spike_z: float = _f(6.0, "A loss spikes when it is above the window's median by more than spike_z "
-                        "robust standard deviations (1.4826 x the median absolute deviation) ...",
+                        "times its noise (a robust standard deviation of the step-to-step changes) ...",
                         minimum=0.0, label="Spike threshold (robust z)")
     spike_ratio: float = _f(1.2, "... and at least spike_ratio x the median (a nearly flat loss then "
                             "does not make every wiggle a spike); 1: the z threshold alone.",
@@ -249,7 +259,8 @@ class RunConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     teach: TeachConfig = field(default_factory=TeachConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
-    resume: str = _f("", "Continue from a training checkpoint folder, or `latest` in the run folder.",
+    resume: str = _f("", "Continue from a training checkpoint folder, `latest` in the run folder (the "
+                     "present branch's newest), or a branch's name (its newest checkpoint).",
                      label="Resume from checkpoint")
 
     # -- derived values -----------------------------------------------------------------------
@@ -462,13 +473,13 @@ def absolute_paths(c: RunConfig) -> None:
     """Make every path of the config absolute against the directory it was given in: the engine
     processes start in the project folder, and the saved config.yaml must mean the same files
     wherever it is read again (resume, the app)."""
-    c.model.path, c.model.tokenizer = _absolute(c.model.path), _absolute(c.model.tokenizer)
+    c.model.path, c.model.tokenizer = (p if is_hub_id(p) else _absolute(p) for p in (c.model.path, c.model.tokenizer))
     c.data.train, c.data.eval = _absolute(c.data.train), _absolute(c.data.eval)
     c.data.sources = [{**s, "path": _absolute(s["path"])} if isinstance(s.get("path"), str) else s
                       for s in c.data.sources]
     c.logging.output_dir = _absolute(c.logging.output_dir)
     c.parallel.hostfile = _absolute(c.parallel.hostfile)
-    if c.resume != "latest":
+    if c.resume != "latest" and not names_branch(c.resume):  # a branch name stays a name
         c.resume = _absolute(c.resume)
     if isinstance(c.parallel.deepspeed, dict) and isinstance(c.parallel.deepspeed.get("file"), str):
         c.parallel.deepspeed = {**c.parallel.deepspeed, "file": _absolute(c.parallel.deepspeed["file"])}
@@ -524,6 +535,10 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
     if c.resume == "latest" and not c.logging.run_name:
         problems.append(("resume", "`latest` is the newest checkpoint of a run folder: name the run to "
                          "continue with logging.run_name (run_name=...), or give a checkpoint path"))
+    elif names_branch(c.resume):
+        problem = resume_problem(c.logging.output_dir, c.logging.run_name, c.resume)
+        if problem:
+            problems.append(("resume", problem))
     elif c.resume and c.resume != "latest" and "://" not in c.resume and not Path(c.resume).exists():
         problems.append(("resume", f"no such checkpoint folder: {c.resume}"))
     if len(c.optim.betas) != 2:
@@ -534,8 +549,10 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
     if c.control.host not in ("127.0.0.1", "localhost", "::1") and not p.hostfile:
         problems.append(("control.host", "listening beyond loopback is for multi-machine runs; set parallel.hostfile"))
     for key, folder in (("model.path", c.model.path), ("model.tokenizer", c.model.tokenizer)):
+        if is_hub_id(folder):  # a hub ID: the pre-flight check looks in the cache (contract.hub)
+            continue
         if folder and not Path(folder).is_dir():
-            problems.append((key, f"no such folder: {folder}"))
+            problems.append((key, f"no such folder: {folder} (nor a hub ID such as owner/name)"))
     for key, data_path in (("data.train", c.data.train), ("data.eval", c.data.eval)):
         if data_path and not Path(data_path).exists():
             problems.append((key, f"no such file or folder: {data_path}"))

@@ -30,6 +30,7 @@ from engine.context import RunContext, TrainerState
 from engine.control import Control
 from engine.ds_config import DeepSpeedSetup
 from engine.early_stopping import EarlyStopping
+from engine.guard_hook import GuardCallback
 from engine.methods import method_of
 from engine.model import count_parameters
 from engine.parallel.layouts import layout_class
@@ -122,9 +123,10 @@ def epochs(cfg: RunConfig, micro_batches: int) -> int:
 
 
 def config_callbacks(cfg: RunConfig) -> list:
-    """The callbacks the config itself asks for (after the user's own): early stopping."""
+    """The callbacks the config itself asks for (after the user's own): early stopping, the
+    spike guard (engine.guard_hook)."""
     stopping = EarlyStopping.from_config(cfg)
-    return [stopping] if stopping is not None else []
+    return [c for c in (stopping, GuardCallback.from_config(cfg)) if c is not None]
 
 
 def control_plane(trainer, chat_page: bool) -> Control | None:

@@ -1,0 +1,254 @@
+"""The spike guard in the training loop: a callback the config adds (engine.assembly.config_callbacks).
+
+The decisions are engine.spike_guard's (pure); this module feeds it and carries its actions out.
+
+When the guard judges
+    Before the update, where the step lets it in: the run's DeepSpeed engine step (full and
+    PEFT methods, not the pipeline) with one micro-batch per step. The guard stands between the
+    step strategy and the engine (`Gate`): at the backward it takes the loss, makes it the same
+    on every rank (one all-reduce of one number: the mean over the ranks, which is the step's
+    loss as the trainer logs it), and judges it. A loss that passes goes on to backward and
+    update as usual; one that does not is neither back-propagated nor applied, whatever the
+    action, so no rank has a gradient or an update to undo (ZeRO 0-3 alike: no reduction ever
+    started). DeepSpeed's own step counter and schedule are not advanced, as for DeepSpeed's own
+    skipped fp16 steps.
+    After the update, otherwise (LOMO / AdaLomo update inside backward, the pipeline schedule
+    does all in one call, accumulated micro-batches are in the gradients already, a `train_fn`
+    of your own), and always for the gradient norm, which exists only once the gradients are
+    reduced. The norm is DeepSpeed's (`get_global_grad_norm`, ZeRO 1-3 and bf16/fp16), LOMO's,
+    or, where DeepSpeed keeps none (ZeRO 0 in fp32: a plain torch optimizer), the norm of the
+    reduced gradients taken by the gate just before the update. Loss and norm are made equal
+    on every rank by one all-reduce (max) of two numbers.
+
+What an action does (every rank alike, at the end of the step, before the control boundary)
+    skip      nothing more: the update did not happen (only possible before the update; after
+              it the event says the update was applied).
+    rewind    engine.checkpoint.rewind.rewind_in_place to the newest checkpoint (of the present
+              branch or its ancestors) or snapshot at step s - 2 or before (spike_guard.newest_good),
+              then the control plane's `set lr_scale` times guard.lr_scale. Nothing to rewind to,
+              or a rewind refused: it pauses instead, saying why.
+    pause     the control plane's pause: the run holds at this step's boundary, the model in
+              memory, until a `resume` (or `rewind`, `branch`, `stop`).
+Each is a `guard` event (contract.events.GuardEvent) with its trigger, value, threshold and
+reason, written before what the action itself writes (`rewind`, `set`, `state` paused).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from contract.config import GuardConfig, RunConfig
+from contract.protocol import RunState, Set
+from engine.callbacks import Callback
+from engine.checkpoint import rewind as rewinding
+from engine.control.handlers import CommandRefused, set_values
+from engine.control.pending import NO_REPLY
+from engine.spike_guard import SpikeGuard, Verdict, newest_good
+from engine.steps import EngineStep
+
+
+class Gate:
+    """Stands between an engine step strategy and the DeepSpeed engine: the strategy's
+    `trainer.engine.backward` / `.step` come here. Judges the loss before the backward (one
+    micro-batch per step); measures the gradient norm before the update where DeepSpeed keeps none."""
+
+    def __init__(self, engine, guard: SpikeGuard, world_size: int, norm_of_grads: bool):
+        self.engine, self.guard, self.world_size = engine, guard, world_size
+        self.norm_of_grads = norm_of_grads
+        self.judge_first = False
+        self.verdict: Verdict | None = None  # this step's, when judged before the update
+        self.loss = math.nan
+        self.grad_norm: float | None = None
+
+    def start(self, micro_batches: int) -> None:
+        self.judge_first, self.verdict, self.grad_norm = micro_batches == 1, None, None
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
+        if self.judge_first:
+            self.loss = _mean_over_ranks(float(loss.detach()), self.world_size)
+            self.verdict = self.guard.judge_loss(self.loss)
+            if not self.verdict.ok:
+                return None  # no backward: nothing to reduce, nothing to apply
+        return self.engine.backward(loss, **kwargs)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.verdict is not None and not self.verdict.ok:
+            return None
+        if self.norm_of_grads and self.engine.is_gradient_accumulation_boundary():
+            self.grad_norm = _norm_of_grads(self.engine.module)
+        return self.engine.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the engine's
+        return getattr(self.engine, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+
+class _GatedRun:
+    """The trainer as the step strategy sees it: the same, but its `engine` is the gate."""
+
+    def __init__(self, trainer, gate: Gate):
+        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "engine", gate)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._trainer, name, value)
+
+
+class GatedStep:
+    """An engine step strategy run through a Gate."""
+
+    def __init__(self, inner, gate: Gate):
+        self.inner, self.gate = inner, gate
+
+    def __call__(self, trainer, micro_batches: list[dict]):
+        self.gate.start(len(micro_batches))
+        self.gate.engine = trainer.engine  # the engine of now (a rewind keeps it, a test may not)
+        return self.inner(_GatedRun(trainer, self.gate), micro_batches)
+
+
+class GuardCallback(Callback):
+    """The spike guard of a run (every rank has one); `from_config` gives None when it is off."""
+
+    def __init__(self, cfg: GuardConfig):
+        self.cfg = cfg
+        self.guard = SpikeGuard(cfg)
+        self.gate: Gate | None = None
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "GuardCallback | None":
+        return cls(cfg.guard) if cfg.guard.enabled else None
+
+    def on_after_trainer_initialized(self, trainer) -> None:
+        if isinstance(trainer.train_fn, EngineStep):  # the assembled engine step: the guard goes first
+            engine = trainer.engine
+            keeps_norm = hasattr(engine.optimizer, "_global_grad_norm")
+            self.gate = Gate(engine, self.guard, trainer.env.world_size, norm_of_grads=not keeps_norm)
+            trainer.train_fn = GatedStep(trainer.train_fn, self.gate)
+
+    def on_train_batch_end(self, trainer, loss: float) -> None:
+        gate = self.gate
+        before = gate.verdict if gate is not None else None  # judged before the update
+        applied = before is None or before.ok
+        loss, norm = _same_everywhere(loss, self._grad_norm(trainer) if applied else None, trainer.env.world_size)
+        verdict = before if before is not None else self.guard.judge_loss(loss)
+        if verdict.ok and applied:
+            verdict = self.guard.judge_grad_norm(norm)
+        step = trainer.state.global_step
+        if not verdict.ok:
+            verdict = self._act(trainer, self._feasible(trainer, verdict, applied), step, applied)
+        self.guard.settle(loss, verdict)
+        every = self.cfg.snapshot_every_n_steps
+        if verdict.ok and every and step % every == 0:
+            rewinding.take_snapshot(trainer, f"guard-{step}")
+
+    # -- the actions ----------------------------------------------------------------------------
+    def _feasible(self, trainer, verdict: Verdict, applied: bool) -> Verdict:
+        """The verdict as this run can carry it out."""
+        if verdict.action == "skip" and applied:
+            return Verdict("none", verdict.trigger, f"{verdict.reason}; the update was applied already "
+                           "(this step does not let the guard in first), so nothing is skipped",
+                           verdict.value, verdict.threshold)
+        if verdict.action in ("rewind", "pause") and trainer.control is None:
+            return Verdict("none", verdict.trigger, f"{verdict.reason}; {verdict.action} needs the control "
+                           "plane (control.enabled), so the guard only reports it", verdict.value, verdict.threshold)
+        if verdict.action == "rewind" and self._target(trainer, step=trainer.state.global_step) is None:
+            return self.guard.fallback(verdict, "there is no checkpoint or snapshot at step "
+                                       f"{trainer.state.global_step - 2} or before to rewind to")
+        return verdict
+
+    def _act(self, trainer, verdict: Verdict, step: int, applied: bool) -> Verdict:
+        """Carry `verdict` out (its `guard` event first); the verdict as done."""
+        counts = {"rewinds": self.guard.rewinds + (verdict.action == "rewind"), "max_rewinds": self.cfg.max_rewinds,
+                  "skips_in_a_row": self.guard.skips_in_a_row + (verdict.action == "skip"),
+                  "update_applied": applied}
+        if verdict.action == "rewind":
+            name, target_step = self._target(trainer, step)  # type: ignore[misc]  # _feasible found one
+            trainer.emit(verdict.event(step, target=name, target_step=target_step, lr_scale=self.cfg.lr_scale, **counts))
+            if self._rewind(trainer, verdict, name):
+                return verdict
+            verdict = self.guard.fallback(verdict, f"the rewind to {name} was refused")
+            counts["rewinds"] -= 1
+        trainer.emit(verdict.event(step, **counts))
+        if verdict.action == "pause" and not trainer.paused:
+            trainer.paused = True
+            trainer.control.emit_state(RunState.PAUSED)
+        return verdict
+
+    def _rewind(self, trainer, verdict: Verdict, target: str) -> bool:
+        """Rewind to `target` and scale the learning rate; False (and a warning event) when refused."""
+        try:
+            rewinding.rewind_in_place(trainer, target, reason=f"guard: {verdict.trigger}")
+        except rewinding.RewindError as e:
+            trainer.emit({"type": "warning", "message": f"guard: rewind to {target} refused: {e}"})
+            return False
+        control = trainer.control
+        try:  # the control plane's own `set`: recorded as a `set` event and in later checkpoints
+            set_values(control, Set(lr_scale=control.settings.lr_scale * self.cfg.lr_scale), NO_REPLY)
+        except CommandRefused as e:
+            trainer.emit({"type": "warning", "message": f"guard: the learning rate was not scaled: {e}"})
+        return True
+
+    def _target(self, trainer, step: int) -> tuple[str, int] | None:
+        """The newest checkpoint or snapshot at step - 2 or before (same list on every rank)."""
+        there = rewinding.available(trainer)
+        candidates = [(c, _step_of(c)) for names in there["checkpoints"].values() for c in names]
+        snapshots = rewinding.snapshot_store(trainer).snapshots
+        candidates += [(rewinding.SNAPSHOT_PREFIX + s.name, s.step) for s in snapshots]
+        found = newest_good([(n, s) for n, s in candidates if s is not None], step)
+        if found is not None and not found[0].startswith(rewinding.SNAPSHOT_PREFIX):
+            found = (str(found[1]), found[1])  # a step number: the present branch's, else an ancestor's
+        return found
+
+    @staticmethod
+    def _grad_norm(trainer) -> float | None:
+        optimizer = trainer.optimizer
+        if hasattr(optimizer, "last_grad_norm"):  # LOMO / AdaLomo measure it in their clipping pass
+            return optimizer.last_grad_norm
+        norm = trainer.engine.get_global_grad_norm()
+        if norm is None:
+            gate = getattr(trainer.train_fn, "gate", None)
+            norm = gate.grad_norm if gate is not None else None
+        return None if norm is None else float(norm)
+
+
+def _step_of(name: str) -> int | None:
+    head, _, number = name.rpartition("-")
+    return int(number) if head == "step" and number.isdigit() else None
+
+
+def _mean_over_ranks(value: float, world_size: int) -> float:
+    if world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0]) / world_size
+
+
+def _same_everywhere(loss: float, norm: float | None, world_size: int) -> tuple[float, float | None]:
+    """Loss and norm made equal on every rank (max; NaN as inf, which max keeps)."""
+    if world_size == 1:
+        return loss, norm
+    t = torch.tensor([_orderable(loss), -1.0 if norm is None else _orderable(norm)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]), None if t[1] < 0 else float(t[1])
+
+
+def _orderable(x: float) -> float:
+    return x if not math.isnan(x) else math.inf
+
+
+def _norm_of_grads(module: torch.nn.Module) -> float:
+    """The 2-norm of the gradients (reduced over the data-parallel ranks by DeepSpeed already)."""
+    grads = [p.grad.detach().float() for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
