@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from contract.hub import known_folder
 from contract.model_facts import ModelFolderProblem, fact, read_model_config, tp_refusal
 from contract.presets import MODEL_SIZE
 
@@ -52,7 +53,7 @@ def model_config(cfg: Any) -> dict | None:
         return {"model_type": "llama", "num_attention_heads": MODEL_SIZE["heads"],
                 "num_key_value_heads": MODEL_SIZE["heads"], "num_hidden_layers": MODEL_SIZE["layers"]}
     try:
-        return read_model_config(cfg.model.path)
+        return read_model_config(known_folder(cfg.model.path))
     except ModelFolderProblem:
         return None  # contract.preflight reports the folder's problem
 

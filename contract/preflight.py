@@ -18,10 +18,12 @@ counted, dropped rows by number, truncated rows estimated without tokenizing the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract import hub
 from contract.config import ConfigError, RunConfig, validate
 from contract.data_check import (LOUD_TRUNCATION_SHARE, DataScan, chars_per_token, named_rows,
                                  overlong_rows, scan_file)
@@ -94,8 +96,32 @@ def preflight(cfg: RunConfig) -> PreflightReport:
     if train is not None and train.format == "chat" or cfg.data.format == "chat":
         _chat_template(cfg, report)
     report.problems += _deepspeed(cfg, model, train, report)
+    _monitor_packages(cfg, report)
     report.problems = list(dict.fromkeys(report.problems))  # a finding said once
     return report
+
+
+def _hub_folder(path: str, key: str, report: PreflightReport) -> Path | None:
+    """The local folder of `path`: itself, or a hub ID's snapshot in the Hugging Face cache (None,
+    reported, when the cache lacks it offline; noted when it will be downloaded at start)."""
+    if not hub.is_hub_id(path):
+        return Path(path)
+    folder = hub.cached_folder(path)
+    if folder is not None:
+        report.notes.append((key, f"{path}: read from the Hugging Face cache ({folder})"))
+    elif hub.offline():
+        report.problems.append((key, hub.missing_message(path)))
+    else:
+        report.notes.append((key, f"{path} is not in the Hugging Face cache ({hub.cache_dir()}): the "
+                             "ranks download it when the run starts"))
+    return folder
+
+
+def _monitor_packages(cfg: RunConfig, report: PreflightReport) -> None:
+    """A monitor back end whose package is missing would fail rank 0 alone, after the others started."""
+    if cfg.logging.wandb != "off" and importlib.util.find_spec("wandb") is None:
+        report.problems.append(("logging.wandb", f"{cfg.logging.wandb} needs the wandb package, which is not "
+                                "installed: pip install wandb, or set logging.wandb=off"))
 
 
 # -- the model folder ---------------------------------------------------------------------------
@@ -106,9 +132,11 @@ def _model_folder(cfg: RunConfig, report: PreflightReport) -> dict | None:
     if not cfg.model.path:
         return {"model_type": "llama", "hidden_size": MODEL_SIZE["hidden"],
                 "max_position_embeddings": MODEL_SIZE["positions"]}
-    folder = Path(cfg.model.path)
-    if not folder.is_dir():
-        return None  # validate() said "no such folder"
+    if cfg.model.tokenizer:
+        _hub_folder(cfg.model.tokenizer, "model.tokenizer", report)
+    folder = _hub_folder(cfg.model.path, "model.path", report)
+    if folder is None or not folder.is_dir():
+        return None  # validate() said "no such folder", or the hub ID is not in the cache
     try:
         model = read_model_config(folder)
     except ModelFolderProblem as e:
@@ -127,9 +155,8 @@ def _model_folder(cfg: RunConfig, report: PreflightReport) -> dict | None:
 
 
 def _tokenizer_folder(cfg: RunConfig) -> tuple[str, Path]:
-    if cfg.model.tokenizer:
-        return "model.tokenizer", Path(cfg.model.tokenizer)
-    return "model.path", Path(cfg.model.path)
+    key, path = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
+    return key, hub.known_folder(path)
 
 
 def _chat_template(cfg: RunConfig, report: PreflightReport) -> None:

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from contract import hub
 from contract.config import ConfigError, RunConfig, load_config
 
 MAX_DATA_ROWS_SHOWN = 2
@@ -49,7 +50,7 @@ def _total_steps(cfg: RunConfig) -> tuple[int, bool]:
 
 def _hidden_size(cfg: RunConfig) -> int | None:
     if cfg.model.path:
-        return _model_config(Path(cfg.model.path)).get("hidden_size")
+        return _model_config(hub.known_folder(cfg.model.path)).get("hidden_size")
     from engine import default_task
     return default_task.MODEL_SIZE["hidden"]
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_scheduler
 
+from contract import hub
 from contract.config import RunConfig
 from contract.run_folder import EventLog, RunFolder, make_run_folder
 from engine import data as data_layer
@@ -86,8 +87,7 @@ def open_run_folder(cfg: RunConfig, run_dir: str | None, is_rank0: bool) -> tupl
         return folder, None
     if not folder.config.exists():
         folder.config.write_text(cfg.to_yaml())
-    events, _ = open_sinks(folder.events, folder.tensorboard if cfg.logging.tensorboard else None)
-    return folder, events
+    return folder, open_sinks(folder.events, cfg)
 
 
 def precision_of(cfg: RunConfig) -> str:
@@ -100,7 +100,7 @@ def _default_assets():
 
 
 def model_dir_of(cfg: RunConfig) -> Path:
-    return Path(cfg.model.path) if cfg.model.path else _default_assets().model_dir
+    return hub.local_folder(cfg.model.path) if cfg.model.path else _default_assets().model_dir
 
 
 def check_model_config(cfg: RunConfig) -> None:
@@ -111,7 +111,8 @@ def check_model_config(cfg: RunConfig) -> None:
 
 def tokenizer_of(cfg: RunConfig):
     field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-    return model_layer.load_tokenizer(cfg.model.tokenizer or model_dir_of(cfg), field)
+    folder = hub.local_folder(cfg.model.tokenizer) if cfg.model.tokenizer else model_dir_of(cfg)
+    return model_layer.load_tokenizer(folder, field)
 
 
 def datasets_of(cfg: RunConfig, tokenizer, train_dataset, eval_dataset):
