@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from contract.events import run_state
-from contract.protocol import (Command, Evaluate, Generate, Pause, ProtocolError, Resume, RunState, Save,
-                               Set, Status, Stop, Subscribe, command_from_wire, encode)
+from contract.protocol import (AddSource, Branch, Branches, Command, Evaluate, Forget, Generate, Inbox, Pause,
+                               ProtocolError, RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight,
+                               Snapshot, Status, Stop, Subscribe, Teach, command_from_wire, encode)
 from contract.run_folder import RunFolder, read_events
 
 TERMINAL_STATES = tuple(s.value for s in RunState if s.final)
@@ -178,6 +179,62 @@ class RunClient:
         """Live settings: lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps,
         generation (a dict of generation defaults)."""
         return self.send(_build(lambda: Set.from_args(changes)))
+
+    def rewind(self, target: str | int) -> dict:
+        """Go back in place to a checkpoint ("step-40", 40) or snapshot (its name); the steps
+        after it are abandoned. Returns the `rewind` event's fields."""
+        return self.send(_build(lambda: Rewind(target=str(target))))
+
+    def branch(self, target: str | int, name: str, **settings: Any) -> dict:
+        """Rewind to `target` and go on as the new branch `name`, optionally with changed
+        settings (lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps)."""
+        return self.send(_build(lambda: Branch.from_args({"target": str(target), "branch": name, **settings})))
+
+    def snapshot(self, name: str | None = None) -> dict:
+        """Keep the training state in host memory (for an instant rewind); its size and the
+        snapshots kept."""
+        return self.send(_build(lambda: Snapshot(snapshot=name)))
+
+    def branches(self) -> dict:
+        """The branch tree, the present branch, the checkpoints and snapshots one can go back to."""
+        return self.send(Branches())
+
+    # -- data (issue 13): sources and the inbox of taught answers -------------------------------------
+    def add_source(self, path: str, weight: float = AddSource.weight, format: str = AddSource.format,
+                   name: str = "") -> dict:
+        """Add a training source from the next step on (read and checked like data at start: the
+        reply's `report` names dropped rows; an unusable file is refused). Returns the source and
+        all `sources`."""
+        return self.send(_build(lambda: AddSource(path=str(path), weight=weight, format=format, source=name)))
+
+    def set_weight(self, name: str, weight: float) -> dict:
+        """Change a source's weight from the next step on; 0 pauses it."""
+        return self.send(_build(lambda: SetWeight(source=name, weight=weight)))
+
+    def remove_source(self, name: str) -> dict:
+        """Stop drawing from a source from the next step on."""
+        return self.send(_build(lambda: RemoveSource(source=name)))
+
+    def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None,
+              **rate: Any) -> dict:
+        """Teach `answer` for `prompt` (as given to generate) or chat `messages`: appended to the
+        run's inbox durably, then mixed into the next batches. rate: per_step, steps,
+        check_after, weight (defaults: the run's teach.* settings). Returns the entry's `id`
+        and the model's greedy answer before (`old`)."""
+        args: dict[str, Any] = {"answer": answer, **rate}
+        if messages is not None:
+            args["messages"] = messages
+        else:
+            args["prompt"] = prompt
+        return self.send(_build(lambda: Teach.from_args(args)))
+
+    def inbox(self) -> dict:
+        """The inbox: `entries` ({id, prompt, answer, removed, steps_left}) and the `sources`."""
+        return self.send(Inbox())
+
+    def forget(self, entry_id: str) -> dict:
+        """Stop training on inbox entry `entry_id` from the next step on."""
+        return self.send(_build(lambda: Forget(id=entry_id)))
 
     def status(self, ranks: bool = False) -> dict:
         """Step, epoch, state, last metrics, queue length and memory (rank 0's at once; with

@@ -28,7 +28,8 @@ from app.form import make_config
 from app.series import RunHistory
 from app.session import STOP_SAVES, Session, SessionError
 from contract.config import RunConfig, load_config
-from contract.protocol import Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status
+from contract.protocol import (AddSource, Branch, Branches, Evaluate, Forget, Generate, Inbox, Pause, ProtocolError,
+                               RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight, Snapshot, Status, Teach)
 from contract.run_folder import read_events
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager
 from supervisor.client import Generation, RunClient
@@ -213,6 +214,59 @@ class Run:
 
     def status(self) -> dict:
         return self._send(Status())
+
+    # -- data (issue 13): sources and the inbox; the client's methods, errors as SessionError ----------
+    def _data(self, build: Any) -> dict:
+        try:
+            command = build()
+        except (TypeError, ProtocolError) as e:
+            raise SessionError(str(e)) from None
+        return self._send(command)
+
+    def add_source(self, path: str | Path, weight: float = 1.0, format: str = "auto", name: str = "") -> dict:
+        """Add a training source from the next step on (checked like data at start)."""
+        return self._data(lambda: AddSource(path=str(path), weight=weight, format=format, source=name))
+
+    def set_weight(self, name: str, weight: float) -> dict:
+        """Change a source's weight from the next step on; 0 pauses it."""
+        return self._data(lambda: SetWeight(source=name, weight=weight))
+
+    def remove_source(self, name: str) -> dict:
+        return self._data(lambda: RemoveSource(source=name))
+
+    def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None, **rate: Any) -> dict:
+        """Teach `answer` for `prompt` (or chat `messages`); rate: per_step, steps, check_after, weight."""
+        where = {"messages": messages} if messages is not None else {"prompt": prompt}
+        return self._data(lambda: Teach.from_args({"answer": answer, **where, **rate}))
+
+    def inbox(self) -> list[dict]:
+        """The inbox entries: id, prompt, answer, removed, steps_left."""
+        return self._data(Inbox)["entries"]
+
+    def forget(self, entry_id: str) -> dict:
+        return self._data(lambda: Forget(id=entry_id))
+
+    def sources(self) -> list[dict]:
+        """The training sources now: name, path, format, weight, samples, seen (samples drawn)."""
+        return self._data(Inbox)["sources"]
+
+    def rewind(self, target: str | int) -> dict:
+        """Go back in place to a checkpoint ("step-40", 40) or a snapshot's name (README: Rewind,
+        branch, snapshot)."""
+        return self._send(_command(lambda: Rewind(target=str(target))))
+
+    def branch(self, target: str | int, name: str, **settings: Any) -> dict:
+        """Rewind to `target` and go on as branch `name`, with optional lr, lr_scale, grad_clip,
+        eval_every_n_steps, save_every_n_steps."""
+        return self._send(_command(lambda: Branch.from_args({"target": str(target), "branch": name, **settings})))
+
+    def snapshot(self, name: str | None = None) -> dict:
+        """Keep the training state in host memory for an instant rewind."""
+        return self._send(_command(lambda: Snapshot(snapshot=name)))
+
+    def branches(self) -> dict:
+        """The run's branch tree, the present branch, its checkpoints and the snapshots kept."""
+        return self._send(Branches())
 
     def stop(self, save: bool = STOP_SAVES, timeout: float = 60.0) -> RunInfo:
         """Stop at the next step boundary (unless `save` is False: a checkpoint and the final
