@@ -146,3 +146,52 @@ def test_the_summary_shows_the_preflight_warnings_and_where_each_value_comes_fro
     problems = _form_values(backend, **{"data.train": str(tmp_path / "nope.jsonl")})
     bad = form.check(problems)
     assert not bad.ok and "problem" in configure._summary(form, bad) and "config-warnings" not in configure._summary(form, bad)
+
+
+# -- branches: the tree, the targets and the overlaid series, from the run folder ----------------
+
+def test_the_branch_view_overlays_branches_and_keeps_abandoned_steps_apart(tmp_path):
+    from app.branches import branch_view, tree_lines
+    from contract.branches import BranchTree, checkpoints_dir
+
+    folder = RunFolder(tmp_path / "run").create()
+    train_ = lambda step, loss, branch=None: {"type": "train", "step": step, "loss": loss, "lr": 0.1,
+                                              **({"branch": branch} if branch else {})}
+    events = [{"type": "state", "state": "starting"}]
+    events += [train_(s, 10.0 - s) for s in range(1, 7)]                        # main 1-6
+    events += [{"type": "rewind", "step": 4, "from_step": 6, "abandoned": [5, 6], "source": "x"}]
+    events += [train_(s, 20.0 - s) for s in (5, 6, 7, 8)]                       # main again 5-8
+    events += [{"type": "snapshot", "name": "snap-8", "step": 8, "branch": "main", "kept": ["snap-8"]}]
+    events += [{"type": "branch", "branch": "slow", "parent": "main", "step": 6, "from_step": 8,
+                "abandoned": [7, 8], "changes": {"lr": 0.01}}]
+    events += [train_(s, 30.0 - s) for s in (7, 8, 9)]                          # slow 7-9
+    events += [{"type": "eval", "step": 9, "eval/loss": 2.5, "eval/exact_match": 0.5}]
+    folder.events.write_text("".join(json.dumps(e) + "\n" for e in events))
+    tree = BranchTree()
+    tree.add("slow", "main", 6, str(checkpoints_dir(folder.root, "main") / "step-6"), {"lr": 0.01})
+    tree.current = "slow"
+    tree.save(folder.root)
+    for branch, step in (("main", 2), ("main", 6), ("slow", 9)):
+        ckpt = checkpoints_dir(folder.root, branch) / f"step-{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "COMPLETE.json").write_text("{}")
+    (checkpoints_dir(folder.root, "main") / "step-7").mkdir()  # unfinished: not a target
+
+    view = branch_view(folder)
+    loss = view.series["loss"]
+    assert loss["loss · main"] == [(s, 10.0 - s) for s in range(1, 5)] + [(s, 20.0 - s) for s in (5, 6, 7, 8)]
+    assert loss["loss · main (abandoned 1)"] == [(4, 6.0), (5, 5.0), (6, 4.0)]  # joined to where it left
+    assert loss["loss · slow"] == [(6, 14.0), (7, 23.0), (8, 22.0), (9, 21.0)]  # starts at its fork
+    assert loss["eval loss · slow"] == [(9, 2.5)] and view.series["eval"] == {"eval exact_match · slow": [(9, 0.5)]}
+    assert set(view.series["lr"]) == {"lr · main", "lr · main (abandoned 1)", "lr · slow"}
+    assert [(t.label, t.kind) for t in view.targets] == [
+        ("step-6 (main)", "checkpoint"), ("step-2 (main)", "checkpoint"), ("step-9 (slow)", "checkpoint"),
+        ("snapshot snap-8 (main, step 8)", "snapshot")]
+    assert view.targets[-1].value == "snapshot:snap-8"
+    lines = tree_lines(view)
+    assert lines[0] == "main (steps 1-8)"
+    assert lines[1] == "└ slow (steps 6-9): from step-6 of main at step 6, lr 0.01 ◀ training here"
+    # the run ended: its snapshots went with its processes
+    with folder.events.open("a") as f:
+        f.write(json.dumps({"type": "state", "state": "finished"}) + "\n")
+    assert [t.kind for t in branch_view(folder).targets] == ["checkpoint"] * 3

@@ -1,6 +1,9 @@
 """The Chat tab: talk to the model while it trains (the live weights in the engine), tokens
 streaming in; generation settings; the base model's answer side by side when a PEFT adapter
-trains; each answer tagged with the training step it came from. Works while paused."""
+trains; each answer tagged with the training step and the branch it came from. Works while
+paused. Teach (issue 13): pick any answer of the chat, write the answer you wanted, press Teach:
+the pair goes into the run's inbox and into the next batches (the inbox is on the Train tab's
+data panel, with the engine's check of the answer before and after)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import gradio as gr
 
 from app.session import SessionError
 from app.web.backend import Backend
+from contract.branches import BranchTree
 
 TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
 
@@ -44,6 +48,14 @@ def build(backend: Backend, run_state: gr.State) -> dict:
                               elem_id="chat-compare",
                               info="Only when the run trains a PEFT adapter: the same question answered with the adapter off.")
 
+    with gr.Accordion("Teach: write the answer you wanted to any question above", open=False,
+                      elem_id="chat-teach-fold"):
+        with gr.Row(equal_height=True):
+            asked = gr.Dropdown([], label="The question whose answer to correct", scale=2,
+                                elem_id="chat-teach-which")
+            wanted = gr.Textbox(label="The answer you wanted", max_lines=4, scale=3, elem_id="chat-teach-answer")
+            teach = gr.Button("Teach", variant="primary", scale=1, elem_id="chat-teach")
+        taught = gr.Markdown("", elem_id="chat-teach-result")
     settings = [max_new, temperature, top_p, top_k, repetition, history, compare]
 
     view = ChatView(message, live, base, about)
@@ -56,6 +68,11 @@ def build(backend: Backend, run_state: gr.State) -> dict:
                 outputs=[message, live, base, about], concurrency_limit=None, show_progress="hidden",
                 api_visibility="private")
     clear.click(lambda: {live: [], base: []}, outputs=[live, base], api_visibility="private")
+    live.change(lambda chat: gr.update(choices=questions(chat), value=(questions(chat) or [None])[-1]),
+                inputs=live, outputs=asked, trigger_mode="always_last", show_progress="hidden",
+                api_visibility="private")
+    teach.click(lambda path, q, a: teach_answer(backend, path, q, a, taught, wanted), inputs=[run_state, asked, wanted],
+                outputs=[taught, wanted], api_visibility="private", concurrency_limit=None)
     compare.change(lambda on: gr.update(visible=on), inputs=compare, outputs=base, api_visibility="private")
     refresh = dict(fn=lambda path: _about(backend, path, about, compare), inputs=run_state, outputs=[about, compare],
                    api_visibility="private", show_progress="hidden")
@@ -128,9 +145,10 @@ def _respond(backend: Backend, view: ChatView, text: str, chat: list, base_chat:
     yield {view.message: "", view.live: chat, view.base: base_chat}
     params = dict(max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
                   top_k=int(top_k or 0), repetition_penalty=float(repetition))
+    branch = _branch(backend, path)
     try:
         for update in backend.session.chat(path, messages, compare_base=compare, **params):
-            chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, "live weights")}
+            chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, f"{branch}live weights")}
             if compare:
                 base_text = update.base or ("" if not update.done else update.note or "")
                 base_chat[-1] = {"role": "assistant", "content": _tagged(base_text, update.step, "adapter off")}
@@ -144,3 +162,53 @@ def _tagged(text: str, step: int | None, what: str) -> str:
     if step is None:
         return text or "…"
     return f"{text or '(empty answer)'}\n\n<sub>step {step} · {what}</sub>"
+
+
+def _branch(backend: Backend, path: str | None) -> str:
+    """"branch NAME · " of the branch the live weights train on ("" before the run has branched)."""
+    try:
+        tree = BranchTree.load(backend.session.resolve(path))
+    except (SessionError, OSError, ValueError):
+        return ""
+    return f"branch {tree.current} · " if len(tree.branches) > 1 else ""
+
+
+def questions(chat: list | None) -> list[str]:
+    """The questions of the chat that have an answer (the choices Teach offers), oldest first."""
+    found = []
+    messages = list(chat or [])
+    for i, m in enumerate(messages[:-1]):
+        answer = messages[i + 1]
+        if m.get("role") == "user" and answer.get("role") == "assistant":
+            text = _text(m.get("content")).strip()
+            if text and text not in found:
+                found.append(text)
+    return found
+
+
+def teach_answer(backend: Backend, path: str | None, question: str | None, answer: str,
+                 taught: gr.Markdown, wanted: gr.Textbox) -> dict:
+    """Teach: the question (as the chat sent it, through the chat template) and the wanted answer
+    go into the run's inbox and the next batches. A refusal (an empty or too long answer, a run
+    that has ended) is shown, and the run goes on unchanged."""
+    if not question:
+        raise gr.Error("Ask something first, then pick the question whose answer to correct.", print_exception=False)
+    if not (answer or "").strip():
+        raise gr.Error("Write the answer you wanted first.", print_exception=False)
+    try:
+        try:
+            result = backend.session.command(path, "teach", messages=[{"role": "user", "content": question}],
+                                             answer=answer)
+        except SessionError as e:
+            if "chat template" not in str(e):
+                raise
+            result = backend.session.command(path, "teach", prompt=question, answer=answer)
+    except SessionError as e:
+        raise gr.Error(str(e), print_exception=False) from None
+    old = result.get("old")
+    text = (f"**Taught {result.get('id', '')}** at step {result.get('step', '?')}: it is mixed into the next "
+            "batches; the model is asked again after a few steps (the answers before and after are in the "
+            "inbox, on the Train tab's data panel).")
+    if old:
+        text += f" Its answer before: *{old}*"
+    return {taught: text, wanted: ""}

@@ -1,5 +1,6 @@
 """The Checkpoints tab: what the page's run saved (step, metrics, size); resume a new run from a
-checkpoint; export a model or adapter; merge a LoRA adapter into its base model."""
+checkpoint; export a model or adapter; merge a LoRA adapter into its base model; the run's
+branches, with Rewind, Branch and Snapshot (`app.web.branches`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import gradio as gr
 import pandas as pd
 
 from app.session import SessionError
+from app.web import branches
 from app.web.backend import Backend
 from app.web.widgets import readable
 
@@ -31,12 +33,13 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
         export = gr.Button("Export model / adapter", elem_id="ckpt-export")
         merge = gr.Button("Merge LoRA and export", elem_id="ckpt-merge")
     result = gr.Markdown("", elem_id="ckpt-result")
+    section = branches.build(backend, run_state)
 
     def listing(path: str | None) -> dict:
-        return _listing(backend, path, about, table, chosen)
+        return {**_listing(backend, path, about, table, chosen), **branches.show(backend, section, path)}
 
-    refresh = dict(fn=listing, inputs=run_state, outputs=[about, table, chosen], api_visibility="private",
-                   show_progress="hidden")
+    refresh = dict(fn=listing, inputs=run_state, outputs=[about, table, chosen, *section.outputs()],
+                   api_visibility="private", show_progress="hidden")
     refresh_btn.click(**refresh)
     # resume is offered only with a training checkpoint picked (the final model has no trainer state)
     chosen.change(lambda src: gr.update(interactive=_resumable(src)), inputs=chosen, outputs=resume,

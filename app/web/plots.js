@@ -106,8 +106,9 @@ function panel(svg, lines, x0, y0, w, h, steps, log, title) {
     const pts = thin(line.points.filter(p => Number.isFinite(p[1]) && (!log || p[1] > 0)));
     if (!pts.length) continue;
     const d = pts.map((p, i) => (i ? 'L' : 'M') + sx(p[0]).toFixed(1) + ' ' + sy(p[1]).toFixed(1)).join('');
-    el('path', { d, fill: 'none', stroke: line.color, 'stroke-width': line.width || 1.5, 'data-series': line.name,
-                 opacity: line.opacity || 1 }, svg);
+    const path = el('path', { d, fill: 'none', stroke: line.color, 'stroke-width': line.width || 1.5,
+                              'data-series': line.name, opacity: line.opacity || 1 }, svg);
+    if (line.dash) path.setAttribute('stroke-dasharray', line.dash);
     if (line.dots) for (const p of pts) el('circle', { cx: sx(p[0]), cy: sy(p[1]), r: 3, fill: line.color }, svg);
   }
 }
@@ -119,7 +120,10 @@ function lineStyle(name, i) {
     return { color, kind: name, eval: name === 'eval' };
   }
   const [kind, run] = name.split(' · ');
-  const runs = [...new Set(Object.keys(store.series).map(n => n.split(' · ')[1]))].sort();
+  // a branch's steps given up by a rewind ("main (abandoned 1)"): grey and dashed
+  const base = r => (r || '').replace(/ \(abandoned \d+\)$/, '');
+  const runs = [...new Set(Object.keys(store.series).map(n => base(n.split(' · ')[1])))].sort();
+  if (base(run) !== run) return { color: '#9ca3af', dash: '5 4', kind, run, eval: /eval/.test(kind) };
   return { color: spec.palette[runs.indexOf(run) % spec.palette.length], kind, run, eval: /eval/.test(kind) };
 }
 
@@ -142,7 +146,7 @@ function draw() {
       keys.set(spec.compare ? label : 'smoothed', style.color);
     } else {
       lines.push({ name, kind: style.kind, points, color: style.color, dots: style.eval || spec.panels,
-                   width: style.eval ? 2.5 : 1.5 });
+                   width: style.eval ? 2.5 : 1.5, dash: style.dash });
       keys.set(label, style.color);
     }
   });

@@ -75,6 +75,17 @@ SPECS = {
     "compare_eval": PlotSpec("compare_eval", "Evaluation metrics of the runs compared",
                              "Each evaluation metric the compared runs logged appears here in its own "
                              "panel, one colour per run.", panels=True, compare=True),
+    "branch_loss": PlotSpec("branch_loss", "Loss by branch (dots: evaluation loss; grey dashes: abandoned by a rewind)",
+                            "Each branch's loss appears here, on one step axis with the branch it forked from; "
+                            "the steps a rewind gave up stay, greyed and dashed.", log_toggle=True, height=260,
+                            compare=True),
+    "branch_lr": PlotSpec("branch_lr", "Learning rate by branch",
+                          "Each branch's learning rate appears here once it has logged a step.", compare=True),
+    "branch_eval": PlotSpec("branch_eval", "Evaluation metrics by branch",
+                            "Each evaluation metric appears here in its own panel, one colour per branch.",
+                            panels=True, compare=True),
+    "seen": PlotSpec("seen", "Samples drawn from each source (so far)",
+                     "The samples drawn from each training source appear here once steps are logged."),
     "memory": PlotSpec("memory", "Memory, rank 0 (MiB)", "Rank 0's memory appears here after the first logged step."),
 }
 

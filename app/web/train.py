@@ -13,6 +13,7 @@ from typing import Any
 import gradio as gr
 
 from app.session import STOP_SAVES, SessionError, allowed
+from app.web import data
 from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import HAVE_JS, Plots, batch, make_plots
@@ -96,6 +97,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
                              "0 stops learning and is asked about first.")
         buttons["set_lr"] = gr.Button("Set learning rate", interactive=False, elem_id="train-set-lr", scale=1)
     plots = make_plots("train")
+    data.build(backend, run_state)  # sources, weights, samples drawn, the inbox (issue 13)
     with gr.Accordion("Log tail (rank 0)", open=False):
         log = gr.Code("", language="shell", lines=14, interactive=False, elem_id="train-log")
     seen = gr.State(None)  # what this page was sent (see refresh)

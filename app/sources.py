@@ -1,0 +1,92 @@
+"""A run's training data as the front ends show it (issue 13): its sources with their weights,
+the samples drawn from each (per step, and in total), and the inbox of answers taught from the
+chat with the engine's check of each (the answer before and after). Read from the run folder
+alone (config.yaml, events.jsonl, inbox.jsonl), so it works for a run that has ended too.
+Torch-free, Gradio-free, ipywidgets-free.
+
+    view = data_view(RunFolder(path))
+    view.sources     # [{"name", "path", "format", "weight", "seen"}, ...] as of the last change
+    view.seen        # {source: [(step, samples drawn so far), ...]}
+    view.inbox       # [{"id", "prompt", "answer", "step", "removed", "old", "new", "learned"}, ...]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from contract.inbox import inbox_path, read_inbox
+from contract.run_folder import RunFolder, read_events
+
+Point = tuple[int, float]
+DEFAULT_SOURCE = "train"  # the one-source shorthand's name (data.train, or the embedded task)
+
+
+@dataclass
+class DataView:
+    sources: list[dict]
+    seen: dict[str, list[Point]]
+    inbox: list[dict]
+
+
+def data_view(folder: RunFolder, events: Iterable[dict] | None = None) -> DataView:
+    """The sources, samples drawn and inbox of the run in `folder`."""
+    events = read_events(folder.events) if events is None else events
+    sources = configured_sources(folder)
+    totals: dict[str, float] = {}
+    seen: dict[str, list[Point]] = {}
+    checks: dict[str, dict] = {}
+    for event in events:
+        kind, step = event.get("type"), event.get("step")
+        if kind == "data" and isinstance(event.get("sources"), list):
+            sources = [dict(s) for s in event["sources"] if isinstance(s, dict)]
+        elif kind == "train" and isinstance(step, int) and isinstance(event.get("samples_per_source"), dict):
+            for name, n in event["samples_per_source"].items():
+                if isinstance(n, (int, float)):
+                    points = seen.setdefault(name, [])
+                    if points and points[-1][0] >= step:  # a rewind: the data position went back too
+                        while points and points[-1][0] >= step:
+                            points.pop()
+                        totals[name] = points[-1][1] if points else 0.0
+                    totals[name] = totals.get(name, 0.0) + n
+                    points.append((step, totals[name]))
+        elif kind == "teach_check" and isinstance(event.get("id"), str):
+            checks[event["id"]] = event
+    for source in sources:
+        source.setdefault("seen", int(totals.get(str(source.get("name")), 0)))
+    inbox = []
+    for entry in read_inbox(inbox_path(folder.root)):
+        check = checks.get(entry.id, {})
+        inbox.append({**entry.to_dict(), "old": check.get("old"), "new": check.get("new"),
+                      "learned": check.get("learned"), "checked_at": check.get("step")})
+    return DataView(sources, seen, inbox)
+
+
+def configured_sources(folder: RunFolder) -> list[dict]:
+    """The sources the run started with, from its config.yaml: data.sources, or the one-source
+    shorthand data.train (the embedded default task when empty)."""
+    try:
+        data = (yaml.safe_load(folder.config.read_text()) or {}).get("data") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []
+    listed = data.get("sources") or []
+    if listed:
+        return [{"name": s.get("name") or Path(str(s.get("path", ""))).stem, "path": s.get("path"),
+                 "format": s.get("format", "auto"), "weight": s.get("weight", 1.0)} for s in listed
+                if isinstance(s, dict)]
+    return [{"name": DEFAULT_SOURCE, "path": data.get("train") or "(the embedded default task)",
+             "format": data.get("format", "auto"), "weight": 1.0}]
+
+
+def number(text: Any, what: str) -> float:
+    """A weight typed in a box: a finite number >= 0, else ValueError naming `what`."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{what} must be a number >= 0, got {str(text).strip()!r}")
+    return value
