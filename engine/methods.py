@@ -2,7 +2,8 @@
 
 "full", "lomo" and "adalomo" train every parameter (LOMO's fused update is a step strategy in
 engine.lomo); the PEFT methods wrap the model in a `peft.PeftModel` whose active adapter is all
-that trains: LoRA (target modules named, or inferred), prompt tuning and P-tuning.
+that trains: LoRA (target modules named, or chosen by module type: every nn.Linear / Conv1D of
+the blocks, never the embeddings or the output head), prompt tuning and P-tuning.
 
 A method object carries every operation in which methods differ, so no code elsewhere asks
 `is_peft` or whether the update is fused:
@@ -13,6 +14,7 @@ A method object carries every operation in which methods differ, so no code else
     builds_optimizer                     False: the method builds its own after the engine
     optimizer_after_engine(engine, cfg, setup, env)   that optimizer (fused), else None
     step(layout)                         the step strategy (fused, else the layout's)
+    targets_shifted                      whether a row's first label is never a target (losses)
     base_model(module), has_adapter      a context in which the model answers without its adapter
     save_model / load_model / save_peft / load_peft   weights in and out (PEFT: adapters)
 
@@ -45,28 +47,44 @@ from engine.checkpoint import adapters
 from engine.context import Method, RunContext
 from engine.steps import StepStrategy
 
-# Module names LoRA wraps when the config names none: the attention and MLP projections of the
-# Llama / Qwen2 / Mistral family, and the fused ones of GPT-2-like models. Models with none of
-# them get peft's "all-linear" (every linear layer but the output head).
-_KNOWN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "c_attn", "c_proj", "c_fc", "query_key_value", "dense")
-
-
 def _linear_types() -> tuple[type, ...]:
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
     return (torch.nn.Linear, Conv1D)
 
 
-def infer_lora_targets(model: torch.nn.Module) -> list[str] | str:
-    """The known projection names this model has, else peft's "all-linear"."""
+def _blocks(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's stack of repeated blocks (decoder layers): the ModuleList of modules of one
+    class that holds the most parameters; None if the model has no such list."""
+    def size(blocks: torch.nn.ModuleList) -> int:
+        return sum(p.numel() for p in blocks.parameters())
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0
+              and len({type(b) for b in m}) == 1]
+    return max(stacks, key=size) if stacks else None
+
+
+def _lora_modules(model: torch.nn.Module) -> list[str]:
+    """Full names of the modules LoRA wraps by default: every nn.Linear / Conv1D inside the
+    blocks (attention and MLP, fused projections included); without blocks, every linear layer
+    but the output head. Embeddings and the output head are never among them."""
     linear = _linear_types()
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, linear)}
-    found = [t for t in _KNOWN_TARGETS if t in names]
-    if found:
-        return found
-    if not names:
+    blocks = _blocks(model)
+    inside = {id(m) for m in blocks.modules()} if blocks is not None else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, m in model.named_modules()
+            if isinstance(m, linear) and m is not head and (inside is None or id(m) in inside)]
+
+
+def infer_lora_targets(model: torch.nn.Module) -> list[str]:
+    """LoRA's target modules chosen by module type (see `_lora_modules`), as peft's
+    `target_modules`: the short names (q_proj, c_attn, ...) where they name exactly those
+    modules, else the full module names."""
+    chosen = _lora_modules(model)
+    if not chosen:
         raise ValueError("method.lora_target_modules: this model has no linear layers for LoRA to wrap")
-    return "all-linear"
+    short = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name in chosen))
+    # peft matches a short name against the end of every module name: it must catch no other module
+    caught = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in short]
+    return short if caught == chosen else chosen
 
 
 def peft_config(model: torch.nn.Module, cfg: RunConfig):
@@ -149,6 +167,9 @@ class FullMethod:
     """Every parameter trains through the engine's optimizer; weights are saved by the layout."""
     builds_optimizer = True
     has_adapter = False  # no base model apart from the trained one (chat's compare_base)
+    # the model's loss predicts label t+1 at position t: a row's first label is never a target
+    # (how engine.losses counts a step's label tokens)
+    targets_shifted = True
 
     def __init__(self, name: str = "full"):
         self.name = name
@@ -188,6 +209,12 @@ class PeftMethod(FullMethod):
     """A PEFT adapter trains; saving the model writes the adapter in PEFT's layout (as the run
     folder's `model/` promises); `engine.checkpoint.export_merged` writes base + LoRA."""
     has_adapter = True
+
+    def __init__(self, name: str = "lora"):
+        super().__init__(name)
+        # prompt tuning and P-tuning put -100 labels in front for the virtual tokens: after the
+        # shift the last virtual position predicts the first real label, which thus is a target
+        self.targets_shifted = name == "lora"
 
     def prepare_model(self, model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
         return wrap_with_adapter(model, cfg)

@@ -1,10 +1,17 @@
 """Step strategies: how one optimizer step is carried out, chosen once at assembly.
 
 A strategy is called with the trainer and the micro-batches of one optimizer step and returns
-(mean loss over the micro-batches as a float tensor, real tokens trained on this rank). The
-run's method object picks it (engine.methods): the fused LOMO / AdaLomo step
+(this rank's loss, real tokens trained on this rank). The loss is the one whose gradient this
+rank contributes before DeepSpeed averages gradients over the data-parallel ranks: the mean of
+the ranks' values is the step's loss (`Trainer._reduce` takes it). With `train.loss_average`
+"tokens" (default) that is the sum of this rank's token losses times dp_size / N, N the label
+tokens of the whole step on every rank (engine.losses); with "micro_batch", the mean of this
+rank's micro-batch means.
+
+The run's method object picks the strategy (engine.methods): the fused LOMO / AdaLomo step
 (engine.lomo.FusedStep), or else the layout's, which is this engine step or the pipeline
-schedule (engine.parallel.pipeline.PipelineStep). A user's `train_fn` has the same signature.
+schedule (engine.parallel.pipeline.PipelineStep). A user's `train_fn` has the same signature
+and may call `step_window` and `trainer.compute_loss(batch, window=...)` to weigh as we do.
 """
 
 from __future__ import annotations
@@ -14,10 +21,19 @@ from typing import Protocol
 import torch
 
 from engine.data import count_tokens
+from engine.losses import Window, window_of
 
 
 class StepStrategy(Protocol):
     def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]: ...
+
+
+def step_window(trainer, micro_batches: list[dict]) -> Window:
+    """How this step weighs its micro-batches (`train.loss_average`); with "tokens" it counts the
+    step's label tokens over the data-parallel group (collective: every rank calls it)."""
+    env = trainer.env
+    return window_of(trainer.config.train.loss_average, micro_batches, shifted=trainer.method.targets_shifted,
+                     dp_group=env.dp_group, dp_size=env.dp_size)
 
 
 class EngineStep:
@@ -25,11 +41,17 @@ class EngineStep:
     and steps the optimizer and the scheduler at the accumulation boundary."""
 
     def __call__(self, trainer, micro_batches):
+        window = step_window(trainer, micro_batches)
+        # token-weighted: each loss is already its share of the whole step, so DeepSpeed must not
+        # divide by the accumulation steps, and `scale` undoes its mean over the ranks
+        scale_wrt_gas = window.num_items is None
         losses, tokens = [], 0
         for batch in micro_batches:
-            loss = trainer.compute_loss(batch)
-            trainer.engine.backward(loss)
+            loss = trainer.compute_loss(batch, window=window)
+            trainer.engine.backward(loss * window.scale, scale_wrt_gas=scale_wrt_gas)
             trainer.engine.step()
             losses.append(loss.detach().float())
             tokens += count_tokens(batch)
-        return torch.stack(losses).mean(), tokens
+        if window.num_items is None:
+            return torch.stack(losses).mean(), tokens
+        return torch.stack(losses).sum() * window.scale, tokens

@@ -22,7 +22,7 @@ from engine.callbacks import Callback, CallbackList
 from engine.checkpoint import state as checkpoint_state
 from engine.context import RunContext, TrainerState
 from engine.control.settings import live_settings
-from engine.losses import call_by_names
+from engine.losses import PER_MICRO_BATCH, Window, call_by_names
 from engine.monitors import DEFAULT_MONITORS, Monitor, StepInfo
 from engine.rng import preserved_rng
 
@@ -44,7 +44,8 @@ class Trainer:
     """Train a causal LM with DeepSpeed; every argument but `config` is optional.
 
     The roles are CoLLie's: pass your own `model`, `tokenizer`, datasets, `loss_fn(batch, outputs)`
-    (arguments matched by name to the batch's and the model outputs' fields), `train_fn(trainer,
+    (arguments matched by name to the batch's and the model outputs' fields, plus
+    `num_items_in_batch`, the step's label tokens, as the HF Trainer passes it), `train_fn(trainer,
     micro_batches) -> (loss, tokens)`, `eval_fn`, `optimizer`, `lr_scheduler`, `callbacks`,
     `monitors` and `evaluators`; whatever you leave out is built from the config.
     """
@@ -164,17 +165,23 @@ class Trainer:
             self.control.at_boundary()
 
     # -- one step's pieces --------------------------------------------------------------------
-    def compute_loss(self, batch: dict, model: Callable | None = None) -> torch.Tensor:
-        """Forward one micro-batch and return its loss (the model's own, or `loss_fn`'s).
+    def compute_loss(self, batch: dict, model: Callable | None = None,
+                     window: Window = PER_MICRO_BATCH) -> torch.Tensor:
+        """Forward one micro-batch and return its loss (the model's own, or `loss_fn`'s): its
+        mean, or with a token `window` (engine.steps.step_window) the sum of its token losses
+        divided by the step's label tokens (`num_items_in_batch`, passed on to the model and to
+        a `loss_fn` that names it).
 
         `model` replaces the engine's forward: the fused LOMO step calls the bare module, whose
         backward DeepSpeed does not tie to `engine.backward`.
         """
         forward = model if model is not None else self.engine
-        return self.layout.compute_loss(self.ctx, batch, forward, self.loss_fn)
+        return self.layout.compute_loss(self.ctx, batch, forward, self.loss_fn, window)
 
     def _reduce(self, loss: torch.Tensor, tokens: int) -> tuple[float, int]:
-        """Mean loss and total real tokens over the data-parallel group (one small all-reduce)."""
+        """Mean loss and total real tokens over the data-parallel group (one small all-reduce).
+        The mean of the ranks' losses is the step's loss (see engine.steps: with the token
+        objective each rank returns its token-loss sum times dp_size / N)."""
         packed = torch.tensor([float(loss), float(tokens)], dtype=torch.float64)
         if self.env.world_size > 1:
             dist.all_reduce(packed, group=self.env.dp_group)

@@ -34,7 +34,7 @@ def test_lora_targets_inferred_or_chosen():
             super().__init__()
             self.fc1 = torch.nn.Linear(4, 4)
 
-    assert methods.infer_lora_targets(Odd()) == "all-linear"
+    assert methods.infer_lora_targets(Odd()) == ["fc1"]  # no blocks: every linear layer but a head
     chosen = methods.prepare_model(llama(), cfg("lora", lora_target_modules=["v_proj"]))
     names = methods.trainable_parameter_names(chosen)
     assert names and all("v_proj.lora_" in n for n in names)

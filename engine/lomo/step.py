@@ -7,6 +7,7 @@ import torch
 from contract.config import RunConfig
 from engine import ds_config
 from engine.data import count_tokens
+from engine.steps import step_window
 from engine.lomo.fused import FusedOptimizer
 from engine.lomo.rules import AdaLomoRule, LomoRule, UpdateRule
 from engine.lomo.scaler import scaler_from_ds_config
@@ -33,7 +34,11 @@ class FusedStep:
         if not isinstance(optimizer, FusedOptimizer):
             raise TypeError(f"method.name {self.method} needs the fused optimizer engine setup builds "
                             f"(got {type(optimizer).__name__}); do not pass an optimizer of your own")
-        loss = optimizer.fused_step(lambda: trainer.compute_loss(batch, model=trainer.engine.module))
+        window = step_window(trainer, micro_batches)
+        # the fused optimizer averages gradients over the ranks: `scale` undoes that for the
+        # token-weighted loss (both passes, measure and update, go through this closure)
+        loss = optimizer.fused_step(
+            lambda: trainer.compute_loss(batch, model=trainer.engine.module, window=window) * window.scale)
         if not optimizer.last_skipped and trainer.lr_scheduler is not None:
             trainer.lr_scheduler.step()  # a skipped step does not advance the schedule (as DeepSpeed)
         return loss.float(), count_tokens(batch)

@@ -8,7 +8,7 @@ A layout carries every operation in which layouts differ, so no code elsewhere a
     prepare_model(model, cfg, loss_fn)   the model the engine is built on (pipeline: cut in stages)
     mpu()                                the model-parallel unit deepspeed.initialize gets
     step()                               the step strategy (engine step, pipeline schedule)
-    compute_loss(run, batch, forward, loss_fn)   the loss of one batch (pipeline: stage to stage)
+    compute_loss(run, batch, forward, loss_fn, window)   the loss of one batch (pipeline: stage to stage)
     generate(run, prompts, **options)    generation with the live weights (collective)
     full_state_dict(run)                 whole-model weights, Hugging Face names, on rank 0
     load_full_state_dict(run, state)     whole-model weights into this rank's share
@@ -35,7 +35,7 @@ from engine.checkpoint import models
 from engine.checkpoint.atomic import Comm
 from engine.context import DistEnv, Layout, RunContext
 from engine.generation import hf_generate
-from engine.losses import model_loss
+from engine.losses import PER_MICRO_BATCH, Window, model_loss
 from engine.model import count_parameters
 from engine.parallel import groups as process_groups
 from engine.parallel import pipeline, tp, weights
@@ -64,8 +64,9 @@ class DataParallel:
     def step(self) -> StepStrategy:
         return EngineStep()
 
-    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
-        return model_loss(forward, batch, run.engine.device, loss_fn)
+    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None,
+                     window: Window = PER_MICRO_BATCH) -> torch.Tensor:
+        return model_loss(forward, batch, run.engine.device, loss_fn, window, module=run.engine.module)
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
@@ -152,8 +153,9 @@ class TensorParallel(_Split):
     def step(self) -> StepStrategy:
         return EngineStep()
 
-    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
-        return model_loss(forward, batch, run.engine.device, loss_fn)
+    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None,
+                     window: Window = PER_MICRO_BATCH) -> torch.Tensor:
+        return model_loss(forward, batch, run.engine.device, loss_fn, window, module=run.engine.module)
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
@@ -192,8 +194,10 @@ class Pipeline(_Split):
     def step(self) -> StepStrategy:
         return pipeline.PipelineStep()
 
-    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None) -> torch.Tensor:
-        # the stages hold different layers: the batch goes from stage to stage (evaluation only)
+    def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None,
+                     window: Window = PER_MICRO_BATCH) -> torch.Tensor:
+        # the stages hold different layers: the batch goes from stage to stage (evaluation only;
+        # training weighs its micro-batches in the schedule's loss, pipeline.PipelineStep)
         return pipeline.eval_loss(run.engine, batch)
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:

@@ -28,6 +28,7 @@ replicas never wait for each other (DeepSpeed's eval_batch has a world-wide barr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -37,7 +38,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from engine.data import count_tokens
-from engine.losses import call_by_names
+from engine.losses import PER_MICRO_BATCH, Window, custom_loss
+from engine.steps import step_window
 
 NO_MASK = -1  # an attention mask row of this value stands for "no mask" (packed batches)
 
@@ -139,15 +141,28 @@ def mask_function(config, layer_idx: int) -> Callable:
 
 class CausalLMLoss:
     """The model's own loss (transformers' loss_function), or the trainer's `loss_fn` called
-    with the fields it names among `logits` and `labels`."""
+    with the fields it names among `logits`, `labels` and `num_items_in_batch`.
+
+    DeepSpeed's schedule calls it once per micro-batch on the last stage. For a training step,
+    PipelineStep sets `window` (engine.losses) first: with the token objective each micro-batch
+    loss is then the sum of its token losses / N, times `window.scale` (dp_size x accumulation
+    steps: the schedule divides each backward by the accumulation steps and DeepSpeed averages
+    gradients and the reported loss over the data-parallel ranks). Outside a training step
+    (evaluation) the window is the per-micro-batch mean.
+    """
 
     def __init__(self, model_loss: Callable, vocab_size: int, loss_fn: Callable | None = None):
         self.model_loss, self.vocab_size, self.loss_fn = model_loss, vocab_size, loss_fn
+        self.window: Window = PER_MICRO_BATCH
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        window = self.window
         if self.loss_fn is None:
-            return self.model_loss(logits=logits, labels=labels, vocab_size=self.vocab_size)
-        return call_by_names(self.loss_fn, {"labels": labels}, {"logits": logits})
+            loss = self.model_loss(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                   num_items_in_batch=window.num_items)
+        else:
+            loss = custom_loss(self.loss_fn, {"labels": labels}, {"logits": logits}, window)
+        return loss * window.scale if window.num_items is not None else loss
 
 
 def build_pipeline_module(model: nn.Module, *, topology, partition: str = "parameters",
@@ -250,8 +265,17 @@ class PipelineStep:
     def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]:
         device = trainer.engine.device
         batches = iter([pipe_inputs(b, device) for b in micro_batches])
-        # the mean loss of the micro-batches, averaged over data-parallel replicas, on every stage
-        loss = trainer.engine.train_batch(data_iter=batches)
+        window = step_window(trainer, micro_batches)  # every stage counts: one all-reduce over dp
+        if window.num_items is not None:
+            window = replace(window, scale=window.scale * len(micro_batches))
+        loss_fn = trainer.engine.module.loss_fn
+        loss_fn.window = window
+        try:
+            # the step's loss (the schedule's mean over the micro-batches, averaged over the
+            # data-parallel replicas), on every stage
+            loss = trainer.engine.train_batch(data_iter=batches)
+        finally:
+            loss_fn.window = PER_MICRO_BATCH
         return loss.detach().float(), sum(count_tokens(b) for b in micro_batches)
 
 

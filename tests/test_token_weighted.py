@@ -1,0 +1,115 @@
+"""The token-weighted objective (train.loss_average "tokens", the HF Trainer's since 4.46): a
+step's loss is the sum of its token losses over every micro-batch and rank divided by its label
+tokens, so per-step losses, gradient norms and weights do not depend on how the step's samples are
+split into micro-batches, accumulation steps and ranks; it equals the HF Trainer at its defaults;
+train.loss_average "micro_batch" equals the HF Trainer forced to per-micro-batch means.
+
+Every run trains the same 6 steps of 4 uneven samples (input/output rows: the prompt is not a
+target, so the target counts differ from row to row) on a tiny fp32 Llama, through
+tests/scripts/token_weighted.py; one 1-rank launch and one 2-rank launch for the whole file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dist_utils import SCRIPTS, run_deepspeed
+
+# fp32 on CPU: the splits reorder sums; what is left is rounding
+LOSS_TOL, NORM_TOL, WEIGHT_TOL = 2e-6, 2e-5, 1e-6
+
+ONE_RANK = {
+    "a4": "batch_size=1,train.grad_accum=4,zero_stage=2",
+    "b1": "batch_size=4,train.grad_accum=1,zero_stage=2",
+    "m4": "batch_size=1,train.grad_accum=4,zero_stage=2,train.loss_average=micro_batch",
+    "l4": "method=lomo,batch_size=4",
+}
+HF = "hf4:1:4;hfm4:1:4:mean"  # the HF Trainer: micro 1 x accumulation 4, default and forced means
+TWO_RANKS = {  # the pipeline last: a data-parallel engine built after DeepSpeed's pipeline fails
+    "l2": "method=lomo,batch_size=2",
+    "z2": "zero_stage=2,batch_size=1,train.grad_accum=2",
+    "z3": "zero_stage=3,batch_size=1,train.grad_accum=2",
+    "ppa": "parallel.pp_size=2,batch_size=1,train.grad_accum=4",
+    "ppb": "parallel.pp_size=2,batch_size=4,train.grad_accum=1",
+}
+
+
+def write_inputs(work) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from engine.default_task import ensure_default_assets
+    from engine.model import load_tokenizer
+    assets = ensure_default_assets(work / "assets")
+    tok = load_tokenizer(assets.model_dir)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    model.save_pretrained(work / "model")
+    tok.save_pretrained(work / "model")
+    rows = [json.loads(line) for line in assets.train_path.read_text().splitlines()[:64]]
+    (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def launch(work, nproc: int, runs: dict[str, str], hf: str = "") -> None:
+    spec = ";".join(f"{name}:{overrides}{',nproc=2' if nproc == 2 else ''}" for name, overrides in runs.items())
+    run_deepspeed(SCRIPTS / "token_weighted.py", nproc=nproc, args=("--work", str(work), "--runs", spec, "--hf", hf),
+                  timeout=600)
+
+
+def load(work, name: str) -> dict:
+    return torch.load(work / f"{name}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("token-weighted")
+    write_inputs(work)
+    launch(work, 1, ONE_RANK, HF)
+    return work
+
+
+def same_run(got: dict, ref: dict, weights: bool = True, norms: bool = True) -> None:
+    assert len(got["losses"]) == len(ref["losses"]) == 6
+    assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_TOL), list(zip(got["losses"], ref["losses"]))
+    if norms:
+        assert not any(math.isnan(n) for n in got["norms"] + ref["norms"])
+        assert got["norms"] == pytest.approx(ref["norms"], rel=NORM_TOL), list(zip(got["norms"], ref["norms"]))
+    if weights:
+        assert got["weights"].keys() == ref["weights"].keys()
+        for key, value in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=WEIGHT_TOL, msg=key)
+
+
+def test_accumulation_invariance_one_rank(work):
+    """micro 1 x accumulation 4 == micro 4 x accumulation 1: losses, grad norms, weights."""
+    same_run(load(work, "b1"), load(work, "a4"))
+
+
+def test_matches_the_hf_trainer(work):
+    """Per-step losses equal the HF Trainer's at its defaults (micro 1 x accumulation 4); the
+    micro_batch option equals the HF Trainer forced to per-micro-batch means; the two objectives
+    really differ on this data (the test could fail)."""
+    ours, hf = load(work, "a4"), load(work, "hf4")
+    same_run(ours, hf, weights=False, norms=False)
+    mean, hf_mean = load(work, "m4"), load(work, "hfm4")
+    same_run(mean, hf_mean, weights=False, norms=False)
+    assert max(abs(a - b) for a, b in zip(ours["losses"], mean["losses"])) > 1e-4
+    assert ours["losses"][-1] < ours["losses"][0]
+
+
+@pytest.mark.slow
+def test_split_invariance_two_ranks(work):
+    """2 ranks x accumulation 2 x micro 1 under ZeRO-2 and ZeRO-3 == 1 rank x accumulation 4;
+    the pipeline (pp 2) with micro 1 x accumulation 4 == micro 4 x accumulation 1; LOMO on
+    2 ranks x micro 2 == 1 rank x micro 4 (its own averaging over the ranks)."""
+    launch(work, 2, TWO_RANKS)
+    ref = load(work, "a4")
+    for name in ("z2", "z3"):
+        same_run(load(work, name), ref)
+    same_run(load(work, "ppb"), load(work, "ppa"), norms=False)  # the pipeline engine keeps no norm
+    same_run(load(work, "l2"), load(work, "l4"))
