@@ -1,4 +1,5 @@
-"""Monitors measure each training step; sinks write the records (events.jsonl, TensorBoard).
+"""Monitors measure each training step; sinks write the records (events.jsonl, TensorBoard,
+CSV, Weights & Biases).
 
 A monitor returns a few named numbers for the step's record; the trainer merges them into one
 `{"type": "train", ...}` event, written on rank 0 only.
@@ -6,6 +7,7 @@ A monitor returns a few named numbers for the step's record; the trainer merges 
 
 from __future__ import annotations
 
+import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,10 @@ from pathlib import Path
 import psutil
 import torch
 
+from contract.protocol import RunState
 from contract.run_folder import EventLog
+
+FINAL_STATES = tuple(s.value for s in RunState if s.final)
 
 
 @dataclass
@@ -66,7 +71,17 @@ class MemoryMonitor(Monitor):
         return {"mem_mb": psutil.Process(os.getpid()).memory_info().rss / 2**20}
 
 
-DEFAULT_MONITORS = (LossMonitor, LRMonitor, StepTimeMonitor, TokensPerSecondMonitor, MemoryMonitor)
+class SourcesMonitor(Monitor):
+    """Samples drawn per training source (all ranks) since the last record: `samples_per_source`
+    (engine.data.mixture; nothing for a dataset that is no mixture)."""
+
+    def measure(self, trainer, info):
+        mixture = getattr(trainer.train_dataset, "mixture", None)
+        return {"samples_per_source": mixture.take_counts()} if mixture is not None else {}
+
+
+DEFAULT_MONITORS = (LossMonitor, LRMonitor, StepTimeMonitor, TokensPerSecondMonitor, MemoryMonitor,
+                    SourcesMonitor)
 
 
 class TensorBoardSink:
@@ -91,9 +106,79 @@ class TensorBoardSink:
         self.writer.close()
 
 
-def open_sinks(events_path: Path, tensorboard_dir: Path | None) -> tuple[EventLog, TensorBoardSink | None]:
+def _scalars(event: dict) -> dict[str, float]:
+    """The numbers of a train / eval record, named `train/...` and `eval/...` (TensorBoard's and
+    W&B's convention)."""
+    kind = event.get("type")
+    return {(key if "/" in key else f"{kind}/{key}"): value for key, value in event.items()
+            if key not in ("type", "step", "epoch", "time") and isinstance(value, (int, float))
+            and not isinstance(value, bool)}
+
+
+class CsvSink:
+    """`train.csv` and `eval.csv` in the run folder: one row per record, one column per number
+    (step and epoch first). A number that appears only later (a custom monitor's) widens the
+    file: it is rewritten once with the new column, the rows before it left blank there."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.columns: dict[str, list[str]] = {}
+
+    def __call__(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind not in ("train", "eval"):
+            return
+        row = {"step": event.get("step", 0), "epoch": event.get("epoch", ""), "time": event.get("time", ""),
+               **{k: v for k, v in event.items() if k not in ("type", "step", "epoch", "time")
+                  and isinstance(v, (int, float)) and not isinstance(v, bool)}}
+        path = self.folder / f"{kind}.csv"
+        columns = self.columns.get(kind)
+        if columns is None or any(k not in columns for k in row):
+            old = list(csv.DictReader(path.open())) if columns is not None and path.exists() else []
+            columns = [*(columns or []), *(k for k in row if k not in (columns or []))]
+            self.columns[kind] = columns
+            with path.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=columns)
+                writer.writeheader()
+                writer.writerows(old)
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=columns).writerow(row)
+
+
+class WandbSink:
+    """Weights & Biases: `offline` writes the run under `<run folder>/wandb/` with no network
+    (`wandb sync` uploads it later); `online` logs as it goes (needs `wandb login`). The W&B run
+    ends when the run's final state is recorded."""
+
+    def __init__(self, folder: Path, mode: str, project: str, config: dict):
+        import wandb  # imported late: only runs that ask for W&B need it installed
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False,
+                                  disable_git=True)
+        self.run = wandb.init(project=project or "livetune", name=folder.name, dir=str(folder), mode=mode,
+                              config=config, settings=settings, reinit="create_new")
+
+    def __call__(self, event: dict) -> None:
+        kind = event.get("type")
+        if kind in ("train", "eval"):
+            self.run.log(_scalars(event), step=int(event.get("step", 0)))
+        elif kind == "state" and event.get("state") in FINAL_STATES:
+            self.close()
+
+    def close(self) -> None:
+        if self.run is not None:
+            run, self.run = self.run, None
+            run.finish()
+
+
+def open_sinks(events_path: Path, cfg) -> EventLog:
+    """Rank 0's event log, with the sinks the config asks for subscribed to it: TensorBoard
+    (`logging.tensorboard`), CSV files (`logging.csv`), Weights & Biases (`logging.wandb`)."""
     log = EventLog(events_path)
-    tb = TensorBoardSink(tensorboard_dir) if tensorboard_dir else None
-    if tb:
-        log.subscribe(tb)
-    return log, tb
+    folder = events_path.parent
+    if cfg.logging.tensorboard:
+        log.subscribe(TensorBoardSink(folder / "tensorboard"))
+    if cfg.logging.csv:
+        log.subscribe(CsvSink(folder))
+    if cfg.logging.wandb != "off":
+        log.subscribe(WandbSink(folder, cfg.logging.wandb, cfg.logging.wandb_project, cfg.to_dict()))
+    return log
