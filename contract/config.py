@@ -203,6 +203,10 @@ class ControlConfig:
     host: str = _f("127.0.0.1", "Address the control socket listens on. Anything but loopback "
                    "must be opted into explicitly; every message still needs the run's token.")
     port: int = _f(0, "Control socket port; 0 picks a free one.", minimum=0, maximum=65535)
+    chat_only: bool = _f(False, "Train nothing: hold the model (model.path, the checkpoint `resume` "
+                         "names, or chat_load) in the engine for chat until stopped.", label="Chat only")
+    chat_load: str = _f("", "With chat_only: a model folder, or a PEFT adapter folder on top of model.path, "
+                        "loaded into the engine before chat starts.", label="Chat with (folder)")
 
 
 @dataclass
@@ -478,6 +482,7 @@ def absolute_paths(c: RunConfig) -> None:
     c.data.sources = [{**s, "path": _absolute(s["path"])} if isinstance(s.get("path"), str) else s
                       for s in c.data.sources]
     c.logging.output_dir = _absolute(c.logging.output_dir)
+    c.control.chat_load = _absolute(c.control.chat_load)
     c.parallel.hostfile = _absolute(c.parallel.hostfile)
     if c.resume != "latest" and not names_branch(c.resume):  # a branch name stays a name
         c.resume = _absolute(c.resume)
@@ -525,6 +530,10 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
     if evaluates and not c.data.eval and not c.uses_default_task:
         problems.append(("eval.every_n_steps" if c.eval.every_n_steps else "eval.every_n_epochs",
                          "evaluation is scheduled but data.eval names no evaluation data"))
+    if c.control.chat_only and not c.control.enabled:
+        problems.append(("control.chat_only", "chat goes through the control socket: set control.enabled"))
+    if c.control.chat_load and not c.control.chat_only:
+        problems.append(("control.chat_load", "is for chat-only runs: set control.chat_only"))
     if c.eval.early_stopping_patience and not evaluates:
         problems.append(("eval.early_stopping_patience", "early stopping watches evaluations: set "
                          "eval.every_n_steps or eval.every_n_epochs"))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from contract.config import RunConfig
-from engine import assembly, checkpoint
+from engine import assembly, chat_only, checkpoint
 from engine.callbacks import Callback, CallbackList
 from engine.checkpoint import state as checkpoint_state
 from engine.context import RunContext, TrainerState
@@ -71,7 +71,7 @@ class Trainer:
                  monitors: Iterable[Monitor] | None = None, evaluators: Iterable | None = None,
                  run_dir: str | None = None, server: bool = False):
         self.config = config or RunConfig()
-        self.callbacks = CallbackList(list(callbacks))
+        self.callbacks = CallbackList([*callbacks, *assembly.config_callbacks(self.config)])
         self.loss_fn, self.eval_fn = loss_fn, eval_fn
         self.monitors = list(monitors) if monitors is not None else [m() for m in DEFAULT_MONITORS]
         self.should_stop = False
@@ -103,6 +103,9 @@ class Trainer:
     def train(self) -> None:
         """Train to the end (or a stop), then save the final model when the config says so."""
         cfg, state = self.config, self.state
+        if cfg.control.chat_only and self.control is not None:  # hold the model for chat, train nothing
+            chat_only.serve(self)
+            return
         self.callbacks.fire("on_train_begin", self)
         self._control_boundary()  # a pause sent before the first step holds it back
         self.emit({"type": "state", "state": "running", "step": state.global_step})

@@ -94,6 +94,9 @@ def pause(control: Plane, cmd: Pause, reply: Reply) -> dict:
 
 def resume(control: Plane, cmd: Resume, reply: Reply) -> dict:
     trainer = control.trainer
+    if trainer.config.control.chat_only:
+        raise CommandRefused("resume: this is a chat-only run (control.chat_only): it holds the model "
+                             "for chat and trains nothing; start a run to train")
     if trainer.paused:
         trainer.paused = False
         control.emit_state(RunState.RUNNING)
@@ -108,12 +111,12 @@ def stop(control: Plane, cmd: Stop, reply: Reply) -> dict:
     `save_error` says why, and the newest complete checkpoint is where to resume."""
     trainer = control.trainer
     path, error = None, None
-    if cmd.save:
+    if cmd.save and not trainer.config.control.chat_only:  # a chat-only run has nothing new to save
         try:
             path = control.save_checkpoint()
         except CheckpointError as e:  # a stop must stop (a closed terminal sends one, too)
             error = str(e)
-    final = cmd.save and error is None
+    final = cmd.save and error is None and not trainer.config.control.chat_only
     control.emit_state(RunState.STOPPING)
     control.settings.final_save = final
     trainer.should_stop, trainer.paused = True, False
