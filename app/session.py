@@ -32,6 +32,7 @@ from contract.protocol import (COMMANDS, Command, Generate, ProtocolError, RunSt
                                allowed_commands)
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, RunRefused, stopping
 from supervisor.client import CommandError, Generation, RunClient, RunGone
+from supervisor.chat_sessions import chat_config
 from supervisor.slurm import SlurmError, SlurmOptions, submit as submit_job
 
 COMMAND_TIMEOUT_S = 120.0  # a command waits for the next step boundary (an evaluation may be running)
@@ -219,6 +220,24 @@ class Session:
         with self._lock:
             self._current = path
         return self.info(path, fresh=True)
+
+    def chat_with(self, source: str | Path, output_dir: str | Path | None = None) -> RunInfo:
+        """Start a chat-only run answering from `source` (a run folder, a training checkpoint, an
+        adapter or a model folder: `supervisor.chat_sessions`), beside whatever else runs; chat
+        with it through `chat` / `generate` with its path, end it with `stop`. The current run
+        stays what it was."""
+        try:
+            cfg = chat_config(source)
+        except (ValueError, OSError) as e:  # ChatSourceError, a config the run left that is bad now
+            raise SessionError(str(e)) from None
+        manager = self.manager(output_dir or self.output_dir)
+        try:
+            handle = manager.start(cfg, env=self.run_env or None)
+        except RunRefused as e:
+            raise SessionError(str(e), e.problems) from None
+        except (RunError, OSError) as e:
+            raise SessionError(f"the chat could not be started: {e}") from None
+        return self.info(str(handle.folder.root), fresh=True)
 
     def attach(self, ref: str | Path) -> RunInfo:
         """Take a run (started by an earlier app, a notebook, a terminal) as the current run."""

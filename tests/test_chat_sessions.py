@@ -98,3 +98,12 @@ def _greedy(model_dir: Path, prompt: str, n: int) -> str:
     ids = tok(prompt, return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
     return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_the_front_ends_name_a_source_nothing_can_chat_from(tmp_path):
+    from app.notebook import api
+    from app.session import Session, SessionError
+    with pytest.raises(SessionError, match="not a run folder, a training checkpoint"):
+        Session(tmp_path / "runs").chat_with(tmp_path)
+    with pytest.raises(api.RunError, match="no such file or folder"):
+        api.chat_with(tmp_path / "nothing", output_dir=tmp_path / "runs")

@@ -80,6 +80,17 @@ def start(config: RunConfig | dict | str | Path | None = None, *overrides: str,
     return Run(info.path)
 
 
+def chat_with(source: str | Path, output_dir: str | Path | None = None) -> "Run":
+    """Chat with a finished run, one of its checkpoints, an adapter or an exported model folder,
+    with no live run: a chat-only run holding it in the engine (`supervisor.chat_sessions`).
+    `run.chat(...)` answers from it; `run.stop()` frees its memory."""
+    try:
+        info = session().chat_with(source, output_dir=output_dir or default_output_dir())
+    except SessionError as e:
+        raise RunError(str(e)) from None
+    return Run(info.path)
+
+
 def attach(name: str, output_dir: str | Path | None = None) -> "Run":
     """The run called `name` (or a run folder path), running or not: a live one can be driven,
     any one's history read."""
@@ -277,6 +288,14 @@ class Run:
     def close(self) -> None:
         """Drop the control connection (the run goes on)."""
         self.session.forget_client(str(self.path))
+
+
+def _command(make: Any) -> Any:
+    """The command `make()` builds, its refusal (a bad argument) as SessionError."""
+    try:
+        return make()
+    except (ProtocolError, TypeError) as e:
+        raise SessionError(str(e)) from None
 
 
 __all__ = ["Run", "RunFailed", "RunError", "start", "attach", "runs", "manager", "session",
