@@ -164,3 +164,31 @@ def _drop_after(out: list[dict], step: Any) -> None:
         return
     out[:] = [e for e in out if not (e.get("type") in ("train", "eval") and isinstance(e.get("step"), int)
                                      and e["step"] > step)]
+
+
+# -- resume=<branch> --------------------------------------------------------------------------------
+def names_branch(value: str) -> bool:
+    """Whether a `resume=` value is a branch name rather than a path: a valid name that is no
+    existing file or folder (a path wins; `latest` is its own word)."""
+    if not value or value == "latest" or "://" in value or os.sep in value:
+        return False
+    try:
+        check_name(value)
+    except ValueError:
+        return False
+    return not Path(value).exists()
+
+
+def resume_problem(output_dir: str, run_name: str, branch: str) -> str | None:
+    """Why `resume=<branch>` cannot work (None when it can, or when the run folder is not there
+    yet to tell)."""
+    if not run_name:
+        return (f"{branch!r} is no checkpoint folder; to resume a branch, name its run with "
+                "logging.run_name (run_name=...)")
+    root = Path(output_dir) / run_name
+    if not (root / "events.jsonl").exists():
+        return f"no such checkpoint folder, and no run {run_name!r} in {output_dir} whose branch it could be"
+    tree = BranchTree.load(root)
+    if branch not in tree.branches:
+        return f"no checkpoint folder {branch!r}, and run {run_name!r} has no such branch (it has {', '.join(tree.branches)})"
+    return None

@@ -26,6 +26,7 @@ from contract.config import RunConfig
 from engine import evaluators as evaluator_layer
 from engine import setup
 from engine.checkpoint import CheckpointSchedule, resolve_resume
+from engine.checkpoint import rewind
 from engine.context import RunContext, TrainerState
 from engine.control import Control
 from engine.ds_config import DeepSpeedSetup
@@ -138,8 +139,11 @@ def control_plane(trainer, chat_page: bool) -> Control | None:
 
 
 def resume_point(ctx: RunContext) -> str | None:
-    """The training checkpoint `resume=` names (None when the run starts afresh)."""
-    return resolve_resume(ctx.config.resume, ctx.folder) if ctx.config.resume else None
+    """The training checkpoint `resume=` names (None when the run starts afresh); a branch's
+    name (or `latest` in a run that has branched) continues that branch, in its own folder."""
+    if not ctx.config.resume:
+        return None
+    return resolve_resume(rewind.enter_resumed_branch(ctx), ctx.folder)
 
 
 def parameter_counts(ctx: RunContext) -> tuple[int, int]:

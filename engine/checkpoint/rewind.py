@@ -4,6 +4,7 @@
     branch_in_place(trainer, target, name, reason="user") -> RewindResult
     take_snapshot(trainer, name=None) -> dict                    (the `snapshot` event)
     snapshot_store(trainer) -> SnapshotStore
+    enter_resumed_branch(ctx) -> str                             (resume=<branch> at start)
 
 Every rank calls them at the same step boundary, with the same arguments (the control plane's
 handlers do, and so may the loop itself: the spike guard). `trainer` is the Trainer (its
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -194,13 +195,37 @@ def branch_in_place(trainer, target: str, name: str, reason: str = "user",
     return result
 
 
-def switch_branch(trainer, name: str) -> None:
-    """Make `name` the branch training writes to: its checkpoints folder, its events' tag."""
-    from dataclasses import replace
-    trainer.ctx.folder = replace(trainer.folder, branch=name)
-    trainer.folder.checkpoints.mkdir(parents=True, exist_ok=True)
-    if trainer.events is not None:
-        trainer.events.branch = name
+def switch_branch(run, name: str) -> None:
+    """Make `name` the branch training writes to: its checkpoints folder, its events' tag.
+    `run`: the Trainer or its RunContext."""
+    ctx = getattr(run, "ctx", run)
+    ctx.folder = replace(ctx.folder, branch=name)
+    ctx.folder.checkpoints.mkdir(parents=True, exist_ok=True)
+    if ctx.events is not None:
+        ctx.events.branch = name
+
+
+def enter_resumed_branch(ctx) -> str:
+    """For `resume=` at start: when the value names a branch of the run folder's tree (or is
+    `latest`, or a checkpoint of a branch), training goes on in that branch -- its checkpoints,
+    its events -- and the tree records it as the present one. Returns the value to resolve:
+    `latest` for a branch name (its newest checkpoint), else the value as it was."""
+    value, root = ctx.config.resume, ctx.folder.root
+    tree = BranchTree.load(root)
+    if value in tree.branches and "/" not in value:
+        branch, value = value, "latest"
+    elif value == "latest":
+        branch = tree.current
+    else:
+        branch = next((n for n in tree.branches if Path(value).resolve().parent ==
+                       checkpoints_dir(root, n).resolve()), None)
+    if branch is None or len(tree.branches) == 1:
+        return value  # no tree: the run folder is as it always was
+    switch_branch(ctx, branch)
+    if tree.current != branch and ctx.env.rank == 0:
+        tree.current = branch
+        tree.save(root)
+    return value
 
 
 # -- snapshot --------------------------------------------------------------------------------------------

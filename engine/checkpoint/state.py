@@ -117,10 +117,7 @@ def loop_state(run: RunContext) -> dict | None:
     DeepSpeed holds both."""
     engine, state = run.engine, {}
     if run.optimizer is not None and run.optimizer is not engine.optimizer:
-        state["optimizer"] = run.optimizer.state_dict()
-        scaler = getattr(run.optimizer, "scaler", None)
-        if scaler is not None:
-            state["scaler"] = scaler.state_dict()
+        state["optimizer"] = run.optimizer.state_dict()  # the fused one's holds its loss scale too
     if run.lr_scheduler is not None and run.lr_scheduler is not engine.lr_scheduler:
         state["lr_scheduler"] = run.lr_scheduler.state_dict()
     return state or None
@@ -131,8 +128,6 @@ def load_loop_state(run: RunContext, state: dict | None) -> None:
         return
     if "optimizer" in state:
         run.optimizer.load_state_dict(state["optimizer"])
-        if "scaler" in state:
-            run.optimizer.scaler.load_state_dict(state["scaler"])
     if "lr_scheduler" in state:
         run.lr_scheduler.load_state_dict(state["lr_scheduler"])
 

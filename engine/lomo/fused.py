@@ -186,6 +186,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         scaler_state = state_dict.pop("loss_scaler", None)
         self.skipped_steps = int(state_dict.pop("skipped_steps", 0))
         super().load_state_dict(state_dict)
+        # torch's load puts new group dicts in `param_groups`: the per-parameter lookup follows
+        # them (else the update would read the learning rate of the groups from before the load)
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         if scaler_state is not None and self.scaler is not None:
             self.scaler.load_state_dict(scaler_state)
 

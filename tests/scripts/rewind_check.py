@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_common import make_task, overrides, report  # noqa: E402
 
 LAYOUTS = {"zero0": (0, []), "zero2": (2, []), "zero3": (3, []), "lora": (2, ["method=lora"]),
-           "lomo": (0, ["method=lomo", "lr=5e-2"]), "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"])}
+           "lomo": (0, ["method=lomo", "lr=5e-2", "train.grad_accum=1", "max_steps=9"]), "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"])}
 
 
 def plan(other: str | None) -> dict[int, list]:
@@ -49,7 +49,8 @@ def run_layout(name: str, task: dict, out: Path, other: str | None) -> dict:
 
     class Driver(Callback):
         def on_train_batch_end(self, trainer, loss):
-            seen.append([trainer.state.global_step, loss])
+            # the loss, and the rate the next step trains with
+            seen.append([trainer.state.global_step, loss, trainer.current_lr()])
             if trainer.env.rank == 0:
                 for cmd in todo.get(len(seen), []):
                     req = f"{len(seen)}-{cmd.name}"
@@ -61,6 +62,30 @@ def run_layout(name: str, task: dict, out: Path, other: str | None) -> dict:
     result = {"layout": name, "rank": trainer.env.rank, "seen": seen, "folder": str(trainer.folder.root),
               "branch": trainer.folder.branch,
               "replies": [_short(r) for r in replies if r.get("type") in ("done", "error")]}
+    trainer.close()
+    return result
+
+
+def resume_branch(name: str, task: dict, out: Path) -> dict:
+    """A new Trainer on the first layout's run folder with resume=main: main's newest checkpoint
+    (step-8; the run had left main for branch b there), trained to the end on main again."""
+    from contract.config import load_config
+    from engine.callbacks import Callback
+    from engine.trainer import Trainer
+
+    zero, extra = LAYOUTS[name]
+    cfg = load_config(overrides=overrides(task, str(out / "runs"), name, zero, [
+        *extra, "control.enabled=false", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2", "resume=main"]))
+    seen: list[list] = []
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, loss):
+            seen.append([trainer.state.global_step, loss])
+
+    trainer = Trainer(config=cfg, callbacks=[Probe()])
+    trainer.train()
+    result = {"layout": f"{name}-resumed", "rank": trainer.env.rank, "seen": seen,
+              "branch": trainer.folder.branch, "checkpoints": str(trainer.folder.checkpoints)}
     trainer.close()
     return result
 
@@ -78,6 +103,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layouts", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--resume-branch", action="store_true", help="then resume=main in the first layout's run")
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
     out = Path(a.out)
@@ -87,6 +113,8 @@ def main() -> None:
         r = run_layout(name, task, out, other)
         report(**r)
         other = str(Path(r["folder"]) / "checkpoints" / "step-4")
+    if a.resume_branch:
+        report(**resume_branch(a.layouts.split(",")[0], task, out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""Rewind, branch and snapshot in place on 2 ranks (tests/scripts/rewind_check.py), several layouts
+per launch to keep CI short. Each layout's run, driven through the control plane's real path:
+
+    1..6, snapshot s2 at 2, step-4 saved at 4 | rewind s2 -> 3..6 | rewind 4 -> 5..8 |
+    branch b from step-4 -> 5..9
+
+Every repeated step must give the very loss of its first run (bit for bit): a rewind to a
+snapshot, a rewind to a checkpoint and a branch with no setting changed all repeat the original
+trajectory. Refusals (unknown checkpoint, a taken branch name, another layout's checkpoint) leave
+the run unchanged -- it still repeats exactly. Then the run folder: the tree, b's own checkpoints,
+main's fork checkpoint kept, the events (abandoned ranges, the branch's history alone and from the
+root), and resume=main continuing main from its newest checkpoint in a new Trainer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from contract.branches import ROOT, BranchTree, branch_events, path_events
+from dist_utils import SCRIPTS, parse_results, run_deepspeed
+
+STEPS = [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 5, 6, 7, 8, 5, 6, 7, 8, 9]
+LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora", "split-and-fused": "tp2,pp2,lomo"}
+
+
+def check_sequence(seen: list) -> dict[int, float]:
+    """Each (step, loss, next step's lr) repeats its first occurrence exactly."""
+    assert [s for s, _, _ in seen] == STEPS
+    first: dict[int, list] = {}
+    for step, loss, lr in seen:
+        first.setdefault(step, [loss, lr])
+        assert [loss, lr] == first[step], f"step {step}: {loss, lr} after a rewind, {first[step]} at first"
+    assert first[9][0] < first[1][0]  # it trains
+    return {step: loss for step, (loss, _) in first.items()}
+
+
+def check_replies(replies: list, layout: str, other: bool) -> None:
+    by_id = {}
+    for r in replies:
+        by_id.setdefault(r["id"], []).append(r)
+    errors = [r["error"] for r in by_id.pop("1-rewind") + by_id.pop("1-branch")]
+    assert "no checkpoint of step 99 on branch 'main'" in errors[0] and "snapshots: none" in errors[0]
+    assert "branch 'main' exists already" in errors[1]
+    if other:  # the previous layout's checkpoint: both layouts named, nothing loaded
+        assert "was written by" in errors[2] and "this run is" in errors[2], errors[2]
+    assert by_id["2-snapshot"][0]["step"] == 2 and by_id["2-snapshot"][0]["bytes"] > 0
+    assert {k: by_id["6-rewind"][0][k] for k in ("step", "from_step", "abandoned")} == \
+        {"step": 2, "from_step": 6, "abandoned": [3, 6]}
+    assert by_id["10-rewind"][0]["abandoned"] == [5, 6]
+    assert {k: by_id["14-branch"][0][k] for k in ("step", "branch", "parent", "abandoned")} == \
+        {"step": 4, "branch": "b", "parent": ROOT, "abandoned": [5, 8]}
+
+
+def check_folder(folder: Path) -> None:
+    tree = BranchTree.load(folder)
+    assert tree.current == "b" and tree.ancestry("b") == [ROOT, "b"] and tree.branches["b"].fork_step == 4
+    assert (folder / "checkpoints" / "step-4" / "COMPLETE.json").exists()  # the fork point stays
+    assert (folder / "branches" / "b" / "checkpoints" / "step-8" / "COMPLETE.json").exists()
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    kinds = [e["type"] for e in events]
+    assert kinds.count("rewind") == 2 and kinds.count("branch") == 1 and kinds.count("snapshot") == 1
+    own = [e["step"] for e in branch_events(events, "b") if e["type"] == "train"]
+    assert own == [5, 6, 7, 8, 9]
+    assert [e["step"] for e in path_events(events, "b", tree) if e["type"] == "train"] == list(range(1, 10))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_rewind_branch_and_snapshot_repeat_the_losses(tmp_path, launch):
+    layouts = LAUNCHES[launch].split(",")
+    extra = ("--resume-branch",) if launch == "data-parallel" else ()
+    proc = run_deepspeed(SCRIPTS / "rewind_check.py", nproc=2,
+                         args=("--layouts", LAUNCHES[launch], "--out", str(tmp_path), *extra), timeout=900)
+    results = parse_results(proc)
+    for i, layout in enumerate(layouts):
+        ranks = sorted((r for r in results if r["layout"] == layout), key=lambda r: r["rank"])
+        assert [r["rank"] for r in ranks] == [0, 1], layout
+        assert ranks[0]["seen"] == ranks[1]["seen"] and ranks[0]["branch"] == "b"
+        first = check_sequence(ranks[0]["seen"])
+        check_replies(ranks[0]["replies"], layout, other=i > 0)
+        check_folder(Path(ranks[0]["folder"]))
+        if launch == "data-parallel" and i == 0:
+            resumed = [r for r in results if r["layout"] == f"{layout}-resumed"]
+            assert len(resumed) == 2 and all(r["branch"] == ROOT for r in resumed)
+            # main's step-8 is the weights branch b reached at its step 8: the same step 9
+            assert resumed[0]["seen"] == [[9, first[9]]]
+            folder = Path(ranks[0]["folder"])
+            assert BranchTree.load(folder).current == ROOT
+            assert (folder / "checkpoints" / "step-9" / "COMPLETE.json").exists()
