@@ -138,6 +138,8 @@ class ParallelConfig:
     deepspeed: dict = _f({}, "A full DeepSpeed config (dict, or {file: path.json}); \"auto\" values "
                          "are filled from this run config, contradicting values are an error.")
     hostfile: str = _f("", "DeepSpeed hostfile for several machines. Empty: this machine only.")
+    nodes: int = _f(1, "Machines the run spans when no hostfile lists them: a Slurm job's nodes "
+                    "(set by submit --slurm, which starts nproc ranks on each).", minimum=1, label="Nodes")
     master_addr: str = _f("127.0.0.1", "Rendezvous address of rank 0.")
     master_port: int = _f(0, "Rendezvous port; 0 picks a free one.", minimum=0, maximum=65535)
 
@@ -270,7 +272,8 @@ class RunConfig:
     # -- derived values -----------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.parallel.nproc * max(1, _hostfile_nodes(self.parallel.hostfile))
+        nodes = _hostfile_nodes(self.parallel.hostfile) if self.parallel.hostfile else self.parallel.nodes
+        return self.parallel.nproc * max(1, nodes)
 
     @property
     def dp_size(self) -> int:
@@ -555,8 +558,11 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
     for name in c.eval.evaluators:
         if name not in EVALUATORS:
             problems.append(("eval.evaluators", f"unknown evaluator {name!r}; allowed: {', '.join(EVALUATORS)}"))
-    if c.control.host not in ("127.0.0.1", "localhost", "::1") and not p.hostfile:
-        problems.append(("control.host", "listening beyond loopback is for multi-machine runs; set parallel.hostfile"))
+    if c.control.host not in ("127.0.0.1", "localhost", "::1") and not p.hostfile and p.nodes == 1:
+        problems.append(("control.host", "listening beyond loopback is for multi-machine runs; set "
+                         "parallel.hostfile (or parallel.nodes, which submit --slurm sets)"))
+    if p.hostfile and p.nodes != 1:
+        problems.append(("parallel.nodes", "the hostfile says which machines the run spans; leave nodes at 1"))
     for key, folder in (("model.path", c.model.path), ("model.tokenizer", c.model.tokenizer)):
         if is_hub_id(folder):  # a hub ID: the pre-flight check looks in the cache (contract.hub)
             continue

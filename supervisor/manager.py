@@ -78,6 +78,11 @@ class RunManager:
         prints it), so that large data files are not read twice."""
         if checked is None or checked.fingerprint != fingerprint(cfg):
             checked = preflight(cfg)
+        if cfg.parallel.nodes > 1:  # the launcher here starts this machine's (or the hostfile's) ranks only
+            checked = copy.copy(checked)
+            checked.problems = [*checked.problems, ("parallel.nodes", f"{cfg.parallel.nodes} nodes without a "
+                                "hostfile is for a Slurm job (submit --slurm); a run started here spans "
+                                "this machine, or the machines parallel.hostfile lists")]
         if not checked.ok:
             raise RunRefused(checked)
         cfg = copy.deepcopy(cfg)

@@ -138,6 +138,7 @@ def submit(cfg: RunConfig, output_dir: str | Path, opts: SlurmOptions, env: dict
     cfg = copy.deepcopy(cfg)
     cfg.logging.output_dir = str(Path(output_dir).resolve())
     cfg.parallel.launcher = "torchrun"  # what the job runs; the ranks read it from config.yaml
+    cfg.parallel.nodes = opts.nodes    # the world is nodes x nproc ranks (the config's checks count it)
     if opts.procs_per_node:
         cfg.parallel.nproc = opts.procs_per_node
     folder = make_run_folder(cfg)

@@ -75,6 +75,25 @@ def run_processes(run_dir: Path) -> list[int]:
     return found
 
 
+def test_several_nodes_count_in_the_world_and_allow_a_reachable_control_socket(tmp_path):
+    """A Slurm job of 2 nodes x 2 ranks is a world of 4 (the layout checks count it), and its rank 0
+    may listen beyond loopback (opted into) so the submitting machine can reach it; the same
+    config is refused where it cannot mean what it says."""
+    from contract.config import ConfigError
+    from supervisor import RunManager, RunRefused
+    cfg = load_config(overrides=["nproc=2", "parallel.nodes=2", "control.host=0.0.0.0", "tp=2",
+                                 f"output_dir={tmp_path}"])
+    assert (cfg.world_size, cfg.dp_size) == (4, 2)
+    with pytest.raises(ConfigError, match="control.host: listening beyond loopback"):
+        load_config(overrides=["nproc=2", "control.host=0.0.0.0"])
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=2\nb slots=2\n")
+    with pytest.raises(ConfigError, match="parallel.nodes: the hostfile says"):
+        load_config(overrides=[f"parallel.hostfile={hostfile}", "parallel.nodes=2"])
+    with pytest.raises(RunRefused, match="is for a Slurm job"):  # not started here as 2 ranks
+        RunManager(tmp_path / "runs").start(cfg)
+
+
 @pytest.mark.slow
 def test_submit_the_default_chat_pause_set_lr_and_stop(cluster, tmp_path):
     runs = tmp_path / "runs"
