@@ -135,8 +135,9 @@ class SpikeGuard:
         """The configured action, or pause where its cap is reached."""
         cfg = self.cfg
         if action == "skip" and self.skips_in_a_row >= cfg.max_skips_in_a_row:
-            action, reason = "pause", (f"{reason}; {self.skips_in_a_row} steps in a row were skipped "
-                                       f"already (guard.max_skips_in_a_row {cfg.max_skips_in_a_row}), so it pauses")
+            n = self.skips_in_a_row
+            action, reason = "pause", (f"{reason}; {n} step{'s' * (n != 1)} in a row skipped already "
+                                       f"(guard.max_skips_in_a_row {cfg.max_skips_in_a_row}), so it pauses")
         elif action == "rewind" and self.rewinds >= cfg.max_rewinds:
             action, reason = "pause", (f"{reason}; the guard has rewound {self.rewinds} times "
                                        f"(guard.max_rewinds {cfg.max_rewinds}), so it pauses")

@@ -11,12 +11,15 @@ checks, and one 2-rank DeepSpeed launch where injected trouble meets each action
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from contract.config import ConfigError, GuardConfig, load_config
 from engine.spike_guard import SpikeGuard, SpikeStatistic, Verdict, newest_good
+from dist_utils import SCRIPTS, parse_results, run_deepspeed
 
 
 def guard(**kw) -> SpikeGuard:
@@ -91,7 +94,7 @@ def test_skips_in_a_row_are_capped_then_pause():
     g = guard(on_nonfinite="skip", max_skips_in_a_row=2)
     verdicts = feed(g, [1.0, math.nan, math.nan, math.nan])
     assert [v.action for v in verdicts] == ["ok", "skip", "skip", "pause"]
-    assert "2 steps in a row were skipped already (guard.max_skips_in_a_row 2)" in verdicts[-1].reason
+    assert "2 steps in a row skipped already (guard.max_skips_in_a_row 2)" in verdicts[-1].reason
     g2 = guard(on_nonfinite="skip", max_skips_in_a_row=2)
     assert [v.action for v in feed(g2, [math.nan, math.nan, 1.0, math.nan, math.nan])] == ["skip"] * 2 + ["ok"] + ["skip"] * 2
 
@@ -154,3 +157,68 @@ def test_guard_config_refuses_what_cannot_work():
                            "guard.on_spike=rewind"])
     load_config(overrides=["guard.enabled=true", "control.enabled=false"])
     load_config(overrides=["method=lomo", "guard.on_spike=skip"])
+
+
+# -- the guard in a 2-rank DeepSpeed run -----------------------------------------------------------
+
+def _events(folder: str) -> list[dict]:
+    return [json.loads(line) for line in (Path(folder) / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("guard")
+    results = parse_results(run_deepspeed(SCRIPTS / "guard_check.py", nproc=2, args=("--out", str(out)),
+                                          timeout=420))
+    by_scenario: dict[str, list[dict]] = {}
+    for r in results:
+        by_scenario.setdefault(r["scenario"], []).append(r)
+    for name, ranks in by_scenario.items():  # every rank took the same decisions
+        assert len(ranks) == 2, name
+        assert ranks[0]["seen"] == ranks[1]["seen"] and ranks[0]["optimizer_steps"] == ranks[1]["optimizer_steps"]
+    return {name: {**ranks[0], "events": _events(ranks[0]["folder"])} for name, ranks in by_scenario.items()}
+
+
+@pytest.mark.slow
+def test_poisoned_batches_lora_skip_then_pause_at_the_cap(launched):
+    run = launched["skip"]
+    events = run["events"]
+    assert [s for s, _ in run["seen"]] == list(range(1, 13))
+    assert run["optimizer_steps"] == 10  # steps 7 and 8 were neither back-propagated nor applied
+    guards = [e for e in events if e["type"] == "guard"]
+    assert [(e["step"], e["trigger"], e["action"], e["update_applied"]) for e in guards] == [
+        (7, "loss_spike", "skip", False), (8, "loss_spike", "pause", False)]
+    assert "guard.max_skips_in_a_row 1" in guards[1]["reason"]
+    states = [(e["state"], e["step"]) for e in events if e["type"] == "state"]
+    assert ("paused", 8) in states and states.index(("paused", 8)) + 1 == states.index(("running", 8))
+    train = {e["step"]: e for e in events if e["type"] == "train"}
+    assert train[7]["loss"] > guards[0]["threshold"]
+    # the schedule did not advance through the two steps that applied nothing
+    assert train[7]["lr"] == train[8]["lr"] == train[9]["lr"] > train[10]["lr"]
+    # recovered: every later loss is back where it was before the poison (within 2%)
+    assert all(train[s]["loss"] < 1.02 * train[6]["loss"] for s in (9, 10, 11, 12))
+
+
+@pytest.mark.slow
+def test_set_lr_far_too_high_guard_rewinds_to_its_snapshot_with_the_lr_halved(launched):
+    run = launched["rewind"]
+    events = run["events"]
+    steps = [s for s, _ in run["seen"]]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10, 11, 12]
+    assert run["optimizer_steps"] == 12  # 6 restored with the snapshot, 6 after; the spike's not applied
+    kinds = [e["type"] for e in events]
+    g = kinds.index("guard")
+    guard, rewind, scaled = events[g], events[g + 1], events[g + 2]
+    assert (guard["step"], guard["trigger"], guard["action"], guard["update_applied"]) == (8, "loss_spike", "rewind", False)
+    assert (guard["target"], guard["target_step"], guard["rewinds"]) == ("snapshot:guard-6", 6, 1)
+    assert (rewind["type"], rewind["step"], rewind["abandoned"], rewind["reason"]) == ("rewind", 6, [7, 8], "guard: loss_spike")
+    assert (scaled["type"], scaled["changes"], scaled["before"]) == ("set", {"lr_scale": 0.5}, {"lr_scale": 1.0})
+    too_high = next(e for e in events if e["type"] == "set" and "lr" in e["changes"])
+    train = [e for e in events if e["type"] == "train"]
+    first, second = train[:8], train[8:]
+    assert first[6]["lr"] == 1.0 and first[7]["loss"] > 5 * first[5]["loss"]  # the spike
+    # step 7 again: the same weights and batch (the same loss), the schedule's rate halved
+    assert second[0]["step"] == 7 and second[0]["loss"] == first[6]["loss"]
+    assert second[0]["lr"] == pytest.approx(0.5 * too_high["before"]["lr"])
+    assert all(e["loss"] < first[5]["loss"] for e in second[1:])  # recovered: below step 6's loss
+    assert [e["type"] for e in events].count("guard") == 1
