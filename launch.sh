@@ -16,7 +16,8 @@ cd "$(dirname "$0")"
 VENV="$(pwd)/${LIVETUNE_VENV:-.venv}"
 case "${LIVETUNE_VENV:-}" in /*) VENV="$LIVETUNE_VENV" ;; esac
 PY="$VENV/bin/python"
-export GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# offline unless asked (HF_HUB_OFFLINE=0 ./launch.sh ... lets a model named by hub ID be downloaded)
+export GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 setup() {  # (re)install when the venv is missing or pyproject.toml changed since the last install
   local extra="$1" stamp="$VENV/.installed-$1"

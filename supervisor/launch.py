@@ -105,7 +105,9 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
     SIGKILL (`supervisor.guard` leads the group): for a run owned by its terminal. Call it from
     the main thread then (Linux ties the parent-death signal to the creating thread)."""
     env = dict(os.environ)
-    run_env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    # offline unless the caller's environment allows the hub (a model by hub ID: contract.hub)
+    run_env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
+               "TOKENIZERS_PARALLELISM": "false",
                "LIVETUNE_RUN_DIR": str(folder.root)}
     # Each rank gets an equal share of the cores; oversubscribing threads slows gloo ranks badly.
     run_env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)))

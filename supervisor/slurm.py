@@ -113,7 +113,8 @@ def job_script(cfg: RunConfig, folder: RunFolder, opts: SlurmOptions, python: st
         f"cd {shlex.quote(str(repo))}",
         f"scontrol show hostnames \"$SLURM_JOB_NODELIST\" | sed 's/$/ slots={nproc}/' > \"$RUN/hostfile\"",
         "MASTER=$(head -n 1 \"$RUN/hostfile\" | cut -d ' ' -f 1)",
-        f"export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false LIVETUNE_RUN_DIR=\"$RUN\" "
+        f"export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${{HF_HUB_OFFLINE:-1}} TOKENIZERS_PARALLELISM=false "
+        f"LIVETUNE_RUN_DIR=\"$RUN\" "
         f"PYTHONPATH={shlex.quote(str(repo))}${{PYTHONPATH:+:$PYTHONPATH}}",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ${SLURM_CPUS_ON_NODE:-1} / " + str(nproc) + " > 0 ? "
         "${SLURM_CPUS_ON_NODE:-1} / " + str(nproc) + " : 1 ))}",
