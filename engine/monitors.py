@@ -156,11 +156,15 @@ class WandbSink:
                                   disable_git=True)
         self.run = wandb.init(project=project or "livetune", name=folder.name, dir=str(folder), mode=mode,
                               config=config, settings=settings, reinit="create_new")
+        # the x axis is the run's optimizer step, logged as a value: after a rewind the step goes
+        # back, which W&B's own (monotonic) step would drop
+        self.run.define_metric("global_step")
+        self.run.define_metric("*", step_metric="global_step")
 
     def __call__(self, event: dict) -> None:
         kind = event.get("type")
         if kind in ("train", "eval"):
-            self.run.log(_scalars(event), step=int(event.get("step", 0)))
+            self.run.log({"global_step": int(event.get("step", 0)), **_scalars(event)})
         elif kind == "state" and event.get("state") in FINAL_STATES:
             self.close()
 

@@ -74,6 +74,7 @@ def test_csv_and_wandb_offline_hold_the_runs_numbers(tmp_path):
     assert [float(r["eval/loss"]) for r in eval_rows] == [e["eval/loss"] for e in evals]
 
     logged = history(run)
-    losses = {r["_step"]: r["train/loss"] for r in logged if "train/loss" in r}
+    losses = {r["global_step"]: r["train/loss"] for r in logged if "train/loss" in r}
     assert losses == {e["step"]: e["loss"] for e in train}
-    assert {r["_step"]: r["eval/loss"] for r in logged if "eval/loss" in r} == {e["step"]: e["eval/loss"] for e in evals}
+    assert {r["global_step"]: r["eval/loss"] for r in logged if "eval/loss" in r} == \
+        {e["step"]: e["eval/loss"] for e in evals}
