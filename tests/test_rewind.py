@@ -23,7 +23,7 @@ from contract.branches import ROOT, BranchTree, branch_events, path_events
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 
 STEPS = [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 5, 6, 7, 8, 5, 6, 7, 8, 9]
-LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora", "split-and-fused": "tp2,pp2,lomo"}
+LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora", "split-and-fused": "lomo,tp2,pp2"}
 
 
 def check_sequence(seen: list) -> dict[int, float]:
@@ -54,9 +54,9 @@ def check_replies(replies: list, layout: str, other: bool) -> None:
         {"step": 4, "branch": "b", "parent": ROOT, "abandoned": [5, 8]}
 
 
-def check_folder(folder: Path) -> None:
+def check_folder(folder: Path, current: str = "b") -> None:
     tree = BranchTree.load(folder)
-    assert tree.current == "b" and tree.ancestry("b") == [ROOT, "b"] and tree.branches["b"].fork_step == 4
+    assert tree.current == current and tree.ancestry("b") == [ROOT, "b"] and tree.branches["b"].fork_step == 4
     assert (folder / "checkpoints" / "step-4" / "COMPLETE.json").exists()  # the fork point stays
     assert (folder / "branches" / "b" / "checkpoints" / "step-8" / "COMPLETE.json").exists()
     events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
@@ -81,12 +81,17 @@ def test_rewind_branch_and_snapshot_repeat_the_losses(tmp_path, launch):
         assert ranks[0]["seen"] == ranks[1]["seen"] and ranks[0]["branch"] == "b"
         first = check_sequence(ranks[0]["seen"])
         check_replies(ranks[0]["replies"], layout, other=i > 0)
-        check_folder(Path(ranks[0]["folder"]))
-        if launch == "data-parallel" and i == 0:
+        resumed_too = launch == "data-parallel" and i == 0  # resume=main went on in main
+        check_folder(Path(ranks[0]["folder"]), ROOT if resumed_too else "b")
+        if resumed_too:
             resumed = [r for r in results if r["layout"] == f"{layout}-resumed"]
             assert len(resumed) == 2 and all(r["branch"] == ROOT for r in resumed)
             # main's step-8 is the weights branch b reached at its step 8: the same step 9
             assert resumed[0]["seen"] == [[9, first[9]]]
             folder = Path(ranks[0]["folder"])
-            assert BranchTree.load(folder).current == ROOT
             assert (folder / "checkpoints" / "step-9" / "COMPLETE.json").exists()
+            events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+            resume = [e for e in events if e["type"] == "resume"]
+            assert len(resume) == 1 and resume[0]["branch"] == ROOT and resume[0]["step"] == 8
+            main = [e["step"] for e in branch_events(events, ROOT) if e["type"] == "train"]
+            assert main == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 5, 6, 7, 8, 9]

@@ -61,6 +61,17 @@ def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
+def _tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a nest of dicts / lists (the states kept as Python objects)."""
+    if hasattr(obj, "element_size") and hasattr(obj, "nelement"):
+        return obj.element_size() * obj.nelement()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
 class SnapshotStore:
     """The run's snapshots on this rank, oldest first (every rank holds one, in step)."""
 
@@ -120,7 +131,9 @@ class SnapshotStore:
         snap = Snapshot(name, run.state.global_step, branch, folder, record, copy.deepcopy(states),
                         rng_state(), copy.deepcopy(ckpt.loop_state(run)))
         comm.barrier()  # every rank's files are written before rank 0 measures them
-        snap.bytes = int(comm.broadcast(_folder_bytes(folder) if comm.rank == 0 else 0))
+        # DeepSpeed's files of every rank (one machine), and every rank's states held as objects
+        held = sum(comm.all_gather(_tensor_bytes([snap.states, snap.loop, snap.rng])))
+        snap.bytes = int(comm.broadcast(_folder_bytes(folder) if comm.rank == 0 else 0)) + held
         if self.max_bytes and snap.bytes > self.max_bytes:
             self._drop(snap, comm)
             raise SnapshotError(f"snapshot: the training state takes {snap.bytes / 2**20:.1f} MiB, more than "
