@@ -32,17 +32,26 @@ class DataView:
     inbox: list[dict]
 
 
-def data_view(folder: RunFolder, events: Iterable[dict] | None = None) -> DataView:
-    """The sources, samples drawn and inbox of the run in `folder`."""
+def data_view(folder: RunFolder, events: Iterable[dict] | None = None,
+              live_sources: list[dict] | None = None) -> DataView:
+    """The sources, samples drawn and inbox of the run in `folder`. `live_sources`: the sources
+    as the running run says now (its `status`), which win over the event log's account."""
     events = read_events(folder.events) if events is None else events
     sources = configured_sources(folder)
     totals: dict[str, float] = {}
     seen: dict[str, list[Point]] = {}
     checks: dict[str, dict] = {}
+    # the sources as each checkpoint / snapshot recorded them: a rewind to one takes them back
+    kept: dict[str, list[dict]] = {}
     for event in events:
         kind, step = event.get("type"), event.get("step")
         if kind == "data" and isinstance(event.get("sources"), list):
             sources = [dict(s) for s in event["sources"] if isinstance(s, dict)]
+        elif kind in ("checkpoint", "snapshot"):
+            kept[_key(event.get("path") if kind == "checkpoint" else "snapshot:" + str(event.get("name")))] = \
+                [dict(s) for s in sources]
+        elif kind in ("rewind", "branch") and _key(event.get("source")) in kept:
+            sources = [dict(s) for s in kept[_key(event.get("source"))]]
         elif kind == "train" and isinstance(step, int) and isinstance(event.get("samples_per_source"), dict):
             for name, n in event["samples_per_source"].items():
                 if isinstance(n, (int, float)):
@@ -55,6 +64,8 @@ def data_view(folder: RunFolder, events: Iterable[dict] | None = None) -> DataVi
                     points.append((step, totals[name]))
         elif kind == "teach_check" and isinstance(event.get("id"), str):
             checks[event["id"]] = event
+    if live_sources:
+        sources = [dict(s) for s in live_sources if isinstance(s, dict)]
     for source in sources:
         source.setdefault("seen", int(totals.get(str(source.get("name")), 0)))
     inbox = []
@@ -63,6 +74,12 @@ def data_view(folder: RunFolder, events: Iterable[dict] | None = None) -> DataVi
         inbox.append({**entry.to_dict(), "old": check.get("old"), "new": check.get("new"),
                       "learned": check.get("learned"), "checked_at": check.get("step")})
     return DataView(sources, seen, inbox)
+
+
+def _key(where: object) -> str:
+    """A checkpoint's or snapshot's name as events give it (a URL, a path, "snapshot:NAME")."""
+    text = str(where or "")
+    return text if text.startswith("snapshot:") else text.removeprefix("file://").rstrip("/").rsplit("/", 1)[-1]
 
 
 def configured_sources(folder: RunFolder) -> list[dict]:

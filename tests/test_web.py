@@ -176,6 +176,10 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     open_section(page, "Evaluation")
     set_number(page, "cfg-eval-every-n-steps", "0")
     wait_until(start.is_enabled, 30, "Start to be enabled again")
+    # where each value comes from: the form's own changes, the rest from the preset
+    origin = page.locator("#cfg-provenance")
+    wait_until(lambda: "train.micro_batch_size=16" in origin.inner_text(), 30, "the form's values named")
+    assert "from the preset 'embedded default'" in origin.inner_text()
 
     start.click()
     wait_until(lambda: state(page) == "running" and step(page) >= 2, SLOW / 1000, "the run to train")
@@ -210,6 +214,20 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     open_tab(page, "Chat")
     paused_answer = ask(page, "upper: abc")
     assert f"step {held} · live weights" in paused_answer
+    # Teach on that answer: the pair goes into the run's inbox
+    page.locator("#chat-teach-fold").click()
+    wait_until(lambda: "upper: abc" in page.locator("#chat-teach-which input").input_value(), 30,
+               "the last question offered to Teach")
+    page.locator("#chat-teach-answer textarea").fill("ABC")
+    page.locator("#chat-teach").click()
+    wait_until(lambda: "Taught t1" in page.locator("#chat-teach-result").inner_text(), 120, "the teach answer")
+    assert '"answer": "ABC"' in (run / "inbox.jsonl").read_text()
+    # the branches section: the tree, and Snapshot now while paused
+    open_tab(page, "Checkpoints")
+    wait_until(lambda: "main" in page.locator("#branch-tree").inner_text(), 60, "the branch tree")
+    assert "◀ training here" in page.locator("#branch-tree").inner_text()
+    page.locator("#branch-snapshot").click()
+    wait_until(lambda: f"kept at step {held}" in page.locator("#branch-result").inner_text(), 120, "the snapshot")
     open_tab(page, "Train")
     page.locator("#train-resume").click()
     wait_until(lambda: state(page) == "running" and step(page) > held, 120, "training to go on")

@@ -195,3 +195,31 @@ def test_the_branch_view_overlays_branches_and_keeps_abandoned_steps_apart(tmp_p
     with folder.events.open("a") as f:
         f.write(json.dumps({"type": "state", "state": "finished"}) + "\n")
     assert [t.kind for t in branch_view(folder).targets] == ["checkpoint"] * 3
+
+
+def test_the_data_view_follows_sources_draws_rewinds_and_the_inbox(tmp_path):
+    from app.sources import data_view
+    from contract.inbox import add_entry, forget_entry, inbox_path
+
+    folder = RunFolder(tmp_path / "run").create()
+    folder.config.write_text("data: {train: '', format: auto}\n")
+    two = [{"name": "train", "weight": 1.0}, {"name": "extra", "weight": 0.5}]
+    events = [{"type": "train", "step": s, "samples_per_source": {"train": 4}} for s in (1, 2)]
+    events += [{"type": "snapshot", "name": "s2", "step": 2},
+               {"type": "data", "step": 2, "change": "add", "sources": two}]
+    events += [{"type": "train", "step": s, "samples_per_source": {"train": 3, "extra": 1}} for s in (3, 4)]
+    events += [{"type": "rewind", "step": 2, "source": "snapshot:s2", "abandoned": [3, 4]},
+               {"type": "train", "step": 3, "samples_per_source": {"train": 4}},
+               {"type": "teach_check", "id": "t1", "step": 3, "old": "zzz", "new": "qux", "learned": True}]
+    add_entry(inbox_path(folder.root), "t1", "capital: zorb", "qux", 2)
+    add_entry(inbox_path(folder.root), "t2", "capital: blip", "bar", 2)
+    forget_entry(inbox_path(folder.root), "t2", 3)
+    view = data_view(folder, events)
+    assert [s["name"] for s in view.sources] == ["train"]  # the rewind took the added source back
+    assert view.seen["train"] == [(1, 4.0), (2, 8.0), (3, 12.0)]  # drawn again from step 2's position
+    assert view.seen["extra"] == [(3, 1.0), (4, 2.0)]  # what the abandoned steps drew stays visible
+    assert view.sources[0]["seen"] == 12 and view.sources[0]["path"] == "(the embedded default task)"
+    assert [(e["id"], e["removed"], e["old"], e["new"], e["learned"]) for e in view.inbox] == [
+        ("t1", False, "zzz", "qux", True), ("t2", True, None, None, None)]
+    # the running run's own word on its sources wins
+    assert [s["name"] for s in data_view(folder, events, live_sources=two).sources] == ["train", "extra"]

@@ -103,7 +103,35 @@ def test_branch_rewind_snapshot_data_and_teach_from_the_web_handlers(tmp_path):
         assert any("(abandoned" in name for name in series), series.keys()
         with pytest.raises(SessionError, match="nope"):
             web_branches.do_rewind(backend, section, path, "snapshot:nope")
-        assert isinstance(web_data.show(backend, panel, path)[panel.sources], pd.DataFrame)
+        # the snapshot was taken before "extra" was added: the rewind took the sources back too
+        assert list(web_data.show(backend, panel, path)[panel.sources]["source"]) == ["train"]
+        seen = json.loads(web_data.show(backend, panel, path)[panel.seen])["series"]
+        assert seen["train"]["points"][-1][1] > 0  # samples drawn from the embedded task, plotted
+
+        # the notebook panel's same controls, on the same run
+        from app.notebook.panel import RunPanel
+        nb = RunPanel(output_dir=runs)
+        try:
+            assert nb.run is not None and "slow" in nb.branches.tree.value and "◀ training here" in nb.branches.tree.value
+            assert "snapshot:before" in [v for _, v in nb.branches.target.options]
+            deadline = time.monotonic() + 60  # the panel's watcher enables what the state allows
+            while nb.branches.rewind_button.disabled and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not nb.branches.rewind_button.disabled and not nb.data.add_button.disabled
+            nb.branches.snapshot().result(timeout=120)
+            nb.branches.refresh()
+            assert len([v for _, v in nb.branches.target.options if v.startswith("snapshot:")]) == 2
+            nb.data.source.value, nb.data.weight.value = "train", "2"
+            nb.data.set_weight().result(timeout=120)
+            nb.data.refresh()
+            assert "<td style='padding:0 8px'>train</td><td style='padding:0 8px'>2.0</td>" in nb.data.sources.value
+            nb.chat.transcript = [("user", "capital: zorb"), ("assistant", "?")]
+            nb.chat.teach("qux").join(timeout=120)
+            assert "taught t2" in nb.chat.taught.value, nb.chat.taught.value
+            nb.data.refresh()
+            assert [label for label, _ in nb.data.entry.options] == ["t2: qux"]  # t1 was removed
+        finally:
+            nb.close()
     finally:
         backend.close()
         end_runs(runs)

@@ -3,7 +3,8 @@
 `chat` mode sends the conversation as chat messages through the session, as the web app's Chat
 tab does (the model's chat template; the last message as raw text when it has none); `prompt`
 mode sends the text as it is. The answer comes from a background thread, so the kernel stays
-free while the model writes.
+free while the model writes. Teach: write the answer you wanted to the last question and press
+Teach (issue 13): the pair goes into the run's inbox and the next batches.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class ChatBox:
         self.send_button = widgets.Button(description="Send", button_style="primary", icon="paper-plane")
         self.clear_button = widgets.Button(description="Clear")
         self.view = widgets.HTML(layout=widgets.Layout(width="720px"))
+        self.wanted = widgets.Text(placeholder="the answer you wanted to the last question",
+                                   layout=widgets.Layout(width="520px"))
+        self.teach_button = widgets.Button(description="Teach", icon="graduation-cap")
+        self.taught = widgets.HTML()
+        self.teach_button.on_click(lambda _: self.teach())
         self.transcript: list[tuple[str, str]] = []
         self.answer = ""          # the answer being streamed (or the last one)
         self.base_answer = ""
@@ -49,7 +55,7 @@ class ChatBox:
             widgets.HTML("<b>Chat with the live model</b>"),
             widgets.HBox([self.input, widgets.VBox([self.send_button, self.clear_button])]),
             widgets.HBox([self.mode, self.max_new_tokens, self.keep_history, self.compare_base]),
-            self.view])
+            self.view, widgets.HBox([self.wanted, self.teach_button]), self.taught])
 
     def set_enabled(self, enabled: bool) -> None:
         self.send_button.disabled = not enabled or self.busy
@@ -74,6 +80,41 @@ class ChatBox:
         self._thread = threading.Thread(target=self._stream, args=(run,), name="chat-stream", daemon=True)
         self._thread.start()
         return self._thread
+
+    def teach(self, answer: str | None = None) -> threading.Thread | None:
+        """Teach `answer` (default: the box) for the last question asked, as the chat sent it;
+        returns the thread waiting for the run's answer (it comes at the next step boundary)."""
+        run = self._get_run()
+        answer = self.wanted.value if answer is None else answer
+        asked = [text for role, text in self.transcript if role == "user"]
+        if run is None or not asked:
+            self._on_error("teach: ask something first")
+            return None
+        if not answer.strip():
+            self._on_error("teach: write the answer you wanted first")
+            return None
+        question = asked[-1]
+        thread = threading.Thread(target=self._teach, args=(run, question, answer), name="teach", daemon=True)
+        thread.start()
+        self._teaching = thread
+        return thread
+
+    def _teach(self, run: Run, question: str, answer: str) -> None:
+        try:
+            try:
+                result = (run.teach(question, answer) if self.mode.value == "prompt" else
+                          run.teach(None, answer, messages=[{"role": "user", "content": question}]))
+            except Exception as e:  # noqa: BLE001 - a model without a chat template: the raw text
+                if "chat template" not in str(e):
+                    raise
+                result = run.teach(question, answer)
+            self.wanted.value = ""
+            self.taught.value = (f"<span style='color:#333'>taught {html.escape(str(result.get('id')))} at step "
+                                 f"{html.escape(str(result.get('step')))}: {html.escape(question)} → "
+                                 f"{html.escape(answer)} (see the data fold's inbox)</span>")
+        except Exception as e:  # noqa: BLE001 - shown, the kernel goes on
+            self._on_error(f"teach: {e}")
+            self.taught.value = f"<span style='color:#b00020'>not taught: {html.escape(str(e))}</span>"
 
     def wait(self, timeout: float | None = None) -> str:
         """Wait for the answer being streamed; returns it."""

@@ -1,5 +1,6 @@
 """The run panel: config form, Start / Pause / Resume / Stop / Save / Evaluate, a live learning
-rate, progress with ETA, live plots, the chat box, and a run picker to reattach.
+rate, progress with ETA, live plots, the chat box (with Teach), the branches (Rewind / Branch /
+Snapshot) and data (sources, weights, inbox) folds of `extras`, and a run picker to reattach.
 
     panel = RunPanel()       # reattaches to the newest live run in the output folder, if any
     panel                    # (last line of a cell) shows it
@@ -24,6 +25,7 @@ import ipywidgets as widgets
 
 from app.notebook import api
 from app.notebook.chat import ChatBox
+from app.notebook.extras import BranchControls, DataControls
 from app.notebook.fallback import with_note
 from app.notebook.form import ConfigForm
 from app.notebook.plots import render_png
@@ -86,6 +88,10 @@ class RunPanel:
         self.progress_label = widgets.HTML()
         self.plot = widgets.Image(format="png", layout=widgets.Layout(width="960px"))
         self.chat = ChatBox(lambda: self.run, on_error=self._error)
+        self.branches = BranchControls(lambda: self.run, self._command, self._error)
+        self.data = DataControls(lambda: self.run, self._command, self._error)
+        extras = widgets.Accordion(children=[self.branches.widget, self.data.widget],
+                                   titles=("branches: rewind, branch, snapshot", "data: sources, weights, inbox"))
         self.picker = widgets.Dropdown(description="run", layout=widgets.Layout(width="520px"))
         self.refresh_button = button("Refresh", "refresh", self.refresh_runs)
         self.attach_button = button("Attach", "link", lambda: self.picker.value and self.attach(self.picker.value))
@@ -97,7 +103,7 @@ class RunPanel:
                           self.save_on_stop, self.save_button, self.evaluate_button]),
             widgets.HBox([self.lr, self.lr_button]),
             widgets.HBox([self.progress, self.progress_label]),
-            self.plot, self.chat.widget,
+            self.plot, self.chat.widget, extras,
             widgets.HBox([self.picker, self.refresh_button, self.attach_button]),
             self.status])
 
@@ -133,6 +139,8 @@ class RunPanel:
         self.watcher = Watcher(run.handle.folder, self._on_tick, is_alive=lambda: run.info().alive,
                                interval=self.poll_interval, on_error=self._error).start()
         self.refresh_runs(select=run.name)
+        self.branches.refresh()
+        self.data.refresh()
         return run
 
     def detach(self) -> None:
@@ -240,6 +248,9 @@ class RunPanel:
                                 (self.evaluate_button, "evaluate"), (self.lr_button, "set")):
             button.disabled = command not in ok
         self.chat.set_enabled("generate" in ok)
+        self.chat.teach_button.disabled = "teach" not in ok
+        self.branches.enable(state)
+        self.data.enable(state)
 
     # -- messages -------------------------------------------------------------------------------
     def _say(self, text: str, error: bool = False) -> None:

@@ -110,7 +110,7 @@ def show(backend: Backend, panel: DataPanel, path: str | None, seq: int = 1) -> 
         return {panel.sources: pd.DataFrame(columns=SOURCE_COLUMNS), panel.inbox: pd.DataFrame(columns=INBOX_COLUMNS),
                 panel.source: gr.update(choices=[], value=None), panel.entry: gr.update(choices=[], value=None),
                 **_buttons(panel, None), panel.seen: batch({}, None, "", seq)}
-    view = data_view(RunFolder(Path(path)))
+    view = data_view(RunFolder(Path(path)), live_sources=live_sources(backend, path))
     names = [str(s.get("name")) for s in view.sources]
     entries = [(f"{e['id']}: {_short(e['prompt'])} → {_short(e['answer'])}", e["id"]) for e in view.inbox
                if not e.get("removed")]
@@ -118,6 +118,19 @@ def show(backend: Backend, panel: DataPanel, path: str | None, seq: int = 1) -> 
             panel.source: gr.update(choices=names, value=names[0] if names else None),
             panel.entry: gr.update(choices=entries, value=entries[-1][1] if entries else None),
             **_buttons(panel, backend.session.info(path).state), panel.seen: batch(view.seen, None, path, seq)}
+
+
+def live_sources(backend: Backend, path: str) -> list[dict] | None:
+    """The sources as the running run says now (a rewind takes them back with the data position);
+    None when it cannot say (not running, or no answer at once)."""
+    info = backend.session.info(path)
+    if not info.alive or info.state not in ("running", "paused"):
+        return None
+    try:
+        found = backend.session.client(path, timeout=2.0).status().get("sources")
+    except Exception:  # noqa: BLE001 - the event log's account is shown instead
+        return None
+    return found if isinstance(found, list) else None
 
 
 def _buttons(panel: DataPanel, state: str | None) -> dict:
