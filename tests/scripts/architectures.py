@@ -1,0 +1,119 @@
+"""The architecture matrix (tests/test_architectures.py): for each tiny architecture, built from
+a config in WORK/ARCH/model, our Trainer (1 process) trains full fine-tuning and LoRA a few
+steps; the LoRA adapter is saved, loaded back with peft onto a fresh base model, and its logits
+compared with the trained model's. Prints one `RESULT {json}` line per architecture.
+
+    python tests/scripts/architectures.py WORK ARCH [ARCH ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+VOCAB, STEPS = 64, 12  # 12 steps of 4: the 32 rows once and a half
+SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def configs() -> dict:
+    import transformers as t
+    common = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, **SPECIAL)
+    decoder = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, **common)
+    return {
+        "gpt2": lambda: t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, **SPECIAL),
+        "qwen2": lambda: t.Qwen2Config(num_key_value_heads=2, **decoder),
+        "mistral": lambda: t.MistralConfig(num_key_value_heads=2, sliding_window=16, **decoder),
+        "phi3": lambda: t.Phi3Config(num_key_value_heads=4, **decoder),
+        "gpt_neox": lambda: t.GPTNeoXConfig(**decoder),
+        "opt": lambda: t.OPTConfig(hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32,
+                                   **common),
+        "gemma": lambda: t.GemmaConfig(num_key_value_heads=1, head_dim=8, **decoder),
+        "llama": lambda: t.LlamaConfig(num_key_value_heads=2, **decoder),
+    }
+
+
+def write_folder(folder: Path, arch: str) -> None:
+    """A tiny model of `arch` with a word-level tokenizer, and patterned rows to learn."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(configs()[arch]()).save_pretrained(folder / "model")
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
+                                  pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
+    tok.save_pretrained(folder / "model")
+    rows = []
+    for i in range(32):  # counting runs with a stride: easy to learn in a few steps
+        start, stride, length = 3 + i % 40, 1 + i % 3, 10 + i % 7
+        rows.append({"input_ids": [1] + [3 + (start + stride * k) % (VOCAB - 3) for k in range(length)]})
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def train(folder: Path, method: str, lr: float):
+    from contract.config import load_config
+    from engine.callbacks import Callback
+    from engine.trainer import Trainer
+    cfg = load_config(overrides=[
+        f"model.path={folder / 'model'}", f"data.train={folder / 'train.jsonl'}", f"method={method}",
+        f"max_steps={STEPS}", "batch_size=4", f"lr={lr}", "optim.warmup_steps=0", "optim.scheduler=constant",
+        "precision=fp32", "eval.at_end=false", "checkpoint.save_at_end=false", "control.enabled=false",
+        "logging.tensorboard=false", "logging.progress_bar=false", f"output_dir={folder / 'runs'}",
+        f"run_name={method}"])
+    losses: list[float] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, loss):
+            losses.append(loss)
+
+    trainer = Trainer(config=cfg, callbacks=[Record()])
+    trainer.train()
+    return trainer, losses
+
+
+def one(work: Path, arch: str) -> dict:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from engine.methods import infer_lora_targets
+    folder = work / arch
+    write_folder(folder, arch)
+    base = AutoModelForCausalLM.from_pretrained(folder / "model")
+    targets = infer_lora_targets(base)
+    full, full_losses = train(folder, "full", 5e-3)
+    full.close()
+    lora, lora_losses = train(folder, "lora", 2e-2)
+    lora.save_peft(str(folder / "adapter"))
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11]])
+    module = lora.engine.module
+    module.eval()
+    with torch.no_grad():
+        trained = module(input_ids=ids).logits
+    lora.close()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder / "model"), folder / "adapter")
+    loaded.eval()
+    with torch.no_grad():
+        reloaded = loaded(input_ids=ids).logits
+    wrapped = sorted({n.rsplit(".", 1)[0].removesuffix(".lora_A").removesuffix(".lora_A.default")
+                      for n, _ in loaded.named_modules() if n.endswith("lora_A")})
+    return {"arch": arch, "targets": targets, "wrapped": wrapped, "full": full_losses, "lora": lora_losses,
+            "logits_diff": float((trained - reloaded).abs().max()),
+            "base_diff": float((trained - base(input_ids=ids).logits).abs().max())}
+
+
+def main() -> None:
+    work, archs = Path(sys.argv[1]), sys.argv[2:]
+    for arch in archs:
+        try:
+            result = one(work, arch)
+        except Exception:  # one architecture's failure is its cell's, not the others'
+            result = {"arch": arch, "error": traceback.format_exc()[-3000:]}
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
