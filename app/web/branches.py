@@ -18,6 +18,7 @@ from app.branches import BranchView, branch_view, tree_lines
 from app.session import SessionError, allowed
 from app.web.backend import Backend
 from app.web.plots import batch, live_plot
+from app.web.widgets import readable
 from contract.run_folder import RunFolder
 
 PLOTS = ("branch_loss", "branch_lr", "branch_eval")
@@ -66,24 +67,14 @@ def build(backend: Backend, run_state: gr.State) -> BranchesSection:
         plots[PLOTS[2]] = live_plot(PLOTS[2], "branch-plot-eval")
     section = BranchesSection(tree, target, rewind, name, lr, branch, snapshot_name, snapshot, result, plots)
     outputs = [result, *section.outputs()]
-    rewind.click(_handler(lambda path, t: do_rewind(backend, section, path, t)), inputs=[run_state, target],
+    rewind.click(readable(lambda path, t: do_rewind(backend, section, path, t)), inputs=[run_state, target],
                  outputs=outputs, api_visibility="private", concurrency_limit=None)
-    branch.click(_handler(lambda path, t, n, rate: do_branch(backend, section, path, t, n, rate)),
+    branch.click(readable(lambda path, t, n, rate: do_branch(backend, section, path, t, n, rate)),
                  inputs=[run_state, target, name, lr], outputs=outputs, api_visibility="private",
                  concurrency_limit=None)
-    snapshot.click(_handler(lambda path, n: do_snapshot(backend, section, path, n)), inputs=[run_state, snapshot_name],
+    snapshot.click(readable(lambda path, n: do_snapshot(backend, section, path, n)), inputs=[run_state, snapshot_name],
                    outputs=outputs, api_visibility="private", concurrency_limit=None)
     return section
-
-
-def _handler(fn):
-    """A refused command is shown in the section (the run goes on unchanged), not as a popup only."""
-    def run(*args: Any) -> dict:
-        try:
-            return fn(*args)
-        except SessionError as e:
-            raise gr.Error(str(e), print_exception=False) from None
-    return run
 
 
 def show(backend: Backend, section: BranchesSection, path: str | None, seq: int = 1) -> dict:
