@@ -113,3 +113,71 @@ def test_split_invariance_two_ranks(work):
         same_run(load(work, name), ref)
     same_run(load(work, "ppb"), load(work, "ppa"), norms=False)  # the pipeline engine keeps no norm
     same_run(load(work, "l2"), load(work, "l4"))
+
+
+# -- the pieces, without DeepSpeed -------------------------------------------------------------
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=4)).eval()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for rows, width, masked in ((2, 9, 3), (1, 5, 0)):  # uneven: 2 x 6 and 1 x 4 targets
+        ids = torch.randint(3, 40, (rows, width), generator=g)
+        labels = ids.clone()
+        labels[:, :masked] = -100  # a prompt that is no target
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return out
+
+
+def test_window_pieces_give_the_sum_of_token_losses_over_n():
+    """model_loss with a token window is sum(token losses) / N, summed over the micro-batches;
+    a loss_fn naming num_items_in_batch gets N (HF's convention); one that does not, and a model
+    whose forward takes no num_items_in_batch, are weighed by their targets / N."""
+    from engine.losses import PER_MICRO_BATCH, Window, count_targets, model_loss
+    model, batches = _tiny_llama(), _batches()
+    assert [count_targets(b["labels"]) for b in batches] == [2 * 6, 1 * 4]
+    # unshifted (prompt tuning's count): a row's first label is a target when it is not -100
+    assert [count_targets(b["labels"], shifted=False) for b in batches] == [2 * 6, 1 * 5]
+    window = Window(num_items=16, scale=1.0)
+
+    def token_sum(b):
+        logits = model(input_ids=b["input_ids"]).logits[:, :-1].reshape(-1, 40)
+        return torch.nn.functional.cross_entropy(logits, b["labels"][:, 1:].reshape(-1), reduction="sum")
+
+    with torch.no_grad():
+        want = sum(token_sum(b) for b in batches) / 16
+        got = sum(model_loss(model, b, "cpu", None, window) for b in batches)
+        torch.testing.assert_close(got, want)
+        seen = []
+
+        def counting(logits, labels, num_items_in_batch):
+            seen.append(num_items_in_batch)
+            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 40), labels[:, 1:].reshape(-1),
+                                                     reduction="sum") / num_items_in_batch
+
+        def mean_only(logits, labels):
+            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 40), labels[:, 1:].reshape(-1))
+
+        for fn in (counting, mean_only):
+            torch.testing.assert_close(sum(model_loss(model, b, "cpu", fn, window) for b in batches), want)
+        assert seen == [16, 16]
+
+        class Plain(torch.nn.Module):  # a forward without **kwargs: no num_items_in_batch
+            def __init__(self):
+                super().__init__()
+                self.inner = model
+
+            def forward(self, input_ids, attention_mask, labels, use_cache):
+                return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+        plain = Plain()
+        torch.testing.assert_close(sum(model_loss(plain, b, "cpu", None, window) for b in batches), want)
+        # the per-micro-batch mean: each micro-batch's own mean, whatever its targets
+        means = [model_loss(model, b, "cpu", None, PER_MICRO_BATCH) for b in batches]
+        torch.testing.assert_close(means[1], token_sum(batches[1]) / 4)
