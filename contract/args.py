@@ -70,7 +70,7 @@ def resolve_args(args: list[str]) -> Resolved:
     file_keys = _file_keys(config_path)
     override_keys = {SHORTCUTS.get(k.strip(), k.strip()) for k, _, _ in (o.partition("=") for o in overrides)}
     given = file_keys | override_keys
-    own = {k: v for k, v in _given_values(config_path, overrides).items() if k in ("model.path", "data.train")}
+    own = {k: v for k, v in _given_values(config_path, overrides).items() if k in ("model.path", "data.train", "data.sources")}
     uses_preset = config_path is None and not any(own.values())
     base: dict | None = copy.deepcopy(presets.DEFAULT) if uses_preset else None
     reasons: dict[str, str] = {}
@@ -116,9 +116,9 @@ def _file_keys(config_path: str | None) -> set[str]:
 
 
 def _given_values(config_path: str | None, overrides: list[str]) -> dict[str, Any]:
-    """The values of model.path and data.train as the file and the overrides give them."""
+    """The values of model.path and data.train (or data.sources) as the file and the overrides give them."""
     raw = _file_raw(config_path)
-    values = {k: _dig(raw, k) for k in ("model.path", "data.train")}
+    values = {k: _dig(raw, k) for k in ("model.path", "data.train", "data.sources")}
     for item in overrides:
         key, _, value = item.partition("=")
         key = SHORTCUTS.get(key.strip(), key.strip())

@@ -43,7 +43,10 @@ def _total_steps(cfg: RunConfig) -> tuple[int, bool]:
     if cfg.train.max_steps:
         return cfg.train.max_steps, False
     from engine import default_task
-    rows = default_task.N_TRAIN if cfg.uses_default_task else len(_rows(cfg.data.train))
+    if cfg.uses_default_task:
+        rows = default_task.N_TRAIN
+    else:  # the sources' rows together (data.sources), or data.train's
+        rows = sum(len(_rows(s["path"])) for s in cfg.data.sources) if cfg.data.sources else len(_rows(cfg.data.train))
     per_step = cfg.train.micro_batch_size * cfg.dp_size * cfg.train.grad_accum
     return max(1, rows // per_step) * cfg.train.epochs, True
 

@@ -72,6 +72,13 @@ class Source:
         """Indices the stream may give (an inbox leaves out forgotten entries)."""
         return self.dataset.active() if self.kind == "inbox" else list(range(len(self.view)))
 
+    def has_samples(self) -> bool:
+        return bool(self.dataset.active()) if self.kind == "inbox" else len(self.view) > 0
+
+    def gives(self, index: int) -> bool:
+        """Whether sample `index` may still be drawn (not a forgotten inbox entry)."""
+        return index in self.dataset.active() if self.kind == "inbox" else 0 <= index < len(self.view)
+
 
 def source_seed(seed: int, name: str, first: bool) -> int:
     """The first source streams with the run's seed (the plain sampler's order), others with a
@@ -160,8 +167,8 @@ class Mixture:
 
     def check_weights(self, changed: Source, weight: float | None) -> None:
         """Refuse a change that would leave no live source with weight > 0 (None: removing it)."""
-        left = [s for s in self.live() if s is not changed and s.weight > 0 and s.usable()]
-        if not left and not (weight and weight > 0 and changed.usable()):
+        left = [s for s in self.live() if s is not changed and s.weight > 0 and s.has_samples()]
+        if not left and not (weight and weight > 0 and changed.has_samples()):
             raise DataError("at least one source must keep a weight above 0 (pause one only while "
                             "another one trains)")
 
@@ -173,29 +180,43 @@ class Mixture:
         slots: list[tuple[int, int]] = []
         for plan in self.schedules:
             source = self.sources[plan["source"]]
-            if plan["steps_left"] <= 0 or source.removed or plan["index"] not in source.usable():
+            if plan["steps_left"] <= 0 or source.removed or not source.gives(plan["index"]):
                 continue
             take = min(plan["per_step"], self.global_size - len(slots))
             slots += [(plan["source"], plan["index"])] * take
             plan["steps_left"] -= 1
         self.schedules = [p for p in self.schedules if p["steps_left"] > 0]
-        weighted = [i for i, s in enumerate(self.sources) if not s.removed and s.weight > 0 and s.usable()]
+        weighted = [i for i, s in enumerate(self.sources) if not s.removed and s.weight > 0 and s.has_samples()]
         rest = self.global_size - len(slots)
         if rest and len(weighted) == 1:  # one source: no random draw (the plain sampler's batches)
-            picks = [weighted[0]] * rest
+            slots += [(weighted[0], i) for i in self._take(weighted[0], rest)]
         elif rest:
             weights = np.array([self.sources[i].weight for i in weighted], dtype=np.float64)
             rng = np.random.default_rng([self.seed % 2**63, MIX, self.drawn])
-            picks = [weighted[i] for i in rng.choice(len(weighted), size=rest, p=weights / weights.sum())]
-        else:
-            picks = []
-        for key in picks:
-            slots.append((key, self._next(key)))
-        for key, _ in slots:
-            name = self.sources[key].name
-            self.step_counts[name] = self.step_counts.get(name, 0) + 1
+            picks = rng.choice(len(weighted), size=rest, p=weights / weights.sum())
+            # each source's samples in stream order, placed at the slots that picked it
+            taken = {k: iter(self._take(weighted[k], int(n))) for k, n in
+                     zip(*np.unique(picks, return_counts=True))}
+            slots += [(weighted[k], next(taken[k])) for k in picks.tolist()]
+        for key, n in zip(*np.unique([k for k, _ in slots], return_counts=True)):
+            name = self.sources[int(key)].name
+            self.step_counts[name] = self.step_counts.get(name, 0) + int(n)
         self.drawn += 1
         return slots
+
+    def _take(self, key: int, n: int) -> list[int]:
+        """The next `n` samples of source `key`'s stream (a slice of its pass where it can)."""
+        source = self.sources[key]
+        if source.kind == "inbox":
+            return [self._next(key) for _ in range(n)]
+        out: list[int] = []
+        size = self._pass_size(source)
+        while len(out) < n:
+            number, offset = divmod(source.consumed, size)
+            part = self._order(key, number)[offset:offset + n - len(out)].tolist()
+            out += part
+            source.consumed += len(part)
+        return out
 
     def _next(self, key: int) -> int:
         """The next sample of source `key`'s stream."""
