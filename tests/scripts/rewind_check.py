@@ -7,12 +7,15 @@ the other in one launch. Each layout's run (9 steps: 3 epochs of 3, dropout on, 
     step 6 (again): rewind to 4   -> steps 5..6 again, then 7, 8
     step 8: branch b from step-4  -> steps 5..9 on branch b
 plus refusals at step 1: an unknown checkpoint, a taken branch name, a checkpoint of another
-layout (the previous layout's step-4). Prints per rank the (step, loss) sequence, the replies and
-the branch tree. Not a test module (tests/test_rewind.py runs it)."""
+layout (the previous layout's step-4). The first layout's commands go through RunClient over
+the control socket (rewind / branch / snapshot methods), the others straight into rank 0's queue.
+Prints per rank the (step, loss, lr) sequence, the replies and the branch tree. Not a test module (tests/test_rewind.py runs it)."""
 
 import argparse
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -20,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_common import make_task, overrides, report  # noqa: E402
 
 LAYOUTS = {"zero0": (0, []), "zero2": (2, []), "zero3": (3, []), "lora": (2, ["method=lora"]),
-           "lomo": (0, ["method=lomo", "lr=5e-2", "train.grad_accum=1", "max_steps=9"]), "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"])}
+           "lomo": (0, ["method=lomo", "lr=5e-2", "train.grad_accum=1"]), "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"])}
 
 
 def plan(other: str | None) -> dict[int, list]:
@@ -33,7 +36,39 @@ def plan(other: str | None) -> dict[int, list]:
             14: [Branch(target="step-4", branch="b")]}
 
 
-def run_layout(name: str, task: dict, out: Path, other: str | None) -> dict:
+def send_by_client(run_dir: Path, req: str, cmd, replies: list) -> threading.Thread:
+    """Send `cmd` through RunClient's own method for it, in a thread; its answer goes to `replies`."""
+    from supervisor.client import CommandError, RunClient
+
+    def send() -> None:
+        client = RunClient(run_dir)
+        try:
+            if cmd.name == "rewind":
+                result = client.rewind(cmd.target)
+            elif cmd.name == "branch":
+                result = client.branch(cmd.target, cmd.branch)
+            else:
+                result = client.snapshot(cmd.snapshot)
+            replies.append({"type": "done", "id": req, "result": result})
+        except CommandError as e:
+            replies.append({"type": "error", "id": req, "message": str(e)})
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait(ready, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the client's command was not queued")
+        time.sleep(0.01)
+
+
+def run_layout(name: str, task: dict, out: Path, other: str | None, via_client: bool = False) -> dict:
     from contract.config import load_config
     from contract.protocol import Status
     from engine.callbacks import Callback
@@ -42,22 +77,32 @@ def run_layout(name: str, task: dict, out: Path, other: str | None) -> dict:
 
     zero, extra = LAYOUTS[name]
     cfg = load_config(overrides=overrides(task, str(out / "runs"), name, zero, [
-        *extra, "control.enabled=true", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2"]))
+        *extra, "max_steps=9", "control.enabled=true", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2"]))
     seen: list[list] = []
     replies: list[dict] = []
     todo = plan(other)
+
+    threads: list[threading.Thread] = []
 
     class Driver(Callback):
         def on_train_batch_end(self, trainer, loss):
             # the loss, and the rate the next step trains with
             seen.append([trainer.state.global_step, loss, trainer.current_lr()])
-            if trainer.env.rank == 0:
-                for cmd in todo.get(len(seen), []):
-                    req = f"{len(seen)}-{cmd.name}"
+            if trainer.env.rank != 0:
+                return
+            for cmd in todo.get(len(seen), []):
+                req = f"{len(seen)}-{cmd.name}"
+                if via_client:  # over the socket, as a front end sends it; queued before this boundary
+                    queued = len(trainer.control.commands)
+                    threads.append(send_by_client(trainer.folder.root, req, cmd, replies))
+                    _wait(lambda: len(trainer.control.commands) > queued)
+                else:
                     trainer.control.commands.put(req, cmd, Reply(req, replies.append))
 
     trainer = Trainer(config=cfg, callbacks=[Driver()])
     trainer.train()
+    for thread in threads:
+        thread.join(timeout=120)
     assert Status  # the module imports cleanly
     result = {"layout": name, "rank": trainer.env.rank, "seen": seen, "folder": str(trainer.folder.root),
               "branch": trainer.folder.branch,
@@ -75,7 +120,7 @@ def resume_branch(name: str, task: dict, out: Path) -> dict:
 
     zero, extra = LAYOUTS[name]
     cfg = load_config(overrides=overrides(task, str(out / "runs"), name, zero, [
-        *extra, "control.enabled=false", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2", "resume=main"]))
+        *extra, "max_steps=9", "control.enabled=false", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2", "resume=main"]))
     seen: list[list] = []
 
     class Probe(Callback):
@@ -109,8 +154,8 @@ def main() -> None:
     out = Path(a.out)
     task = make_task(out / "task")
     other = None
-    for name in a.layouts.split(","):
-        r = run_layout(name, task, out, other)
+    for i, name in enumerate(a.layouts.split(",")):
+        r = run_layout(name, task, out, other, via_client=i == 0)  # the first through RunClient
         report(**r)
         other = str(Path(r["folder"]) / "checkpoints" / "step-4")
     if a.resume_branch:
