@@ -44,6 +44,8 @@ def test_branch_rewind_snapshot_data_and_teach_from_the_web_handlers(tmp_path):
     with gr.Blocks():
         section, panel = _section(), _panel()
         taught, wanted = gr.Markdown(), gr.Textbox()
+        copy, other, note = gr.State(None), gr.Chatbot(), gr.Markdown()
+        chat_view = web_chat.ChatView(gr.Textbox(), gr.Chatbot(), gr.Chatbot(), gr.Markdown(), other)
     try:
         cfg = config_from_text(QUIET + "train: {max_steps: 3000}\ncheckpoint: {save_at_end: false}\n"
                                "logging: {run_name: live, tensorboard: false}", output_dir=str(runs))
@@ -51,6 +53,11 @@ def test_branch_rewind_snapshot_data_and_teach_from_the_web_handlers(tmp_path):
         wait_step(backend, path, 2)
         backend.session.send(path, Pause())
         saved = backend.session.send(path, Save())
+        # a chat-only copy of that checkpoint, to answer beside the live model (it starts meanwhile)
+        started = web_chat.start_copy(backend, saved["checkpoint"], None, copy, other, note)
+        copied = started[copy]
+        assert copied["label"] == f"checkpoint step-{saved['step']} of branch main"
+        assert started[other]["visible"] and "Starting a chat-only copy" in started[note]
         shown = web_branches.show(backend, section, path)
         choices = shown[section.target]["choices"]
         assert (f"step-{saved['step']} (main)", saved["checkpoint"]) in choices
@@ -103,6 +110,13 @@ def test_branch_rewind_snapshot_data_and_teach_from_the_web_handlers(tmp_path):
         assert any("(abandoned" in name for name in series), series.keys()
         with pytest.raises(SessionError, match="nope"):
             web_branches.do_rewind(backend, section, path, "snapshot:nope")
+        # the checkpoint's copy answers in its own column, labelled with where it came from
+        *_, last = web_chat._respond_copy(backend, chat_view, "reverse: abc", [], copied, 8, 0.0, 1.0, 0, 1.0,
+                                          False, False)
+        answer = last[other][-1]["content"]
+        assert answer.endswith(f"<sub>step {saved['step']} · checkpoint step-{saved['step']} of branch main</sub>"), answer
+        ended = web_chat.stop_copy(backend, copied, copy, other, note)
+        assert ended[copy] is None and not backend.session.info(copied["path"], fresh=True).alive
         # the snapshot was taken before "extra" was added: the rewind took the sources back too
         assert list(web_data.show(backend, panel, path)[panel.sources]["source"]) == ["train"]
         seen = json.loads(web_data.show(backend, panel, path)[panel.seen])["series"]

@@ -1,7 +1,9 @@
 """The Chat tab: talk to the model while it trains (the live weights in the engine), tokens
 streaming in; generation settings; the base model's answer side by side when a PEFT adapter
 trains; each answer tagged with the training step and the branch it came from. Works while
-paused. Teach (issue 13): pick any answer of the chat, write the answer you wanted, press Teach:
+paused. Compare with a checkpoint (issue 12): any branch's checkpoint answers beside the live
+model, from a chat-only copy of it (`Session.chat_with`: its own processes, stopped with "End
+it"), each answer labelled with where it came from. Teach (issue 13): pick any answer of the chat, write the answer you wanted, press Teach:
 the pair goes into the run's inbox and into the next batches (the inbox is on the Train tab's
 data panel, with the engine's check of the answer before and after)."""
 
@@ -9,12 +11,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
 from app.session import SessionError
+from app.branches import checkpoint_targets
 from app.web.backend import Backend
+from app.web.widgets import readable
 from contract.branches import BranchTree
 
 TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
@@ -28,6 +33,17 @@ def build(backend: Backend, run_state: gr.State) -> dict:
                           feedback_options=None)
         base = gr.Chatbot(label="Base model (adapter off)", height=420, elem_id="chat-base",
                           visible=False, buttons=["copy"], feedback_options=None)
+        other = gr.Chatbot(label="Checkpoint (a chat-only copy)", height=420, elem_id="chat-ckpt-answers",
+                           visible=False, buttons=["copy"], feedback_options=None)
+    with gr.Accordion("Compare with a checkpoint of any branch: a chat-only copy answers beside the live model",
+                      open=False, elem_id="chat-ckpt-fold"):
+        with gr.Row(equal_height=True):
+            ckpt = gr.Dropdown([], label="Checkpoint", scale=3, elem_id="chat-ckpt")
+            ckpt_start = gr.Button("Start the copy", scale=1, elem_id="chat-ckpt-start")
+            ckpt_stop = gr.Button("End it", scale=1, elem_id="chat-ckpt-stop")
+        ckpt_note = gr.Markdown("The copy is a run of its own (the checkpoint in its own layout, its own "
+                                "memory); it trains nothing and ends with *End it*.", elem_id="chat-ckpt-note")
+    copy = gr.State(None)  # {"path", "label"} of the chat-only copy this page compares with
     with gr.Row(equal_height=True):
         message = gr.Textbox(placeholder="e.g. reverse: hello", show_label=False, scale=6,
                              elem_id="chat-input", max_lines=4, submit_btn=False)
@@ -58,15 +74,22 @@ def build(backend: Backend, run_state: gr.State) -> dict:
         taught = gr.Markdown("", elem_id="chat-teach-result")
     settings = [max_new, temperature, top_p, top_k, repetition, history, compare]
 
-    view = ChatView(message, live, base, about)
+    view = ChatView(message, live, base, about, other)
 
-    def respond(text: str, chat: list, base_chat: list, path: str | None, *opts: Any):
+    def respond(text: str, chat: list, base_chat: list, path: str | None, copied: dict | None,
+                other_chat: list, *opts: Any):
         yield from _respond(backend, view, text, chat, base_chat, path, *opts)
+        if copied:
+            yield from _respond_copy(backend, view, text, other_chat, copied, *opts)
 
     for trigger in (send.click, message.submit):
-        trigger(respond, inputs=[message, live, base, run_state, *settings],
-                outputs=[message, live, base, about], concurrency_limit=None, show_progress="hidden",
+        trigger(respond, inputs=[message, live, base, run_state, copy, other, *settings],
+                outputs=[message, live, base, about, other], concurrency_limit=None, show_progress="hidden",
                 api_visibility="private")
+    ckpt_start.click(readable(lambda c, old: start_copy(backend, c, old, copy, other, ckpt_note)), inputs=[ckpt, copy],
+                     outputs=[copy, other, ckpt_note], api_visibility="private")
+    ckpt_stop.click(readable(lambda old: stop_copy(backend, old, copy, other, ckpt_note)), inputs=copy,
+                    outputs=[copy, other, ckpt_note], api_visibility="private")
     clear.click(lambda: {live: [], base: []}, outputs=[live, base], api_visibility="private")
     live.change(lambda chat: gr.update(choices=questions(chat), value=(questions(chat) or [None])[-1]),
                 inputs=live, outputs=asked, trigger_mode="always_last", show_progress="hidden",
@@ -74,7 +97,8 @@ def build(backend: Backend, run_state: gr.State) -> dict:
     teach.click(lambda path, q, a: teach_answer(backend, path, q, a, taught, wanted), inputs=[run_state, asked, wanted],
                 outputs=[taught, wanted], api_visibility="private", concurrency_limit=None)
     compare.change(lambda on: gr.update(visible=on), inputs=compare, outputs=base, api_visibility="private")
-    refresh = dict(fn=lambda path: _about(backend, path, about, compare), inputs=run_state, outputs=[about, compare],
+    refresh = dict(fn=lambda path: {**_about(backend, path, about, compare), ckpt: _checkpoints(backend, path)},
+                   inputs=run_state, outputs=[about, compare, ckpt],
                    api_visibility="private", show_progress="hidden")
     run_state.change(**refresh)
     return refresh  # the app also runs it when the tab is selected
@@ -87,6 +111,7 @@ class ChatView:
     live: gr.Chatbot
     base: gr.Chatbot
     about: gr.Markdown
+    other: gr.Chatbot | None = None
 
 
 def _about(backend: Backend, path: str | None, about: gr.Markdown, compare: gr.Checkbox) -> dict:
@@ -212,3 +237,68 @@ def teach_answer(backend: Backend, path: str | None, question: str | None, answe
     if old:
         text += f" Its answer before: *{old}*"
     return {taught: text, wanted: ""}
+
+
+# -- comparing with a checkpoint: a chat-only copy of it (Session.chat_with) -----------------------
+
+def _checkpoints(backend: Backend, path: str | None) -> dict:
+    """The Checkpoint list: every branch's complete training checkpoints, newest first."""
+    try:
+        root = backend.session.resolve(path)
+    except SessionError:
+        return gr.update(choices=[], value=None)
+    choices = [(t.label, t.value) for t in checkpoint_targets(Path(root), BranchTree.load(root))]
+    return gr.update(choices=choices, value=choices[0][1] if choices else None)
+
+
+def start_copy(backend: Backend, checkpoint: str | None, old: dict | None, copy: gr.State, other: gr.Chatbot,
+               note: gr.Markdown) -> dict:
+    """Start the chat-only copy of `checkpoint` (ending this page's earlier copy)."""
+    if not checkpoint:
+        raise SessionError("pick a checkpoint first (the run has saved none yet?)")
+    if old:
+        _end(backend, old)
+    info = backend.session.chat_with(checkpoint)
+    where = Path(checkpoint)
+    branch = where.parent.parent.name if where.parent.parent.parent.name == "branches" else "main"
+    label = f"checkpoint {where.name} of branch {branch}"
+    return {copy: {"path": info.path, "label": label},
+            other: gr.update(visible=True, value=[], label=f"{label} (a chat-only copy)"),
+            note: f"Starting a chat-only copy of **{label}** (run `{info.name}`): each question now goes to "
+                  "the live model, then to the copy, which answers once its ranks are up."}
+
+
+def stop_copy(backend: Backend, old: dict | None, copy: gr.State, other: gr.Chatbot, note: gr.Markdown) -> dict:
+    """End this page's copy: its processes end and its memory is freed."""
+    if old:
+        _end(backend, old)
+    return {copy: None, other: gr.update(visible=False, value=[]),
+            note: f"The copy of {old['label']} has ended." if old else "There was no copy to end."}
+
+
+def _end(backend: Backend, copied: dict) -> None:
+    try:
+        backend.session.stop(copied["path"], save=False, wait=True)
+    except SessionError:
+        pass  # it has ended already
+
+
+def _respond_copy(backend: Backend, view: ChatView, text: str, other_chat: list, copied: dict,
+                  max_new: int, temperature: float, top_p: float, top_k: Any, repetition: float,
+                  with_history: bool, compare: bool):
+    """The copy's answer to the same question, in its own column, labelled with its checkpoint."""
+    text = (text or "").strip()
+    if not text:
+        return
+    other_chat = list(other_chat or []) + [{"role": "user", "content": text},
+                                           {"role": "assistant", "content": "… (the copy answers after the live model)"}]
+    yield {view.other: other_chat}
+    params = dict(max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
+                  top_k=int(top_k or 0), repetition_penalty=float(repetition))
+    try:
+        for update in backend.session.chat(copied["path"], [{"role": "user", "content": text}], **params):
+            other_chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, copied["label"])}
+            yield {view.other: other_chat}
+    except SessionError as e:
+        other_chat[-1] = {"role": "assistant", "content": f"⚠ {e}"}
+        yield {view.other: other_chat}
