@@ -150,9 +150,9 @@ def table(m: dict, args) -> str:
     disk, snap = statistics.median(m["disk"]), statistics.median(m["snapshot"])
     rows = [("rewind from disk (in place)", disk, "<= 0.2"), ("rewind from a snapshot (in place)", snap, "<= 0.05"),
             ("stop + relaunch with resume", relaunch, "1")]
-    lines = [f"{'2 ranks, ZeRO ' + str(args.zero) + ', hidden ' + str(args.hidden) + ' x ' + str(args.layers) + ' layers':<36} "
-             f"{'seconds':>8} {'x relaunch':>10} {'target':>7}"]
-    lines += [f"{name:<36} {t:>8.3f} {t / relaunch:>10.3f} {target:>7}" for name, t, target in rows]
+    head = f"2 ranks, ZeRO {args.zero}, hidden {args.hidden} x {args.layers} layers"
+    lines = [f"{head:<42} {'seconds':>8} {'x relaunch':>10} {'target':>8}"]
+    lines += [f"{name:<42} {t:>8.3f} {t / relaunch:>10.3f} {target:>8}" for name, t, target in rows]
     lines.append(f"  (relaunch = stop {m['stop']:.2f} s + start to ready {m['start']:.2f} s, of which the launcher and "
                  f"interpreters {m['to_python']:.2f} s, imports and building the run with the checkpoint loaded "
                  f"{m['to_built']:.2f} s)")

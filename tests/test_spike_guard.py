@@ -197,6 +197,9 @@ def test_poisoned_batches_lora_skip_then_pause_at_the_cap(launched):
     assert train[7]["lr"] == train[8]["lr"] == train[9]["lr"] > train[10]["lr"]
     # recovered: every later loss is back where it was before the poison (within 2%)
     assert all(train[s]["loss"] < 1.02 * train[6]["loss"] for s in (9, 10, 11, 12))
+    # the norm the guard reads (DeepSpeed's, ZeRO 2) is there for every applied step
+    applied = [n for i, n in enumerate(run["norms"]) if i + 1 not in (7, 8)]
+    assert all(n is not None and 0 < n < math.inf for n in applied)
 
 
 @pytest.mark.slow
@@ -222,3 +225,5 @@ def test_set_lr_far_too_high_guard_rewinds_to_its_snapshot_with_the_lr_halved(la
     assert second[0]["lr"] == pytest.approx(0.5 * too_high["before"]["lr"])
     assert all(e["loss"] < first[5]["loss"] for e in second[1:])  # recovered: below step 6's loss
     assert [e["type"] for e in events].count("guard") == 1
+    # ZeRO 0 in fp32 keeps no norm of DeepSpeed's: the gate measured it before each update
+    assert all(n is not None and 0 < n < math.inf for i, n in enumerate(run["norms"]) if i != 7)

@@ -10,8 +10,8 @@
             control plane; step 7 trains with it, step 8's loss spikes, and the guard rewinds
             to its snapshot of step 6 (guard.snapshot_every_n_steps 2) with the lr halved.
 
-Prints per rank the (step, loss) sequence, DeepSpeed's count of applied optimizer steps and the
-run folder. Not a test module (tests/test_spike_guard.py runs it)."""
+Prints per rank the (step, loss) sequence, the gradient norms the guard read, DeepSpeed's count
+of applied optimizer steps and the run folder. Not a test module (tests/test_spike_guard.py runs it)."""
 
 import argparse
 import json
@@ -56,6 +56,7 @@ def run(name: str, task: dict, out: Path) -> dict:
     from contract.protocol import Resume, Set
     from engine.callbacks import Callback
     from engine.control.pending import Reply
+    from engine.guard_hook import GuardCallback
     from engine.trainer import Trainer
 
     zero, extra = SCENARIOS[name]
@@ -63,6 +64,7 @@ def run(name: str, task: dict, out: Path) -> dict:
         task = {**task, "train": repeated_rows(out / "task")}
     cfg = load_config(overrides=overrides(task, str(out / "runs"), name, zero, [*GUARD, *extra]))
     seen: list[list] = []
+    norms: list = []  # the gradient norm the guard reads after each step
 
     def queue(trainer, cmd) -> None:
         if trainer.env.rank == 0:
@@ -77,6 +79,7 @@ def run(name: str, task: dict, out: Path) -> dict:
 
         def on_train_batch_end(self, trainer, loss):
             seen.append([trainer.state.global_step, loss])
+            norms.append(GuardCallback._grad_norm(trainer))
             if name == "skip" and len(seen) == max(POISONED):
                 queue(trainer, Resume())  # before the guard's pause: executed at this boundary
             if name == "rewind" and len(seen) == TOO_HIGH[0]:
@@ -85,7 +88,7 @@ def run(name: str, task: dict, out: Path) -> dict:
     trainer = Trainer(config=cfg, callbacks=[Driver()])
     trainer.train()
     result = {"scenario": name, "rank": trainer.env.rank, "seen": seen, "folder": str(trainer.folder.root),
-              "optimizer_steps": int(trainer.engine.global_steps), "paused": trainer.paused}
+              "optimizer_steps": int(trainer.engine.global_steps), "paused": trainer.paused, "norms": norms}
     trainer.close()
     return result
 
