@@ -223,3 +223,13 @@ def test_the_data_view_follows_sources_draws_rewinds_and_the_inbox(tmp_path):
         ("t1", False, "zzz", "qux", True), ("t2", True, None, None, None)]
     # the running run's own word on its sources wins
     assert [s["name"] for s in data_view(folder, events, live_sources=two).sources] == ["train", "extra"]
+
+
+def test_a_warning_is_shown_under_its_field_and_a_problem_wins(backend, tmp_path):
+    f = backend.form.field("data.max_length")
+    warned = configure._help(f, [], ["about 3 of 7 rows are longer"])
+    assert warned["info"].startswith("Warning: about 3 of 7 rows are longer — ") and "warned" in warned["elem_classes"]
+    both = configure._help(f, ["must be at least 1"], ["about 3 of 7 rows are longer"])
+    assert both["info"].startswith("⚠ must be at least 1 — Warning:") and "invalid" in both["elem_classes"]
+    plain = configure._help(f, [])
+    assert plain["elem_classes"] == ["cfg-field"] and not plain["info"].startswith(("⚠", "Warning"))

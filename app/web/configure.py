@@ -57,21 +57,23 @@ def slug(key: str) -> str:
     return key.replace(".", "-").replace("_", "-")
 
 
-def _help(f: dict, problems: list[str]) -> dict:
+def _help(f: dict, problems: list[str], warnings: list[str] | None = None) -> dict:
     """The props that show a field's problems: they lead its info line, which turns red (CSS
-    class `invalid`); a JSON field has no info line, so its label carries them."""
+    class `invalid`); a JSON field has no info line, so its label carries them. The pre-flight
+    check's `warnings` on the field follow them (amber, class `warned`: the run can start)."""
     warn = "⚠ " + "; ".join(problems) + " — " if problems else ""
-    classes = ["cfg-field", "invalid"] if problems else ["cfg-field"]
+    warn += "Warning: " + "; ".join(warnings) + " — " if warnings else ""
+    classes = ["cfg-field", "invalid"] if problems else ["cfg-field", "warned"] if warnings else ["cfg-field"]
     if f["kind"] == "dict":
         return {"label": f"{warn}{Form.label(f)}", "elem_classes": classes}
     info = f["help"] + _bounds(f) + (" Comma-separated." if f["kind"] == "list" else "")
     return {"info": warn + info, "elem_classes": classes}
 
 
-def _component(f: dict, value: Any, problems: list[str]) -> gr.components.Component:
+def _component(f: dict, value: Any, problems: list[str], warnings: list[str] | None = None) -> gr.components.Component:
     """The widget of one schema field."""
     label, kind, elem_id = Form.label(f), f["kind"], f"cfg-{slug(f['key'])}"
-    shown = _help(f, problems)
+    shown = _help(f, problems, warnings)
     info, classes = shown.get("info"), shown["elem_classes"]
     if kind == "dict":
         return gr.Code(value=value, language="json", label=shown["label"], lines=3, elem_id=elem_id,
@@ -120,7 +122,8 @@ def _rows(fields: list[dict], values: dict[str, Any], first: Checked, inputs: di
         chunk = fields[row:row + COLUMNS]
         with gr.Row():
             for f in chunk:
-                inputs[f["key"]] = _component(f, values[f["key"]], first.by_field.get(f["key"], []))
+                inputs[f["key"]] = _component(f, values[f["key"]], first.by_field.get(f["key"], []),
+                                              first.warnings.get(f["key"]))
             for _ in range(COLUMNS - len(chunk)):  # a short last row keeps the column widths
                 gr.HTML("")
         for f in chunk:
@@ -166,7 +169,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
         ds_button = gr.Button("Resolve the DeepSpeed config", size="sm", elem_id="cfg-ds-button")
 
     tab = ConfigureTab(fields, [start, slurm_fold.button])
-    shown = gr.State(first.by_field)  # the problems this page shows under its fields
+    shown = gr.State(_marks(first))  # the problems and warnings this page shows under its fields
     yaml_path = gr.State(None)  # the YAML file this page offers last wrote (removed when replaced)
 
     def check(given: dict) -> dict:
@@ -175,10 +178,11 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
         origin_html, fits = provenance(form, values, given[preset])
         before = given[shown]
         # only the fields whose problems changed are sent: a field being typed in stays as it is
-        marks = {fields[f["key"]]: gr.update(**_help(f, checked.by_field.get(f["key"], [])))
-                 for f in form.fields if checked.by_field.get(f["key"]) != before.get(f["key"])}
+        now = _marks(checked)
+        marks = {fields[f["key"]]: gr.update(**_help(f, *now.get(f["key"], ([], []))))
+                 for f in form.fields if now.get(f["key"]) != before.get(f["key"])}
         written = _yaml_file(form.to_yaml(values), given[yaml_path])
-        return {shown: checked.by_field, **marks, yaml_path: written,
+        return {shown: now, **marks, yaml_path: written,
                 summary: _summary(form, checked), origin: origin_html, fit: gr.update(visible=fits),
                 **{b: gr.update(interactive=checked.ok) for b in tab.start_buttons},
                 resolved: checked.config.to_yaml() if checked.ok else "# fix the problems above first",
@@ -213,6 +217,12 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
     fit.click(readable(lambda given: fit_own(form, tab, tab.values(given), given[preset])),
               inputs={preset, *tab.inputs}, outputs=list(fields.values()), api_visibility="private")
     return tab
+
+
+def _marks(checked: Checked) -> dict[str, tuple[list[str], list[str]]]:
+    """(problems, warnings) by field: what the page shows under each field."""
+    keys = set(checked.by_field) | set(checked.warnings)
+    return {k: (checked.by_field.get(k, []), checked.warnings.get(k, [])) for k in keys}
 
 
 def provenance(form: Form, values: dict[str, Any], preset: str) -> tuple[str, bool]:

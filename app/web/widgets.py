@@ -26,6 +26,7 @@ STATE_COLORS = {RunState.QUEUED.value: "#0891b2", RunState.STARTING.value: "#6b7
 
 CSS = """
 .cfg-field.invalid .info-text { color: #dc2626 !important; }
+.cfg-field.warned .info-text { color: #b45309 !important; }
 .cfg-field.invalid { border-color: #fca5a5 !important; box-shadow: 0 0 0 1px #fca5a5 !important; }
 .cfg-field.invalid input, .cfg-field.invalid textarea { border-color: #dc2626 !important; }
 .inspect-note p { font-size: 0.85em; margin: 2px 0 !important; }
