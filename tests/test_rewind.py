@@ -24,7 +24,7 @@ import pytest
 from contract.branches import ROOT, BranchTree, branch_events, path_events
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 
-STEPS = [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 5, 6, 7, 8, 5, 6, 7, 8, 9]
+STEPS = [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 5, 6, 7, 8, 5, 6, 7, 8, 9, 9]
 LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora", "split-and-fused": "lomo,tp2,pp2"}
 
 
@@ -32,10 +32,11 @@ def check_sequence(seen: list) -> dict[int, float]:
     """Each (step, loss, next step's lr) repeats its first occurrence exactly."""
     assert [s for s, _, _ in seen] == STEPS
     first: dict[int, list] = {}
-    for step, loss, lr in seen:
+    for step, loss, lr in seen[:-1]:
         first.setdefault(step, [loss, lr])
         assert [loss, lr] == first[step], f"step {step}: {loss, lr} after a rewind, {first[step]} at first"
     assert first[9][0] < first[1][0]  # it trains
+    assert seen[-1][:2] == [9, first[9][0]]  # branch c: b's step 8 again, then step 9 at half the rate
     return {step: loss for step, (loss, _) in first.items()}
 
 
@@ -56,19 +57,30 @@ def check_replies(replies: list, layout: str, other: bool) -> None:
     assert by_id["10-rewind"][0]["abandoned"] == [5, 6]
     assert {k: by_id["14-branch"][0][k] for k in ("step", "branch", "parent", "abandoned")} == \
         {"step": 4, "branch": "b", "parent": ROOT, "abandoned": [5, 8]}
+    c = by_id["19-branch"][0]  # from b's own step-8, with a setting changed in the same command
+    assert (c["step"], c["branch"], c["parent"], c["abandoned"], c["set"]) == (8, "c", "b", [9, 9], {"lr_scale": 0.5})
+    tree = by_id["20-branches"][0]
+    assert tree["current"] == "c" and tree["tree"] == {ROOT: [None, 0], "b": [ROOT, 4], "c": ["b", 8]}
+    assert tree["checkpoints"] == {ROOT: ["step-4", "step-8"], "b": ["step-8"], "c": []}
+    assert tree["snapshots"] == ["s2"]
 
 
-def check_folder(folder: Path, current: str = "b") -> None:
+def check_folder(folder: Path, current: str = "c") -> None:
     tree = BranchTree.load(folder)
-    assert tree.current == current and tree.ancestry("b") == [ROOT, "b"] and tree.branches["b"].fork_step == 4
+    assert tree.current == current and tree.ancestry("c") == [ROOT, "b", "c"] and tree.branches["b"].fork_step == 4
+    assert tree.branches["c"].settings == {"lr_scale": 0.5}
     assert (folder / "checkpoints" / "step-4" / "COMPLETE.json").exists()  # the fork point stays
     assert (folder / "branches" / "b" / "checkpoints" / "step-8" / "COMPLETE.json").exists()
     events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
     kinds = [e["type"] for e in events]
-    assert kinds.count("rewind") == 2 and kinds.count("branch") == 1 and kinds.count("snapshot") == 1
+    assert kinds.count("rewind") == 2 and kinds.count("branch") == 2 and kinds.count("snapshot") == 1
     own = [e["step"] for e in branch_events(events, "b") if e["type"] == "train"]
     assert own == [5, 6, 7, 8, 9]
     assert [e["step"] for e in path_events(events, "b", tree) if e["type"] == "train"] == list(range(1, 10))
+    path_c = [(e["step"], e.get("branch", ROOT)) for e in path_events(events, "c", tree) if e["type"] == "train"]
+    assert path_c == [(s, ROOT) for s in range(1, 5)] + [(s, "b") for s in range(5, 9)] + [(9, "c")]
+    sets = [e for e in branch_events(events, "c") if e["type"] == "set"]
+    assert len(sets) == 1 and sets[0]["changes"]["lr_scale"] == 0.5
 
 
 @pytest.mark.slow
@@ -82,11 +94,11 @@ def test_rewind_branch_and_snapshot_repeat_the_losses(tmp_path, launch):
     for i, layout in enumerate(layouts):
         ranks = sorted((r for r in results if r["layout"] == layout), key=lambda r: r["rank"])
         assert [r["rank"] for r in ranks] == [0, 1], layout
-        assert ranks[0]["seen"] == ranks[1]["seen"] and ranks[0]["branch"] == "b"
+        assert ranks[0]["seen"] == ranks[1]["seen"] and ranks[0]["branch"] == "c"
         first = check_sequence(ranks[0]["seen"])
         check_replies(ranks[0]["replies"], layout, other=i > 0)
         resumed_too = launch == "data-parallel" and i == 0  # resume=main went on in main
-        check_folder(Path(ranks[0]["folder"]), ROOT if resumed_too else "b")
+        check_folder(Path(ranks[0]["folder"]), ROOT if resumed_too else "c")
         if resumed_too:
             resumed = [r for r in results if r["layout"] == f"{layout}-resumed"]
             assert len(resumed) == 2 and all(r["branch"] == ROOT for r in resumed)

@@ -6,6 +6,7 @@ the other in one launch. Each layout's run (9 steps: 3 epochs of 3, dropout on, 
     step 6: rewind to s2          -> steps 3..6 again
     step 6 (again): rewind to 4   -> steps 5..6 again, then 7, 8
     step 8: branch b from step-4  -> steps 5..9 on branch b
+    step 9: branch c from step-8 (b's) with lr_scale 0.5 -> step 9 on c; then `branches`
 plus refusals at step 1: an unknown checkpoint, a taken branch name, a checkpoint of another
 layout (the previous layout's step-4). The first layout's commands go through RunClient over
 the control socket (rewind / branch / snapshot methods), the others straight into rank 0's queue.
@@ -28,12 +29,13 @@ LAYOUTS = {"zero0": (0, []), "zero2": (2, []), "zero3": (3, []), "lora": (2, ["m
 
 def plan(other: str | None) -> dict[int, list]:
     """Commands queued after the n-th step trained (counting repeats)."""
-    from contract.protocol import Branch, Rewind, Snapshot
+    from contract.protocol import Branch, Branches, Rewind, Snapshot
     first = [Rewind(target="step-99"), Branch(target="step-4", branch="main")]
     if other:
         first.append(Rewind(target=other))
     return {1: first, 2: [Snapshot(snapshot="s2")], 6: [Rewind(target="s2")], 10: [Rewind(target="4")],
-            14: [Branch(target="step-4", branch="b")]}
+            14: [Branch(target="step-4", branch="b")],
+            19: [Branch(target="step-8", branch="c", lr_scale=0.5)], 20: [Branches()]}
 
 
 def send_by_client(run_dir: Path, req: str, cmd, replies: list) -> threading.Thread:
@@ -46,7 +48,9 @@ def send_by_client(run_dir: Path, req: str, cmd, replies: list) -> threading.Thr
             if cmd.name == "rewind":
                 result = client.rewind(cmd.target)
             elif cmd.name == "branch":
-                result = client.branch(cmd.target, cmd.branch)
+                result = client.branch(cmd.target, cmd.branch, **cmd.settings())
+            elif cmd.name == "branches":
+                result = client.branches()
             else:
                 result = client.snapshot(cmd.snapshot)
             replies.append({"type": "done", "id": req, "result": result})
@@ -140,8 +144,13 @@ def _short(reply: dict) -> dict:
     if reply["type"] == "error":
         return {"id": reply["id"], "error": reply["message"][:240]}
     res = reply["result"]
-    return {"id": reply["id"], **{k: res[k] for k in ("step", "from_step", "abandoned", "branch", "parent", "bytes",
-                                                      "seconds") if k in res}}
+    out = {"id": reply["id"], **{k: res[k] for k in ("step", "from_step", "abandoned", "branch", "parent", "bytes",
+                                                     "seconds", "current", "checkpoints", "snapshots") if k in res}}
+    if "set" in res:
+        out["set"] = res["set"]["changes"]
+    if "tree" in res:
+        out["tree"] = {n: [b["parent"], b["fork_step"]] for n, b in res["tree"].items()}
+    return out
 
 
 def main() -> None:
