@@ -655,6 +655,9 @@ def guard_problems(c: RunConfig) -> list[tuple[str, str]]:
                          f"true, or {other}"))
     if g.lr_scale <= 0:
         problems.append(("guard.lr_scale", f"must be above 0 (a rate of 0 cannot be scaled back), got {g.lr_scale}"))
+    if g.snapshot_every_n_steps and not c.checkpoint.snapshots_keep:
+        problems.append(("guard.snapshot_every_n_steps", "snapshots are off (checkpoint.snapshots_keep 0); "
+                         "keep at least 1, or set 0 here"))
     return problems
 
 

@@ -130,8 +130,9 @@ class GuardCallback(Callback):
     def on_after_trainer_initialized(self, trainer) -> None:
         if isinstance(trainer.train_fn, EngineStep):  # the assembled engine step: the guard goes first
             engine = trainer.engine
-            keeps_norm = hasattr(engine.optimizer, "_global_grad_norm")
-            self.gate = Gate(engine, self.guard, trainer.env.world_size, norm_of_grads=not keeps_norm)
+            # ZeRO 0 in fp32 steps a plain torch optimizer, and DeepSpeed then keeps no norm
+            plain = engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled())
+            self.gate = Gate(engine, self.guard, trainer.env.world_size, norm_of_grads=plain)
             trainer.train_fn = GatedStep(trainer.train_fn, self.gate)
 
     def on_train_batch_end(self, trainer, loss: float) -> None:
@@ -148,7 +149,14 @@ class GuardCallback(Callback):
         self.guard.settle(loss, verdict)
         every = self.cfg.snapshot_every_n_steps
         if verdict.ok and every and step % every == 0:
+            self._snapshot(trainer, step)
+
+    def _snapshot(self, trainer, step: int) -> None:
+        """The guard's own snapshot; one that cannot be taken is a warning, not the run's end."""
+        try:
             rewinding.take_snapshot(trainer, f"guard-{step}")
+        except rewinding.RewindError as e:
+            trainer.emit({"type": "warning", "message": f"guard: no snapshot at step {step}: {e}"})
 
     # -- the actions ----------------------------------------------------------------------------
     def _feasible(self, trainer, verdict: Verdict, applied: bool) -> Verdict:

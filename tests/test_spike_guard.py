@@ -1,12 +1,14 @@
 """The spike guard: its decisions on plain numbers (engine.spike_guard, no torch), its config
 checks, and one 2-rank DeepSpeed launch where injected trouble meets each action
-(tests/scripts/guard_check.py):
+(tests/scripts/guard_check.py), three runs one after the other:
 
     lora, ZeRO 2    poisoned micro-batches at steps 7 and 8: step 7 is skipped before its
                     backward (DeepSpeed's optimizer steps one fewer time), step 8 reaches the
                     cap of skips in a row and pauses; a resume sent earlier lets it go on
     full, ZeRO 0    a live `set lr` far too high after step 6: step 8's loss spikes, the guard
                     rewinds to its snapshot of step 6 with the lr halved, and the run recovers
+    full, ZeRO 2,   the same, but the guard can judge only after the update: it rewinds to the
+    accumulation 2  checkpoint step-6 on disk
 """
 
 from __future__ import annotations
@@ -152,6 +154,9 @@ def test_guard_config_refuses_what_cannot_work():
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["guard.on_grad_norm=skip"])
     assert "guard.on_grad_norm: expected one of 'rewind', 'pause'" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["guard.enabled=true", "guard.snapshot_every_n_steps=2", "checkpoint.snapshots_keep=0"])
+    assert "guard.snapshot_every_n_steps: snapshots are off" in str(e.value)
     # what does work: rewind with accumulation; skip alone without the control plane; off = no checks
     load_config(overrides=["guard.enabled=true", "train.grad_accum=2", "guard.on_nonfinite=rewind",
                            "guard.on_spike=rewind"])
@@ -227,3 +232,23 @@ def test_set_lr_far_too_high_guard_rewinds_to_its_snapshot_with_the_lr_halved(la
     assert [e["type"] for e in events].count("guard") == 1
     # ZeRO 0 in fp32 keeps no norm of DeepSpeed's: the gate measured it before each update
     assert all(n is not None and 0 < n < math.inf for i, n in enumerate(run["norms"]) if i != 7)
+
+
+@pytest.mark.slow
+def test_with_accumulation_the_guard_judges_after_the_update_and_rewinds_from_disk(launched):
+    run = launched["accum"]
+    events = run["events"]
+    assert [s for s, _ in run["seen"]] == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10, 11, 12]
+    guard = next(e for e in events if e["type"] == "guard")
+    assert (guard["step"], guard["trigger"], guard["action"]) == (8, "loss_spike", "rewind")
+    assert guard["update_applied"] is True  # two micro-batches: judged once the update was applied
+    assert (guard["target"], guard["target_step"]) == ("6", 6)  # the checkpoint step-6, on disk
+    rewind = events[events.index(guard) + 1]
+    assert rewind["type"] == "rewind" and rewind["source"].endswith("checkpoints/step-6")
+    assert rewind["abandoned"] == [7, 8] and rewind["reason"] == "guard: loss_spike"
+    train = [e for e in events if e["type"] == "train"]
+    assert train[8]["step"] == 7 and train[8]["loss"] == train[6]["loss"]  # step 7 again, exactly
+    too_high = next(e for e in events if e["type"] == "set" and "lr" in e["changes"])
+    assert train[8]["lr"] == pytest.approx(0.5 * too_high["before"]["lr"])  # the schedule's rate, halved
+    assert all(e["loss"] < train[5]["loss"] for e in train[9:])  # recovered: below step 6's loss
+    assert run["norms"][7] > 5 * max(run["norms"][:7])  # the spiked step's own norm, read after its update

@@ -9,6 +9,8 @@
     rewind  full, ZeRO 0: after step 6 a live `set lr=1.0` (far too high) is queued through the
             control plane; step 7 trains with it, step 8's loss spikes, and the guard rewinds
             to its snapshot of step 6 (guard.snapshot_every_n_steps 2) with the lr halved.
+    accum   full, ZeRO 2, two micro-batches per step: the same `set lr`, but the guard can only
+            judge after the update; it rewinds to the checkpoint step-6 on disk.
 
 Prints per rank the (step, loss) sequence, the gradient norms the guard read, DeepSpeed's count
 of applied optimizer steps and the run folder. Not a test module (tests/test_spike_guard.py runs it)."""
@@ -27,6 +29,8 @@ GUARD = ["guard.enabled=true", "guard.warmup_steps=4", "guard.window=6", "contro
 SCENARIOS = {
     "skip": (2, ["method=lora", "lr=1e-1", "guard.on_spike=skip", "guard.max_skips_in_a_row=1"]),
     "rewind": (0, ["lr=3e-3", "guard.on_spike=rewind", "guard.snapshot_every_n_steps=2"]),
+    "accum": (2, ["lr=3e-3", "train.grad_accum=2", "guard.on_nonfinite=rewind", "guard.on_spike=rewind",
+                  "checkpoint.every_n_steps=3"]),
 }
 POISONED = {7, 8}      # skip: the steps (counted as trained) whose batches are random tokens
 TOO_HIGH = (6, 1.0)    # rewind: after this many steps, set this lr
@@ -82,7 +86,7 @@ def run(name: str, task: dict, out: Path) -> dict:
             norms.append(GuardCallback._grad_norm(trainer))
             if name == "skip" and len(seen) == max(POISONED):
                 queue(trainer, Resume())  # before the guard's pause: executed at this boundary
-            if name == "rewind" and len(seen) == TOO_HIGH[0]:
+            if name in ("rewind", "accum") and len(seen) == TOO_HIGH[0]:
                 queue(trainer, Set(lr=TOO_HIGH[1]))
 
     trainer = Trainer(config=cfg, callbacks=[Driver()])
@@ -95,7 +99,7 @@ def run(name: str, task: dict, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--scenarios", default="skip,rewind")
+    p.add_argument("--scenarios", default="skip,rewind,accum")
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
