@@ -60,13 +60,16 @@ def replay(method, initial, config, steps, lrs, clip):
     for step_batches, lr in zip(steps, lrs):
         grads = {n: torch.zeros_like(p) for n, p in params.items()}
         step_loss = 0.0
-        for batch in step_batches:  # one micro-batch per rank: their mean gradient
+        # one micro-batch per rank, weighed by its label tokens (the token-weighted objective:
+        # the step's loss is the sum of the token losses over the ranks / their number)
+        counts = [int(b["labels"][..., 1:].ne(-100).sum()) for b in step_batches]
+        for batch, count in zip(step_batches, counts):
             model.zero_grad(set_to_none=True)
             loss = model(**batch, use_cache=False).loss
             loss.backward()
-            step_loss += float(loss) / len(step_batches)
+            step_loss += float(loss) * count / sum(counts)
             for n, p in params.items():
-                grads[n] += p.grad / len(step_batches)
+                grads[n] += p.grad * (count / sum(counts))
         losses.append(step_loss)
         norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
