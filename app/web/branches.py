@@ -88,7 +88,7 @@ def show(backend: Backend, section: BranchesSection, path: str | None, seq: int 
     view = branch_view(RunFolder(Path(path)))
     state = backend.session.info(path).state
     choices = [(t.label, t.value) for t in view.targets]
-    out = {section.tree: _tree_html(view), section.target: gr.update(choices=choices,
+    out: dict[Any, Any] = {section.tree: _tree_html(view), section.target: gr.update(choices=choices,
                                                                        value=choices[0][1] if choices else None)}
     out.update(_buttons(section, state))
     for plot, component in section.plots.items():

@@ -79,11 +79,11 @@ def build(backend: Backend, run_state: gr.State) -> DataPanel:
     panel = DataPanel(sources, source, weight, set_weight, remove, path, fmt, new_weight, new_name, add, seen,
                       inbox, entry, forget, refresh, result)
     outputs = [result, *panel.outputs()]
-    look = dict(fn=lambda p: show(backend, panel, p), inputs=run_state, outputs=panel.outputs(),
-                api_visibility="private", show_progress="hidden")
+    look: dict[str, Any] = dict(fn=lambda p: show(backend, panel, p), inputs=run_state, outputs=panel.outputs(),
+                                api_visibility="private", show_progress="hidden")
     refresh.click(**look)
     fold.expand(**look)
-    act = dict(outputs=outputs, api_visibility="private", concurrency_limit=None)
+    act: dict[str, Any] = dict(outputs=outputs, api_visibility="private", concurrency_limit=None)
     set_weight.click(_handler(lambda p, s, w: do_set_weight(backend, panel, p, s, w)),
                      inputs=[run_state, source, weight], **act)
     remove.click(_handler(lambda p, s: do_remove(backend, panel, p, s)), inputs=[run_state, source], **act)
