@@ -120,3 +120,35 @@ def test_rewind_is_refused_while_a_save_goes_on():
         with pytest.raises(rewind.RewindError, match=r"a save is going on \(runs/r/checkpoints/step-8\); rewind once"):
             rewind.rewind_in_place(object(), "step-4")  # refused before it looks at the run
     assert state.SAVING == []
+
+
+def test_rewind_stays_on_the_present_branch(tmp_path):
+    """A rewind goes back along the present branch; another branch's state, or an ancestor's after
+    the fork, is refused before anything is loaded (branch goes on from those)."""
+    from types import SimpleNamespace
+
+    from contract.config import RunConfig
+    from contract.run_folder import RunFolder
+    from engine.checkpoint import rewind, snapshots
+
+    tree = BranchTree()
+    tree.add("b", ROOT, 4, "x")
+    tree.add("c", ROOT, 6, "y")
+    tree.current = "b"
+    tree.save(tmp_path)
+    store = snapshots.SnapshotStore(keep=3, max_mib=0)
+    store.snapshots = [snapshots.Snapshot(name, step, branch, tmp_path, {}, {}, {}, None)
+                       for name, step, branch in (("on-c", 7, "c"), ("main-5", 5, ROOT), ("main-3", 3, ROOT))]
+    trainer = SimpleNamespace(folder=RunFolder(tmp_path, branch="b"), config=RunConfig(), snapshots=store,
+                              state=SimpleNamespace(global_step=9), events=None)
+    with pytest.raises(rewind.RewindError, match=r"snapshot 'on-c' belongs to branch 'c', which is not on the "
+                                                 r"path of the present branch 'b' \(main > b\); use branch"):
+        rewind.rewind_in_place(trainer, "on-c")
+    with pytest.raises(rewind.RewindError, match="is step 5 of branch 'main', after branch 'b' forked from it at step 4"):
+        rewind.rewind_in_place(trainer, "snapshot:main-5")
+    with pytest.raises(rewind.RewindError, match=r"no snapshot named 'zz' \(kept: on-c, main-5, main-3\)"):
+        rewind.rewind_in_place(trainer, "snapshot:zz")
+    with pytest.raises(rewind.RewindError, match="no checkpoint of step 3 on branch 'b' or its ancestors; "
+                                                 r"checkpoints \(main: none; b: none\); snapshots: on-c, main-5, main-3"):
+        rewind.rewind_in_place(trainer, "3")
+    rewind._check_on_path(trainer, "snapshot:main-3", ROOT)  # before the fork: on b's path

@@ -20,7 +20,8 @@ the abandoned steps; nothing already written is changed.
 Targets: a snapshot's name; a checkpoint name (`step-40`) or step number (`40`) -- the present
 branch's checkpoint, else the newest ancestor's at or before the fork; or a checkpoint folder.
 Refused, with nothing changed (RewindError on every rank alike): an unknown target (the message
-lists what there is), a checkpoint of another layout or model (state.check_compatible names both),
+lists what there is), a rewind to a state off the present branch's path (another branch's, or an
+ancestor's after the fork: `branch` goes on from those), a checkpoint of another layout or model (state.check_compatible names both),
 an unfinished checkpoint (its save has not completed), and a rewind while a save is going on.
 """
 
@@ -126,6 +127,28 @@ def _checkpoint_of_step(trainer, tree: BranchTree, step: int, target: str) -> tu
                       + _available(trainer, tree))
 
 
+def _check_on_path(trainer, source: str, owner: str) -> None:
+    """A rewind goes back along the present branch only: to its own states, or an ancestor's up
+    to the fork its child on the path took (`branch` goes on from anywhere)."""
+    tree, branch = tree_of(trainer), current_branch(trainer)
+    chain = tree.ancestry(branch) if branch in tree.branches else [branch]
+    what = f"snapshot {source[len(SNAPSHOT_PREFIX):]!r}" if source.startswith(SNAPSHOT_PREFIX) else source
+    if owner not in chain:
+        raise RewindError(f"{what} belongs to branch {owner!r}, which is not on the path of the present branch "
+                          f"{branch!r} ({' > '.join(chain)}); use branch to go on from it")
+    i = chain.index(owner)
+    if i == len(chain) - 1:
+        return
+    if source.startswith(SNAPSHOT_PREFIX):
+        step = snapshot_store(trainer).get(source[len(SNAPSHOT_PREFIX):]).step  # type: ignore[union-attr]
+    else:
+        step = int((atomic.read_marker(atomic.location(source)) or {}).get("step", 0))
+    fork = tree.branches[chain[i + 1]].fork_step
+    if step > fork:
+        raise RewindError(f"{what} is step {step} of branch {owner!r}, after branch {chain[i + 1]!r} forked from "
+                          f"it at step {fork}, so not on the present branch's path; use branch to go on from it")
+
+
 def _owner(trainer, tree: BranchTree, collection: Path) -> str:
     for name in tree.branches:
         if checkpoints_dir(trainer.folder.root, name).resolve() == collection.resolve():
@@ -149,13 +172,17 @@ def _available(trainer, tree: BranchTree) -> str:
 
 
 # -- rewind ----------------------------------------------------------------------------------------------
-def rewind_in_place(trainer, target: str, reason: str = "user", *, emit: bool = True) -> RewindResult:
+def rewind_in_place(trainer, target: str, reason: str = "user", *, emit: bool = True,
+                    any_branch: bool = False) -> RewindResult:
     """Load `target` into the running engines on every rank (collective) and make the loop go on
-    from there; returns what was done (and, when `emit`, writes the `rewind` event)."""
+    from there; returns what was done (and, when `emit`, writes the `rewind` event). The target
+    must lie on the present branch's path, unless `any_branch` (what `branch` does)."""
     if ckpt.SAVING:
         raise RewindError(f"a save is going on ({', '.join(ckpt.SAVING)}); rewind once it has finished")
     started, before = time.perf_counter(), trainer.state.global_step
-    source, _ = resolve(trainer, target)
+    source, owner = resolve(trainer, target)
+    if not any_branch:
+        _check_on_path(trainer, source, owner)
     if source.startswith(SNAPSHOT_PREFIX):
         snapshot_store(trainer).restore(trainer.ctx, source[len(SNAPSHOT_PREFIX):], trainer._restore_part_states,
                                         trainer._batch_sampler())
@@ -183,7 +210,7 @@ def branch_in_place(trainer, target: str, name: str, reason: str = "user",
         raise RewindError(f"branch {name!r} exists already (branches: {', '.join(tree.branches)})")
     parent_now = current_branch(trainer)
     source, owner = resolve(trainer, target)
-    result = rewind_in_place(trainer, target, reason, emit=False)
+    result = rewind_in_place(trainer, target, reason, emit=False, any_branch=True)
     tree.add(name, owner, result.step, source, settings)
     tree.current = name
     if trainer.env.rank == 0:
