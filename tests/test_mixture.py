@@ -177,3 +177,16 @@ def default_tokenizer():
     from engine import default_task
     from engine.model import load_tokenizer
     return load_tokenizer(default_task.ensure_default_assets(default_task.default_root()).model_dir, "model.path")
+
+
+def test_a_rewind_in_place_ends_the_running_epoch_view():
+    _, view = mixture({"a": 90, "b": 50})
+    view.set_epoch(0)
+    it = iter(view)
+    first = [next(it) for _ in range(3)]
+    state = view.state_dict(batches_done=1)
+    view.load_state_dict(state)  # what a rewind to batch 1 does, while the loop's iterator is open
+    assert list(it) == []  # the old view stops; the loop starts a new one from the restored batch
+    view.set_epoch(0)
+    view.set_start_batch(1)
+    assert next(iter(view)) == first[1]
