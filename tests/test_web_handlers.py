@@ -95,6 +95,13 @@ def test_a_queued_run_is_live_on_the_train_tab_and_only_stop_is_offered(tmp_path
     snap = Snapshot(str(folder.root), info, Progress("queued", 0, None, 0, None, 3.0, {}, {}, None), 1, None)
     text = status_html(snap)
     assert ">queued</span>" in text and "waiting in Slurm's queue (job 4242)" in text
+    assert "run-branch" not in text  # a run that never branched does not say so
+    from contract.branches import BranchTree
+    tree = BranchTree()
+    tree.add("slow", "main", 0, "")
+    tree.current = "slow"
+    tree.save(folder.root)
+    assert "<span id='run-branch'>branch slow</span>" in status_html(snap)
     assert RunState.QUEUED.value in train.LIVE_STATES and "'queued'" in train.CONFIRM_START_JS
     with gr.Blocks():
         view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(),

@@ -14,6 +14,7 @@ import gradio as gr
 
 from app.session import SessionError
 from app.web.backend.watch import Snapshot
+from contract.branches import TREE_FILE, BranchTree
 from contract.config import ConfigError
 from contract.protocol import RunState
 from contract.run_folder import RunFolder
@@ -99,6 +100,9 @@ def status_html(snap: Snapshot | None, note: str | None = None) -> str:
     parts = [f"<span class='state-chip' style='background:{color}' id='run-state'>{html.escape(p.state)}</span>",
              f"<b>{html.escape(info.name)}</b>",
              f"<span id='run-step'>step {p.step}{total}</span>", f"epoch {p.epoch}"]
+    tree = BranchTree.load(snap.path) if (Path(snap.path) / TREE_FILE).is_file() else None
+    if tree is not None and len(tree.branches) > 1:  # once the run has branched: which branch trains
+        parts.append(f"<span id='run-branch'>branch {html.escape(tree.current)}</span>")
     if p.state == RunState.RUNNING:
         parts.append(f"ETA {duration(p.eta_s)}")
     if p.state == RunState.QUEUED:
