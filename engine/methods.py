@@ -170,6 +170,7 @@ class FullMethod:
     # the model's loss predicts label t+1 at position t: a row's first label is never a target
     # (how engine.losses counts a step's label tokens)
     targets_shifted = True
+    lora_targets: list[str] = []  # LoRA: the target modules the adapter wraps (for the run log)
 
     def __init__(self, name: str = "full"):
         self.name = name
@@ -217,7 +218,10 @@ class PeftMethod(FullMethod):
         self.targets_shifted = name == "lora"
 
     def prepare_model(self, model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
-        return wrap_with_adapter(model, cfg)
+        model = wrap_with_adapter(model, cfg)
+        targets = getattr(model.peft_config[cfg.method.adapter_name], "target_modules", None)
+        self.lora_targets = sorted(targets) if isinstance(targets, (set, list, tuple)) else []
+        return model
 
     def base_model(self, module) -> ContextManager:
         return module.disable_adapter()

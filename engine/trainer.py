@@ -332,7 +332,8 @@ class Trainer:
                    "train_samples": len(self.train_dataset),
                    "eval_samples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
                    "data": {k: r.summary() for k, r in self.data_reports.items()},
-                   "warnings": self.ds_setup.warnings})
+                   "warnings": self.ds_setup.warnings, "loss_average": self.config.train.loss_average,
+                   **({"lora_targets": self.method.lora_targets} if self.method.lora_targets else {})})
 
     def close(self) -> None:
         """End the control plane (answering what is still queued) and close the event log."""

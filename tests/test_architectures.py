@@ -59,6 +59,7 @@ def test_architecture_trains_full_and_lora_and_the_adapter_reloads(reports, arch
     assert "error" not in r, r.get("error")
     # LoRA's targets: every linear layer of the blocks, named so that peft catches nothing else
     assert sorted(r["targets"]) == sorted(EXPECTED[arch])
+    assert r["logged_targets"] == sorted(EXPECTED[arch]) and r["loss_average"] == "tokens"  # the run log says so
     wrapped = {name.rsplit(".", 1)[-1] for name in r["wrapped"]}
     per_block = PER_BLOCK.get(arch, len(EXPECTED[arch]))
     assert wrapped == set(EXPECTED[arch]) and len(r["wrapped"]) == 2 * per_block  # 2 blocks

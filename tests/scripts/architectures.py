@@ -100,7 +100,10 @@ def one(work: Path, arch: str) -> dict:
         reloaded = loaded(input_ids=ids).logits
     wrapped = sorted({n.rsplit(".", 1)[0].removesuffix(".lora_A").removesuffix(".lora_A.default")
                       for n, _ in loaded.named_modules() if n.endswith("lora_A")})
+    events = [json.loads(line) for line in (folder / "runs" / "lora" / "events.jsonl").read_text().splitlines()]
+    (setup,) = [e for e in events if e.get("type") == "setup"]
     return {"arch": arch, "targets": targets, "wrapped": wrapped, "full": full_losses, "lora": lora_losses,
+            "logged_targets": setup.get("lora_targets"), "loss_average": setup.get("loss_average"),
             "logits_diff": float((trained - reloaded).abs().max()),
             "base_diff": float((trained - base(input_ids=ids).logits).abs().max())}
 
