@@ -152,3 +152,22 @@ def test_rewind_stays_on_the_present_branch(tmp_path):
                                                  r"checkpoints \(main: none; b: none\); snapshots: on-c, main-5, main-3"):
         rewind.rewind_in_place(trainer, "3")
     rewind._check_on_path(trainer, "snapshot:main-3", ROOT)  # before the fork: on b's path
+
+
+def test_snapshots_stay_within_their_bounds(tmp_path):
+    """The oldest snapshots go first, by count and by memory; their folders go with them."""
+    from engine.checkpoint.atomic import Comm
+    from engine.checkpoint.snapshots import Snapshot, SnapshotError, SnapshotStore
+
+    def snap(name: str, mib: float) -> Snapshot:
+        (tmp_path / name).mkdir()
+        return Snapshot(name, 1, ROOT, tmp_path / name, {}, {}, {}, None, bytes=int(mib * 2**20))
+
+    store = SnapshotStore(keep=2, max_mib=0)
+    store.snapshots = [snap("a", 1), snap("b", 1), snap("c", 1)]
+    assert store._evict(Comm()) == ["a"] and store.names() == ["b", "c"] and not (tmp_path / "a").exists()
+    store = SnapshotStore(keep=5, max_mib=2)
+    store.snapshots = [snap("d", 0.75), snap("e", 0.75), snap("f", 0.75)]
+    assert store._evict(Comm()) == ["d"] and store.total_bytes() == int(1.5 * 2**20)
+    with pytest.raises(SnapshotError, match="snapshots_keep is 0, so snapshots are off"):
+        SnapshotStore(keep=0, max_mib=0).take(None, "x", ROOT, {}, None)  # refused before it looks at the run
