@@ -293,6 +293,17 @@ def test_gradio_client_start_chat_set_stop(app):
     # any steps the run took in between (it does not stop to wait for the reader)
     assert status["settings"]["lr"] == pytest.approx(5e-4 * ratio ** (status["step"] - set_at), rel=0.1)
 
+    # the branch and data endpoints (issues 12, 13): the contract's commands by name
+    snap = client.predict(run="api-run", name="api", api_name="/snapshot")
+    assert snap["name"] == "api" and snap["bytes"] > 0
+    tree = client.predict(run="api-run", api_name="/branches")
+    assert tree["current"] == "main" and "api" in tree["snapshots"]
+    taught = client.predict(prompt="capital: zorb", answer="qux", run="api-run", api_name="/teach")
+    assert taught["id"] == "t1"
+    assert [e["answer"] for e in client.predict(run="api-run", api_name="/inbox")["entries"]] == ["qux"]
+    with pytest.raises(Exception, match="no source named 'nope'"):
+        client.predict(source="nope", weight=1.0, run="api-run", api_name="/set_weight")
+
     # no `save` given: the contract's Stop default, as the Stop button and the notebook's stop()
     stopped = client.predict(run="api-run", api_name="/stop")
     assert stopped["state"] == "finished" and not stopped["alive"] and stopped["stopped_by_user"]

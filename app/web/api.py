@@ -1,6 +1,10 @@
 """The named Gradio API endpoints, for `gradio_client` scripts (documented in the README):
 
     /start   /stop   /pause   /resume   /set   /save   /evaluate   /chat   /status   /runs
+    /rewind  /branch /snapshot /branches                     (issue 12: the run's branch tree)
+    /add_source  /set_weight  /remove_source  /teach  /inbox  /forget   (issue 13: its data)
+
+(A "path" in a run's answer is called "file" here, as the run info's is "folder".)
 
 Each takes plain values and returns a JSON object; `run` is a run name, a run folder path, or
 empty for the app's current run. A failure comes back as a Gradio error with a readable message.
@@ -103,3 +107,70 @@ def register(backend: Backend) -> None:
                      (set_values, "set"), (save, "save"), (evaluate, "evaluate"), (chat, "chat"),
                      (status, "status"), (runs, "runs")):
         gr.api(fn, api_name=name, concurrency_limit=None)
+    for fn in _tree_and_data(backend):
+        gr.api(fn, api_name=fn.__name__, concurrency_limit=None)
+
+
+def _tree_and_data(backend: Backend) -> list:
+    """The branch and data endpoints: each sends the contract's command of its name (its
+    arguments, defaults and checks are the command dataclass's) and returns the run's answer."""
+    def send(run: str, name: str, **args: Any) -> dict:
+        return _no_paths(_call(backend.session.command, run, name, **{k: v for k, v in args.items() if v is not None}))
+
+    def rewind(target: str, run: str = "") -> dict:
+        """Go back in place to a checkpoint (step-40, 40, a checkpoint folder) or snapshot:NAME."""
+        return send(run, "rewind", target=target)
+
+    def branch(target: str, branch: str, run: str = "", lr: float | None = None) -> dict:
+        """Rewind to `target` and go on as the new branch `branch` (with `lr`, if given)."""
+        return send(run, "branch", target=target, branch=branch, lr=lr)
+
+    def snapshot(run: str = "", name: str = "") -> dict:
+        """Keep the complete training state in host memory now (default name snap-<step>)."""
+        return send(run, "snapshot", snapshot=name or None)
+
+    def branches(run: str = "") -> dict:
+        """The branch tree, the present branch, its checkpoints and the snapshots kept."""
+        return send(run, "branches")
+
+    def add_source(path: str, run: str = "", weight: float = 1.0, format: str = "auto", name: str = "") -> dict:
+        """Add a training source from the next step on (checked row by row first)."""
+        return send(run, "add_source", path=path, weight=weight, format=format, source=name)
+
+    def set_weight(source: str, weight: float, run: str = "") -> dict:
+        """Change a source's weight from the next step on (0 pauses it)."""
+        return send(run, "set_weight", source=source, weight=weight)
+
+    def remove_source(source: str, run: str = "") -> dict:
+        """Stop drawing from a source."""
+        return send(run, "remove_source", source=source)
+
+    def teach(prompt: str, answer: str, run: str = "") -> dict:
+        """Teach `answer` for `prompt` (sent as a chat message through the chat template)."""
+        messages = [{"role": "user", "content": prompt}]
+        try:
+            return send(run, "teach", messages=messages, answer=answer)
+        except gr.Error as e:
+            if "chat template" not in str(e):
+                raise
+            return send(run, "teach", prompt=prompt, answer=answer)
+
+    def inbox(run: str = "") -> dict:
+        """Every taught entry, removed ones marked."""
+        return send(run, "inbox")
+
+    def forget(id: str, run: str = "") -> dict:
+        """Stop training on an inbox entry (t1, t2 ...)."""
+        return send(run, "forget", id=id)
+
+    return [rewind, branch, snapshot, branches, add_source, set_weight, remove_source, teach, inbox, forget]
+
+
+def _no_paths(value: Any) -> Any:
+    """`value` with every "path" key named "file": gradio_client fetches any object with a "path"
+    key as a file to download (a source's data file would be refused, or copied)."""
+    if isinstance(value, dict):
+        return {("file" if k == "path" else k): _no_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_paths(v) for v in value]
+    return value
