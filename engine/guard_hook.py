@@ -136,6 +136,8 @@ class GuardCallback(Callback):
             trainer.train_fn = GatedStep(trainer.train_fn, self.gate)
 
     def on_train_batch_end(self, trainer, loss: float) -> None:
+        if trainer.rewound:  # a callback before this one rewound: the step was abandoned
+            return
         gate = self.gate
         before = gate.verdict if gate is not None else None  # judged before the update
         applied = before is None or before.ok
