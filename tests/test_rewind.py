@@ -17,6 +17,7 @@ root), and resume=main continuing main from its newest checkpoint in a new Train
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,17 @@ def test_snapshots_stay_within_their_bounds(tmp_path):
     assert store._evict(Comm()) == ["d"] and store.total_bytes() == int(1.5 * 2**20)
     with pytest.raises(SnapshotError, match="snapshots_keep is 0, so snapshots are off"):
         SnapshotStore(keep=0, max_mib=0).take(None, "x", ROOT, {}, None)  # refused before it looks at the run
+
+
+def test_snapshot_folders_of_dead_processes_are_swept(tmp_path):
+    import subprocess
+    import sys
+
+    from engine.checkpoint.snapshots import PREFIX, sweep_stale
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = tmp_path / f"{PREFIX}{gone.stdout.strip()}-abc", tmp_path / f"{PREFIX}{os.getpid()}-def"
+    for folder in (dead, alive, tmp_path / f"{PREFIX}oldname"):
+        (folder / "s").mkdir(parents=True)
+    assert sweep_stale(tmp_path) == [dead.name]
+    assert alive.exists() and (tmp_path / f"{PREFIX}oldname").exists() and not dead.exists()

@@ -15,7 +15,9 @@ Bounded by `checkpoint.snapshots_keep` (count) and `checkpoint.snapshots_max_mib
 of this machine's ranks together); the oldest snapshots go first. A snapshot larger than the
 bound alone, or /dev/shm too small for it, is refused with the sizes named. Every rank must be on
 one machine (each machine's /dev/shm is its own; DeepSpeed's shared files are written once).
-The folder is removed when the snapshot is evicted and when the run's process ends.
+The folder is removed when the snapshot is evicted and when the run's process ends; a run killed
+by a signal leaves its folder (<pid> in its name), and the next snapshot taken on the machine
+removes the folders of processes that are gone (`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,29 @@ from engine.context import RunContext
 from engine.rng import rng_state
 
 SHM = Path("/dev/shm")
+PREFIX = "livetune-snapshots-"  # + the pid of the rank 0 that made it
+
+
+def sweep_stale(base: Path) -> list[str]:
+    """Remove the snapshot folders of processes that are gone (a run killed by a signal runs no
+    clean-up, and tmpfs keeps its files in RAM until someone deletes them)."""
+    removed = []
+    for folder in base.glob(f"{PREFIX}*"):
+        pid = folder.name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SnapshotError(CheckpointError):
@@ -87,7 +112,8 @@ class SnapshotStore:
             name = None
             if comm.rank == 0:
                 base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
-                name = tempfile.mkdtemp(prefix="livetune-snapshots-", dir=base)
+                sweep_stale(base)
+                name = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
             self._root = Path(comm.broadcast(name))
             if comm.rank == 0:
                 atexit.register(shutil.rmtree, self._root, True)
