@@ -31,6 +31,7 @@ ONE_RANK = {
 HF = "hf4:1:4;hfm4:1:4:mean"  # the HF Trainer: micro 1 x accumulation 4, default and forced means
 TWO_RANKS = {  # the pipeline last: a data-parallel engine built after DeepSpeed's pipeline fails
     "l2": "method=lomo,batch_size=2",
+    "z0": "zero_stage=0,batch_size=1,train.grad_accum=2",
     "z2": "zero_stage=2,batch_size=1,train.grad_accum=2",
     "z3": "zero_stage=3,batch_size=1,train.grad_accum=2",
     "ppa": "parallel.pp_size=2,batch_size=1,train.grad_accum=4",
@@ -104,11 +105,12 @@ def test_matches_the_hf_trainer(work):
 
 @pytest.mark.slow
 def test_split_invariance_two_ranks(work):
-    """2 ranks x accumulation 2 x micro 1 under ZeRO-2 and ZeRO-3 == 1 rank x accumulation 4;
+    """2 ranks x accumulation 2 x micro 1 under ZeRO-0, 2 and 3 == 1 rank x accumulation 4;
     the pipeline (pp 2) with micro 1 x accumulation 4 == micro 4 x accumulation 1; LOMO on
     2 ranks x micro 2 == 1 rank x micro 4 (its own averaging over the ranks)."""
     launch(work, 2, TWO_RANKS)
     ref = load(work, "a4")
+    same_run(load(work, "z0"), ref, norms=False)  # ZeRO-0's engine keeps no global norm
     for name in ("z2", "z3"):
         same_run(load(work, name), ref)
     same_run(load(work, "ppb"), load(work, "ppa"), norms=False)  # the pipeline engine keeps no norm
