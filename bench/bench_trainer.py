@@ -60,13 +60,23 @@ def make_model(folder: Path, vocab: int = 2048) -> Path:
     return model_dir
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_variant(variant: str, zero: int, data: Path, model: Path, steps: int, batching: str, out: Path) -> dict:
     args = ["--variant", variant, "--zero", str(zero), "--data", str(data), "--model", str(model),
             "--steps", str(steps), "--batching", batching, "--out", str(out)]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", str(WORKER), *args]
+    # a free rendezvous port: DeepSpeed's default (29500) clashes with any other job on the machine
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(WORKER), *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // 2)), HF_HUB_OFFLINE="1",
                PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
+                          start_new_session=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} zero{zero} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
