@@ -126,3 +126,27 @@ def test_resume_names_a_branch(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="resume: no checkpoint folder 'c', and run 'r1' has no such branch"):
         load_config(overrides=[f"output_dir={runs}", "run_name=r1", "resume=c"])
     assert Path(cfg.logging.output_dir) == runs
+
+
+def test_client_and_notebook_refuse_bad_arguments_before_sending(tmp_path):
+    """RunClient and the notebook's Run build the contract's commands: a bad argument is refused
+    with the field named, before anything reaches a run (there is none here)."""
+    from app.notebook.api import Run
+    from app.session import Session, SessionError
+    from contract.run_folder import make_run_folder
+    from supervisor.client import CommandError, RunClient
+
+    folder = make_run_folder(load_config(overrides=[f"output_dir={tmp_path}", "run_name=r"]))
+    folder.events.write_text(json.dumps({"type": "state", "state": "finished", "time": 0.0}) + "\n")
+    client = RunClient(folder.root)
+    with pytest.raises(CommandError, match="branch: branch name 'a/b' is not allowed"):
+        client.branch(4, "a/b")
+    with pytest.raises(CommandError, match="rewind: argument 'target' must name"):
+        client.rewind("")
+    with pytest.raises(CommandError, match="branch: unknown argument 'momentum'"):
+        client.branch("step-4", "b", momentum=0.9)
+    run = Run(folder.root, Session(tmp_path))
+    with pytest.raises(SessionError, match="snapshot: snapshot name '../x' is not allowed"):
+        run.snapshot("../x")
+    with pytest.raises(SessionError, match="branch: argument 'lr_scale' must be > 0.0"):
+        run.branch(4, "b", lr_scale=0)
