@@ -55,7 +55,7 @@ def repeated_rows(root: Path, rows: int = 48) -> str:
     return str(path)
 
 
-def run(name: str, task: dict, out: Path) -> dict:
+def run(name: str, task: dict, out: Path, zero_stage: int | None = None) -> dict:
     from contract.config import load_config
     from contract.protocol import Resume, Set
     from engine.callbacks import Callback
@@ -64,6 +64,7 @@ def run(name: str, task: dict, out: Path) -> dict:
     from engine.trainer import Trainer
 
     zero, extra = SCENARIOS[name]
+    zero = zero if zero_stage is None else zero_stage
     if name == "skip":
         task = {**task, "train": repeated_rows(out / "task")}
     cfg = load_config(overrides=overrides(task, str(out / "runs"), name, zero, [*GUARD, *extra]))
@@ -78,7 +79,7 @@ def run(name: str, task: dict, out: Path) -> dict:
     class Driver(Callback):
         def on_train_batch_begin(self, trainer, micro_batches):
             if name == "skip" and len(seen) + 1 in POISONED:
-                vocab = trainer.engine.module.get_input_embeddings().weight.shape[0]
+                vocab = len(trainer.tokenizer)  # (under ZeRO 3 the embedding is partitioned)
                 poison(micro_batches, vocab, seed=1000 * trainer.env.rank + len(seen))
 
         def on_train_batch_end(self, trainer, loss):
@@ -101,12 +102,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--scenarios", default="skip,rewind,accum")
     p.add_argument("--out", required=True)
+    p.add_argument("--zero", type=int, default=None, help="another ZeRO stage for every scenario (by hand)")
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
     out = Path(a.out)
     task = make_task(out / "task")
     for name in a.scenarios.split(","):
-        report(**run(name, task, out))
+        report(**run(name, task, out, a.zero))
 
 
 if __name__ == "__main__":
