@@ -186,3 +186,29 @@ def test_snapshot_folders_of_dead_processes_are_swept(tmp_path):
         (folder / "s").mkdir(parents=True)
     assert sweep_stale(tmp_path) == [dead.name]
     assert alive.exists() and (tmp_path / f"{PREFIX}oldname").exists() and not dead.exists()
+
+
+def test_a_restored_state_puts_the_runs_own_clipping_back():
+    """Live settings restored from before a `set grad_clip` (None: not changed) put the engine's
+    clipping back to the run's value; a recorded change is put in."""
+    from types import SimpleNamespace
+
+    from contract.config import RunConfig
+    from engine.control.handlers import apply_settings
+    from engine.control.settings import LiveSettings
+
+    class Engine:  # what ds_config.set_gradient_clipping and the handler touch of a DeepSpeed engine
+        def __init__(self):
+            self._config, self.optimizer = SimpleNamespace(gradient_clipping=0.5), SimpleNamespace(clip_grad=0.5)
+
+        def gradient_clipping(self):
+            return self._config.gradient_clipping
+
+    engine = Engine()  # a `set grad_clip=0.5` happened after the state being restored was saved
+    control = SimpleNamespace(settings=LiveSettings(), trainer=SimpleNamespace(
+        engine=engine, config=RunConfig(), ds_setup=SimpleNamespace(config={"gradient_clipping": 1.0})))
+    apply_settings(control)
+    assert engine._config.gradient_clipping == 1.0 and engine.optimizer.clip_grad == 1.0
+    control.settings.load_state_dict({"grad_clip": 0.25})
+    apply_settings(control)
+    assert engine.gradient_clipping() == 0.25 and engine.optimizer.clip_grad == 0.25

@@ -182,9 +182,15 @@ def _check_settable(control: Plane, cmd: Set) -> None:
 
 
 def apply_settings(control: Plane) -> None:
-    """Put the kept settings that live in the engine into it (after `set`, and on resume)."""
-    if control.settings.grad_clip is not None:
-        set_gradient_clipping(control.trainer.engine, float(control.settings.grad_clip))
+    """Put the kept settings that live in the engine into it (after `set`, on resume, and on a
+    rewind, engine.checkpoint.rewind). A setting `set` has not changed (None) is the run's own:
+    a rewind to a state from before a `set grad_clip` puts the run's clipping back."""
+    trainer = control.trainer
+    clip = control.settings.grad_clip
+    if clip is None:  # the DeepSpeed config the engine was built from has the run's value
+        clip = trainer.ds_setup.config.get("gradient_clipping", trainer.config.optim.grad_clip)
+    if float(trainer.engine.gradient_clipping() or 0.0) != float(clip):
+        set_gradient_clipping(trainer.engine, float(clip))
 
 
 def current_settings(control: Plane) -> dict:
