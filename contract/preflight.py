@@ -93,7 +93,8 @@ def preflight(cfg: RunConfig) -> PreflightReport:
     model = _model_folder(cfg, report)
     scans = _data_files(cfg, model, report)
     train = scans.get("data.train")
-    if train is not None and train.format == "chat" or cfg.data.format == "chat":
+    chat_source = any(s.format == "chat" for k, s in scans.items() if k.startswith("data.sources"))
+    if train is not None and train.format == "chat" or cfg.data.format == "chat" or chat_source:
         _chat_template(cfg, report)
     report.problems += _deepspeed(cfg, model, train, report)
     _monitor_packages(cfg, report)
@@ -189,6 +190,17 @@ def _data_files(cfg: RunConfig, model: dict | None, report: PreflightReport) -> 
             continue  # empty: the default task; missing: validate() said so
         try:
             scan = scan_file(path, cfg.data.format)
+        except DataError as e:
+            report.problems.append((key, str(e).removeprefix("data: ")))
+            continue
+        scans[key] = scan
+        _rows_findings(cfg, key, scan, report)
+    for i, source in enumerate(cfg.data.sources):  # each of several sources, in its own format
+        key, path = f"data.sources[{i}]", source.get("path")
+        if not isinstance(path, str) or "://" in path or not Path(path).exists():
+            continue  # validate() said so
+        try:
+            scan = scan_file(path, source.get("format", "auto"))
         except DataError as e:
             report.problems.append((key, str(e).removeprefix("data: ")))
             continue

@@ -190,3 +190,14 @@ def test_a_rewind_in_place_ends_the_running_epoch_view():
     view.set_epoch(0)
     view.set_start_batch(1)
     assert next(iter(view)) == first[1]
+
+
+def test_the_preflight_check_reads_every_source_naming_it(tmp_path):
+    from contract.preflight import preflight
+    (tmp_path / "a.jsonl").write_text('{"text": "hello"}\n{"txt": 1}\n{"text": "x"}\n')
+    (tmp_path / "b.jsonl").write_text('{"input": 3}\n')
+    report = preflight(load_config(data={"data": {"sources": [
+        {"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / "b.jsonl"), "weight": 2}]}}))
+    assert ("data.sources[0]", f"{tmp_path / 'a.jsonl'}: 1 of 3 rows will be dropped: row 2: missing key "
+            "'text'") in report.warnings
+    assert [key for key, _ in report.problems] == ["data.sources[1]"] and "b.jsonl" in report.problems[0][1]
