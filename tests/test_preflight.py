@@ -142,7 +142,7 @@ def test_nonexistent_model_path_with_brackets(tmp_path):
     missing = tmp_path / "models[v2]" / "llama[1]"
     with pytest.raises(ConfigError) as raised:
         load_config(data={"model": {"path": str(missing)}})
-    assert raised.value.problems == [("model.path", f"no such folder: {missing}")]
+    assert raised.value.problems == [("model.path", f"no such folder: {missing} (nor a hub ID such as owner/name)")]
 
 
 def test_config_json_that_is_not_json(tmp_path, model_dir):

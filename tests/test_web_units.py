@@ -359,7 +359,7 @@ def test_every_field_has_a_human_label_and_the_common_ones_come_first():
     form = Form()
     assert form.label(form.field("train.micro_batch_size")) == "Micro batch size (train.micro_batch_size)"
     assert form.label(form.field("optim.lr")) == "Learning rate (optim.lr)"
-    assert form.label(form.field("model.path")) == "Model folder (model.path)"  # its declaration's label=
+    assert form.label(form.field("model.path")) == "Model folder or hub ID (model.path)"  # its declaration's label=
     assert all(f["label"] and f["label"] != f["key"] and "_" not in f["label"] for f in form.fields)
     sections = form.sections()
     placed = [f["key"] for _, _, common, advanced in sections for f in common + advanced]
