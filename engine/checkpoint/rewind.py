@@ -156,13 +156,24 @@ def _owner(trainer, tree: BranchTree, collection: Path) -> str:
     return current_branch(trainer)
 
 
-def available(trainer) -> dict[str, list]:
-    """The checkpoints of the present branch and its ancestors, and the snapshots kept."""
+def path_limits(trainer) -> dict[str, int | None]:
+    """The branches on the present branch's path, each with the last step of it on the path (the
+    fork its child on the path took; None for the present branch itself)."""
     tree, branch = tree_of(trainer), current_branch(trainer)
     chain = tree.ancestry(branch) if branch in tree.branches else [branch]
-    found = {name: [c["name"] for c in atomic.list_checkpoints(str(checkpoints_dir(trainer.folder.root, name)))]
-             for name in chain}
-    return {"checkpoints": found, "snapshots": snapshot_store(trainer).names()}
+    return {name: tree.branches[chain[i + 1]].fork_step if i + 1 < len(chain) else None
+            for i, name in enumerate(chain)}
+
+
+def available(trainer) -> dict[str, Any]:
+    """What a rewind can go back to: the checkpoints on the present branch's path (its own, and
+    each ancestor's up to the fork), by branch, oldest first, and the snapshots on that path."""
+    limits = path_limits(trainer)
+    found = {name: [c["name"] for c in atomic.list_checkpoints(str(checkpoints_dir(trainer.folder.root, name)))
+                    if limit is None or c["step"] <= limit] for name, limit in limits.items()}
+    snaps = [s.name for s in snapshot_store(trainer).snapshots
+             if s.branch in limits and (limits[s.branch] is None or s.step <= limits[s.branch])]  # type: ignore[operator]
+    return {"checkpoints": found, "snapshots": snaps}
 
 
 def _available(trainer, tree: BranchTree) -> str:
