@@ -201,3 +201,21 @@ def test_the_preflight_check_reads_every_source_naming_it(tmp_path):
     assert ("data.sources[0]", f"{tmp_path / 'a.jsonl'}: 1 of 3 rows will be dropped: row 2: missing key "
             "'text'") in report.warnings
     assert [key for key, _ in report.problems] == ["data.sources[1]"] and "b.jsonl" in report.problems[0][1]
+
+
+def test_an_epoch_behind_the_run_is_drawn_again_from_a_copy():
+    """`Trainer.train_loader(0)` after training (a script reading a batch): the earlier epoch's
+    batches again, the run's own position untouched; not once live changes make it unknowable."""
+    data, view = mixture({"a": 120, "b": 80}, {"a": 2.0, "b": 1.0})
+    first = draws(view, 2)
+    drawn = data.mixture.drawn
+    view.set_epoch(0)
+    assert list(view) == first[:len(first) // 2] and data.mixture.drawn == drawn
+    view.set_epoch(2)
+    later = list(view)  # the live position goes on as if nothing had been read
+    data.mixture.note_change()
+    view.set_epoch(0)
+    with pytest.raises(DataError, match="before live data changes"):
+        list(view)
+    _, fresh = mixture({"a": 120, "b": 80}, {"a": 2.0, "b": 1.0})
+    assert draws(fresh, 3)[len(first):] == later

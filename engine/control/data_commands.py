@@ -109,6 +109,7 @@ def set_weight(control: Plane, cmd: SetWeight, reply: Reply) -> dict:
     except DataError as e:
         raise DataRefused(f"set_weight: {e}") from None
     before = source.weight
+    mixture.note_change()
     source.weight = cmd.weight
     return _changed(control, mixture, "weight", _spec(mixture, source.name), before=before)
 
@@ -121,6 +122,7 @@ def remove_source(control: Plane, cmd: RemoveSource, reply: Reply) -> dict:
     except DataError as e:
         raise DataRefused(f"remove_source: {e}") from None
     spec = _spec(mixture, source.name)
+    mixture.note_change()
     source.removed = True
     return _changed(control, mixture, "remove", spec)
 
@@ -175,6 +177,7 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     per_step = cfg.per_step if cmd.per_step is None else cmd.per_step
     steps = cfg.steps if cmd.steps is None else cmd.steps
     if per_step and steps:
+        mixture.note_change()
         mixture.schedules.append({"source": mixture.key_of(source), "index": index, "per_step": per_step,
                                   "steps_left": steps, "id": entry_id})
     if cmd.weight is not None:

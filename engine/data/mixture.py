@@ -136,6 +136,10 @@ class Mixture:
         self._history: dict[int, dict] = {}
         self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source key -> (pass, order)
         self.loads = 0  # states loaded (a rewind ends the epoch views drawing from before it)
+        # the state before the first batch, and whether the run since is its plain continuation
+        # (no live change): then any earlier position can be drawn again from it (`detached`)
+        self._start = self.snapshot()
+        self.replayable = True
 
     # -- sources ----------------------------------------------------------------------------------
     def _prepare(self, source: Source) -> None:
@@ -153,8 +157,13 @@ class Mixture:
         raise DataError(f"no source named {name!r}; the sources are: "
                         f"{', '.join(s.name for s in self.live())}")
 
+    def note_change(self) -> None:
+        """A live change (weight, removal, teach schedule): earlier positions no longer replay."""
+        self.replayable = False
+
     def add(self, source: Source) -> int:
         """Add a source (its name must be new among the live ones); returns its key."""
+        self.note_change()
         if any(s.name == source.name for s in self.live()):
             raise DataError(f"a source named {source.name!r} exists already; give another name")
         source.seed = source_seed(self.seed, f"{source.name}#{len(self.sources)}", first=False)
@@ -300,10 +309,52 @@ class Mixture:
             if source.kind == "inbox":
                 source.dataset.load_state_dict(next(inboxes))
         self.drawn = int(state["drawn"])
+        self.replayable = self._plain(state)
         self.schedules = copy.deepcopy(state.get("schedules", []))
         self.checks = copy.deepcopy(state.get("checks", []))
         self._history, self._orders = {}, {}
         self.loads += 1
+
+    def _plain(self, state: dict) -> bool:
+        """`state` has the start's sources, weights and no schedule: no live change led to it."""
+        start, now = self._start["sources"], state["sources"]
+        same = len(start) == len(now) and all(
+            a["name"] == b["name"] and a["weight"] == b["weight"] and a["removed"] == b["removed"]
+            for a, b in zip(start, now))
+        return same and not state.get("schedules") and not state.get("checks")
+
+    def detached(self, drawn: int) -> "Mixture":
+        """A copy positioned before global batch `drawn`, drawing without moving the run's own
+        position: for a view away from it (a script reading epoch 0's batches after training,
+        engine.trainer.Trainer.train_loader). The datasets are shared, nothing of them changes.
+        Raises DataError when that position cannot be known (live changes before it)."""
+        if any(s.kind == "inbox" for s in self.sources):
+            raise DataError(f"the mixture has drawn {self.drawn} batches and holds taught samples: "
+                            f"batch {drawn} cannot be drawn again apart from the run")
+        other = copy.copy(self)
+        other.sources = [copy.copy(s) for s in self.sources]
+        other.schedules, other.checks, other.step_counts = [], [], {}
+        other._history, other._orders = {}, dict(self._orders)
+        if drawn in self._history or drawn == self.drawn:
+            other._restore(self.state_at(drawn))
+        elif self.replayable:
+            other._restore(copy.deepcopy(self._start))
+            while other.drawn < drawn:
+                other.draw()
+        else:
+            raise DataError(f"the mixture has drawn {self.drawn} batches, but this epoch view starts at "
+                            f"batch {drawn}, before live data changes: load the checkpoint's data position first")
+        return other
+
+    def _restore(self, state: dict) -> None:
+        """A detached copy's position from `state` (its sources exist already; no rebuild)."""
+        for source, spec in zip(self.sources, state["sources"]):
+            for name in ("weight", "consumed", "removed", "samples", "seed"):
+                setattr(source, name, spec[name])
+        del self.sources[len(state["sources"]):]
+        self.drawn = int(state["drawn"])
+        self.schedules = copy.deepcopy(state.get("schedules", []))
+        self.checks = copy.deepcopy(state.get("checks", []))
 
     def describe(self) -> list[dict]:
         """The live sources for events and status: name, path, format, weight, samples, seen."""
@@ -338,7 +389,9 @@ class MixtureBatchSampler(Sampler[list[tuple[int, int]]]):
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         mixture, first = self.mixture, self.epoch * self.num_batches + self.start_batch
-        if mixture.drawn != first:
+        if mixture.drawn > first:  # behind the run's position: drawn again from a copy
+            mixture = mixture.detached(first)
+        elif mixture.drawn != first:
             raise DataError(f"the mixture has drawn {mixture.drawn} batches, but this epoch view "
                             f"starts at batch {first}: load the checkpoint's data position first")
         loads = mixture.loads
