@@ -43,6 +43,7 @@ def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) ->
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        _remove_stale_shm_buffer()
         rendezvous.join_on_loopback(backend)  # one machine: nothing listens beyond loopback
         deepspeed.init_distributed(dist_backend=backend)
         _unlink_shm_buffers()
@@ -56,6 +57,23 @@ def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) ->
                    dp_group=layout.dp_group, device=device, tp_size=layout.tp_size,
                    tp_rank=layout.tp_rank, pp_size=layout.pp_size, stage=layout.stage,
                    topology=layout.topology)
+
+
+def _remove_stale_shm_buffer() -> None:
+    """DeepSpeed's CPU all-reduce names each rank's /dev/shm buffer by user, MASTER_ADDR,
+    MASTER_PORT and rank, and the other ranks map it as soon as the name exists. A run killed
+    before `_unlink_shm_buffers` leaves its buffers behind; a later run on the same port would
+    have its peers map the stale one before this rank rewrote it (a rank then crashed at start).
+    Each rank removes its own name before the rendezvous, which no rank passes before all have
+    joined, so no peer can have mapped it yet."""
+    if torch.cuda.is_available():
+        return
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_"
+            f"{os.environ['MASTER_PORT']}_{os.environ['RANK']}")
+    try:
+        (Path("/dev/shm") / name).unlink()
+    except OSError:
+        pass
 
 
 def _unlink_shm_buffers() -> None:
