@@ -30,7 +30,8 @@ def run_config(a):
                                   f"zero_stage={a.zero}", "nproc=2", f"batch_size={MICRO}", "lr=1e-4",
                                   "optim.scheduler=constant", "eval.at_end=false", "checkpoint.save_at_end=false",
                                   "logging.tensorboard=false", "control.enabled=false",
-                                  f"output_dir={Path(a.out).parent / 'runs'}", f"run_name=r{a.zero}{a.variant}"])
+                                  f"output_dir={Path(a.out).parent / 'runs'}", f"run_name=r{a.zero}{a.variant}",
+                                  *a.set])
 
 
 class Clock:
@@ -164,6 +165,7 @@ def main() -> None:
     p.add_argument("--zero", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], help="a config override for our Trainer (repeatable)")
     a = p.parse_args()
     cfg = run_config(a)
     clock = {"bare": bare, "hf": hf, "ours": ours}[a.variant](a, cfg, Clock())
