@@ -42,7 +42,7 @@ def test_wait_is_woken_by_the_exit_not_by_a_poll(tmp_path):
     assert handle.wait(timeout=30) is True
     ended = time.monotonic()
     proc.wait()
-    assert time.monotonic() - ended < 0.5
+    assert time.monotonic() - ended < 5.0  # it had ended: not returned early (a margin for a loaded machine)
     info = handle.info()
     assert (info.state, info.alive) == ("failed", False)
     assert info.error.startswith("exited without a final state")
