@@ -40,6 +40,11 @@ case "$cmd" in
       echo "installing chromium (Debian package) for the browser tests ..."
       (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null
     fi
+    # Two test workers, each taking whole files (module fixtures and the machines a file sets up
+    # stay in one process): most tests wait on processes they started, so two at a time keep the
+    # 2-core machine busy. LIVETUNE_TEST_WORKERS=0 runs them one after another.
+    workers="${LIVETUNE_TEST_WORKERS:-2}"
+    if [ "$workers" != 0 ]; then set -- -n "$workers" --dist loadfile "$@"; fi
     exec "$PY" -m pytest "$@"
     ;;
   notebook)

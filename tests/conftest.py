@@ -52,15 +52,32 @@ def tmp_jsonl(tmp_path: Path):
 
 @pytest.fixture(autouse=True)
 def _remove_deepspeed_shm_buffers():
-    """DeepSpeed's CPU all-reduce leaves a 66 MB /dev/shm file per rank and never deletes it;
-    over a whole suite that fills memory. Unlinking after a test is safe even for a process
-    that still maps the file."""
-    import time
-    started = time.time() - 1
+    """DeepSpeed's CPU all-reduce maps a 66 MB /dev/shm file per rank; the engine unlinks its
+    own once every rank has mapped them, but a run killed before that leaves them behind, and over
+    a whole suite that fills memory. After each test, the ones no process maps any more are
+    removed (never one a run in another test worker is still setting up)."""
     yield
-    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
-        try:
-            if path.stat().st_mtime >= started:
+    left = list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    if not left:
+        return
+    import time
+    mapped, now = _mapped_shm_names(), time.time()
+    for path in left:
+        try:  # a minute old: not one being written by a rank that has yet to map it
+            if path.name not in mapped and now - path.stat().st_mtime > 60:
                 path.unlink()
         except OSError:
             pass
+
+
+def _mapped_shm_names() -> set[str]:
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        if "deepspeed_allreduce_buffer_" in text:
+            names |= {line.rsplit("/", 1)[-1].split(" ")[0] for line in text.splitlines()
+                      if "/dev/shm/deepspeed_allreduce_buffer_" in line}
+    return names
