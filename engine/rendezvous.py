@@ -13,6 +13,7 @@ agent hosts the store itself, on every address: only gloo / NCCL are kept on loo
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
@@ -39,7 +40,18 @@ def join_on_loopback(backend: str) -> bool:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     rank, world, port = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])
-    listen_fd = _listen(address, port) if rank == 0 else None
+    listen_fd = None
+    if rank == 0:
+        try:
+            listen_fd = _listen(address, port)
+        except OSError as e:
+            # one process alone (a script or a test): a MASTER_PORT inherited from an earlier
+            # in-process run may have been taken since; no peer needs to know the new one
+            if e.errno != errno.EADDRINUSE or world != 1:
+                raise
+            port = _free_port(address)
+            os.environ["MASTER_PORT"] = str(port)
+            listen_fd = _listen(address, port)
     store = dist.TCPStore(address, port, world, rank == 0, default_pg_timeout,
                           master_listen_fd=listen_fd, multi_tenant=True)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=default_pg_timeout)
@@ -50,6 +62,13 @@ def _agent_hosts_store() -> bool:
     """Under torchrun the launcher's agent already hosts the store on MASTER_PORT (on every
     address; its workers are only clients of it)."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _free_port(address: str) -> int:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
 
 
 def _listen(address: str, port: int) -> int:
