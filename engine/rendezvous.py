@@ -49,7 +49,7 @@ def join_on_loopback(backend: str) -> bool:
             # in-process run may have been taken since; no peer needs to know the new one
             if e.errno != errno.EADDRINUSE or world != 1:
                 raise
-            port = _free_port(address)
+            port = free_port(address)
             os.environ["MASTER_PORT"] = str(port)
             listen_fd = _listen(address, port)
     store = dist.TCPStore(address, port, world, rank == 0, default_pg_timeout,
@@ -64,7 +64,8 @@ def _agent_hosts_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def _free_port(address: str) -> int:
+def free_port(address: str = "127.0.0.1") -> int:
+    """A port free on `address` now (the store binds it right after)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((address, 0))

@@ -9,7 +9,6 @@ how the model is prepared and the DeepSpeed set-up adjusted.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Callable
 
@@ -40,7 +39,7 @@ def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) ->
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(rendezvous.free_port()))
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         _remove_stale_shm_buffer()
@@ -275,9 +274,3 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimi
 def _model_hidden(model) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "hidden_size", None) if config is not None else None
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
