@@ -328,7 +328,8 @@ class Session:
                 self._stops[path] = running
                 running.start()
         if again:
-            stopping.end_group(self.handle(path).pid, grace_s=5.0)
+            handle = self.handle(path)
+            stopping.end_group(handle.pid, handle.folder.root, grace_s=5.0)
         if wait:
             running.join()
             with self._lock:

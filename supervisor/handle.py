@@ -240,7 +240,7 @@ class RunHandle:
             if verdict is None or verdict.kind == VerdictKind.HUNG and self._failure is not None:
                 return None
         if verdict.kind == VerdictKind.LINGERING:  # over by its own account: end the rest
-            stopping.end_group(self.pid, grace_s=3.0)
+            stopping.end_group(self.pid, self.folder.root, grace_s=3.0)
             return None
         failure = self._failure_of(verdict)
         with self._lock:
@@ -254,8 +254,8 @@ class RunHandle:
     def _clean_up_after(self, failure: Failure) -> None:
         """End what is left of a failed run and record its failure if the run could not."""
         if failure.kind == VerdictKind.ERROR:  # the run saw it and is shutting down: a moment
-            stopping.wait_gone(self.pid, time.monotonic() + 5.0)
-        stopping.end_group(self.pid, grace_s=3.0)
+            stopping.wait_gone(self.pid, self.folder.root, time.monotonic() + 5.0)
+        stopping.end_group(self.pid, self.folder.root, grace_s=3.0)
         with self._lock:
             self.refresh()
             self._record_failure(failure)
@@ -324,9 +324,9 @@ class RunHandle:
             mark_stopping(self.folder, True)
         try:
             if stopping.ask_to_stop(self.folder, save, timeout):
-                stopping.wait_gone(self.pid, time.monotonic() + timeout)
-            forced = stopping.alive(self.pid)
-            stopping.end_group(self.pid, grace_s=5.0)
+                stopping.wait_gone(self.pid, self.folder.root, time.monotonic() + timeout)
+            forced = stopping.alive(self.pid, self.folder.root)
+            stopping.end_group(self.pid, self.folder.root, grace_s=5.0)
             with self._lock:
                 self.refresh()
                 if not self._summary.final:

@@ -17,6 +17,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -93,9 +94,16 @@ def live(members: list[Proc]) -> list[Proc]:
     return [p for p in members if not p.zombie]
 
 
-def group_alive(pgid: int | None) -> bool:
-    """Whether any process of the group is still running (a group of zombies is gone)."""
-    return pgid is not None and bool(live(snapshot({pgid})[pgid]))
+def group_alive(pgid: int | None, run_dir: Path | None = None) -> bool:
+    """Whether any process of the group is still running (a group of zombies is gone). With
+    `run_dir`: and the group is still that run's. Once a run's processes are gone the kernel
+    may hand its pid to an unrelated process that leads a group of its own (pids wrap at
+    pid_max, 32768 by default, within minutes on a busy machine); that group must never be
+    taken for the run's, let alone signalled."""
+    if pgid is None:
+        return False
+    members = live(snapshot({pgid})[pgid])
+    return bool(members) and (run_dir is None or belongs_to(members, run_dir))
 
 
 def running(pid: int | None) -> bool:
@@ -185,16 +193,19 @@ def signal_group(pgid: int, sig: int) -> bool:
         return True
 
 
-def kill_group(pgid: int, grace_s: float = 10.0) -> None:
+def kill_group(pgid: int, grace_s: float = 10.0, run_dir: Path | None = None,
+               alive: Callable[[], bool] | None = None) -> None:
     """SIGTERM the whole process group, then SIGKILL what is left after `grace_s`. A stopped
-    (SIGSTOP) process cannot act on SIGTERM until it is continued, so it is continued first."""
-    signal_group(pgid, signal.SIGCONT)
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        if not signal_group(pgid, sig):
+    (SIGSTOP) process cannot act on SIGTERM until it is continued, so it is continued first.
+    `run_dir` (or the `alive` test): signal only while the group is still that run's (see
+    group_alive); without either, the caller vouches that `pgid` is its own."""
+    still = alive or (lambda: group_alive(pgid, run_dir))
+    for sig, wait in ((signal.SIGCONT, 0.0), (signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        if not still() or not signal_group(pgid, sig):
             return
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if not group_alive(pgid):
+            if not still():
                 return
             time.sleep(0.05)
 

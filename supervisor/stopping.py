@@ -8,12 +8,13 @@ saves (a training checkpoint, then the final model) unless asked not to.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from contract.protocol import Stop
 from contract.run_folder import RunFolder
 
 from supervisor import procs
-from supervisor.records import reap
+from supervisor.records import child_running, reap
 
 # What `stop()` does when not told: the one default, declared by the contract's Stop command.
 DEFAULT_SAVE: bool = Stop().save
@@ -33,20 +34,23 @@ def ask_to_stop(folder: RunFolder, save: bool, timeout: float) -> bool:
         return False  # not listening, refused or too slow: the group is ended instead
 
 
-def alive(pgid: int | None) -> bool:
-    """Whether any process of the group is still running (zombies do not count)."""
+def alive(pgid: int | None, root: Path) -> bool:
+    """Whether the run whose folder is `root` still has a running process in group `pgid`
+    (zombies do not count). A launcher this process started counts from its fork (before its
+    command line names the folder); any other group only while a member names the folder: a
+    pgid the kernel handed on to an unrelated group after the run ended is not the run's."""
     reap(pgid)
-    return procs.group_alive(pgid)
+    return child_running(pgid) or procs.group_alive(pgid, root)
 
 
-def wait_gone(pgid: int | None, deadline: float) -> None:
+def wait_gone(pgid: int | None, root: Path, deadline: float) -> None:
     """Wait (on the processes' exits, re-looking for members at least every 0.5 s) until no
     process of the group runs, or until `deadline` (monotonic)."""
     if pgid is None:
         return
     watch = procs.ExitWatch()
     try:
-        while alive(pgid) and time.monotonic() < deadline:
+        while alive(pgid, root) and time.monotonic() < deadline:
             for proc in procs.live(procs.snapshot({pgid})[pgid]):
                 watch.add(proc.pid)
             for pid in watch.wait(min(0.5, deadline - time.monotonic())):
@@ -55,12 +59,13 @@ def wait_gone(pgid: int | None, deadline: float) -> None:
         watch.close()
 
 
-def end_group(pgid: int | None, grace_s: float) -> None:
-    """End every process of the group: SIGTERM, SIGKILL after `grace_s`; then wait until init
-    (or this process, for the launcher) has reaped them all."""
-    if pgid is None or not alive(pgid):
+def end_group(pgid: int | None, root: Path, grace_s: float) -> None:
+    """End every process of the run's group: SIGTERM, SIGKILL after `grace_s`; then wait until
+    init (or this process, for the launcher) has reaped them all. Nothing is signalled once
+    the group is no longer the run's (see `alive`)."""
+    if pgid is None or not alive(pgid, root):
         return
-    procs.kill_group(pgid, grace_s=grace_s)
+    procs.kill_group(pgid, grace_s=grace_s, alive=lambda: alive(pgid, root))
     deadline = time.monotonic() + 5.0
     while procs.snapshot({pgid})[pgid] and time.monotonic() < deadline:
         reap(pgid)

@@ -56,9 +56,14 @@ def end_leftover_runs():
     before = len(_LAUNCHED)
     yield
     while len(_LAUNCHED) > before:
-        run = _LAUNCHED.pop()
-        if run.process.poll() is None or group_alive(run.pid):
-            kill_group(run.pid, grace_s=5.0)
+        end_run(_LAUNCHED.pop(), grace_s=5.0)
+
+
+def end_run(run: LaunchedRun, grace_s: float = 10.0) -> None:
+    """End every process of the run, and nothing else: once the run's group is gone its pid may
+    lead an unrelated group (a neighbour test worker's), so the group must still be the run's."""
+    kill_group(run.pid, grace_s=grace_s,
+               alive=lambda: run.process.poll() is None or group_alive(run.pid, run.folder.root))
 
 
 def logs_of(run: LaunchedRun) -> str:
@@ -73,13 +78,13 @@ def wait_exit(run: LaunchedRun, timeout: float = 240.0) -> int:
     deadline = time.monotonic() + timeout
     while run.process.poll() is None:
         if time.monotonic() > deadline:
-            kill_group(run.pid)
+            end_run(run)
             pytest.fail(f"run {run.folder.root.name} did not end in {timeout} s\n{logs_of(run)}")
         time.sleep(0.2)
     deadline = time.monotonic() + 15
-    while group_alive(run.pid) and time.monotonic() < deadline:
+    while group_alive(run.pid, run.folder.root) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not group_alive(run.pid), "processes of the run were left behind"
+    assert not group_alive(run.pid, run.folder.root), "processes of the run were left behind"
     return run.process.returncode
 
 
@@ -101,7 +106,7 @@ def wait_for_step(run: LaunchedRun, step: int, timeout: float = 180.0) -> int:
         if run.process.poll() is not None:
             pytest.fail(f"run ended before step {step}\n{logs_of(run)}")
         time.sleep(0.05)
-    kill_group(run.pid)
+    end_run(run)
     pytest.fail(f"run did not reach step {step} in {timeout} s\n{logs_of(run)}")
 
 

@@ -205,9 +205,8 @@ def test_save_now_on_a_full_disk_is_answered_and_training_goes_on(tmp_path):
                 assert stopped["save_error"].startswith("disk full: saving ")
             assert wait_exit(run) == 0
         finally:
-            from supervisor.procs import group_alive, kill_group
-            if group_alive(run.pid):
-                kill_group(run.pid, grace_s=5.0)
+            from control_runs import end_run
+            end_run(run, grace_s=5.0)
     kinds = [e for e in map(json.loads, run.folder.events.read_text().splitlines())
              if e["type"] in ("warning", "checkpoint_failed")]
     assert [e["type"] for e in kinds] == ["checkpoint_failed", *["warning", "checkpoint_failed"] * 2], kinds

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from supervisor.procs import group_alive
+
 REPO = Path(__file__).resolve().parent.parent
 # a short, cheap run of the embedded default (no evaluation, no tensorboard)
 SMALL = ["data.max_length=32", "batch_size=8", "precision=fp32", "logging.tensorboard=false",
@@ -99,8 +101,12 @@ def launcher_pid(run_dir: Path) -> int:
 
 
 def end_everything(proc: subprocess.Popen, run_dir: Path) -> None:
-    """Leave nothing running behind a failed test."""
-    groups = [proc.pid] + ([launcher_pid(run_dir)] if (run_dir / "launcher.pid").exists() else [])
+    """Leave nothing running behind a failed test, and nobody else's: a pid is signalled only while
+    it is still ours (a Popen not yet reaped, a group that names the run folder); once a group is
+    gone its number may lead a neighbour test worker's group."""
+    groups = [proc.pid] if proc.returncode is None else []
+    if (run_dir / "launcher.pid").exists() and group_alive(launcher_pid(run_dir), run_dir):
+        groups.append(launcher_pid(run_dir))
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)

@@ -7,6 +7,7 @@ writes outputs into the repository's notebooks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -20,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from supervisor.procs import group_alive
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -83,10 +86,9 @@ def lab(tmp_path):
             proc.wait()
         log.close()
         for pid_file in (tmp_path / "runs").glob("*/launcher.pid"):  # the runs this notebook started
-            try:
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                if group_alive(int(pid_file.read_text()), pid_file.parent):  # still the run's
+                    os.killpg(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def test_quickstart_in_jupyterlab_draws_the_panel_and_follows_the_run(lab):

@@ -62,7 +62,7 @@ def outcome(run_dir: Path) -> dict:
         "checkpoint at the stop step": bool(saved) and saved[-1]["step"] == stopping[-1],
         "checkpoint complete": checkpoint is not None and (checkpoint / "COMPLETE.json").exists(),
         "model exported": (run_dir / "model" / "config.json").exists(),
-        "processes left": group_alive(pgid),
+        "processes left": group_alive(pgid, run_dir),
     }
 
 
@@ -76,8 +76,7 @@ def runs(tmp_path, monkeypatch):
     yield folder
     for pid_file in folder.glob("*/launcher.pid"):
         pgid = int(pid_file.read_text())
-        if group_alive(pgid):
-            kill_group(pgid, grace_s=2.0)
+        kill_group(pgid, grace_s=2.0, run_dir=pid_file.parent)  # only while the group is the run's
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from supervisor.procs import group_alive
+
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -33,23 +35,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def group_alive(pgid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
-
-
 def end_runs(runs: Path) -> None:
     """Leave nothing behind: end the process group of every run the app started."""
     for pid_file in runs.glob("*/launcher.pid"):
         pgid = int(pid_file.read_text())
-        if group_alive(pgid):
+        if group_alive(pgid, pid_file.parent):  # still the run's (a pid outlives its group: reuse)
             os.killpg(pgid, signal.SIGKILL)
 
 
@@ -245,7 +235,7 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     page.locator("#train-stop").click()
     wait_until(lambda: state(page) == "finished", 180, "the run to stop")
     pgid = int((run / "launcher.pid").read_text())
-    wait_until(lambda: not group_alive(pgid), 30, "every process of the run to end")
+    wait_until(lambda: not group_alive(pgid, run), 30, "every process of the run to end")
     page.close()
 
 
@@ -307,7 +297,7 @@ def test_gradio_client_start_chat_set_stop(app):
     # no `save` given: the contract's Stop default, as the Stop button and the notebook's stop()
     stopped = client.predict(run="api-run", api_name="/stop")
     assert stopped["state"] == "finished" and not stopped["alive"] and stopped["stopped_by_user"]
-    assert not group_alive(stopped["pid"])
+    assert not group_alive(stopped["pid"], runs / "api-run")
     assert any((p / "COMPLETE.json").exists() for p in (runs / "api-run" / "checkpoints").glob("step-*"))
     assert any((runs / "api-run" / "model").iterdir())  # saved first: a checkpoint and the model
     from gradio_client.exceptions import AppError
