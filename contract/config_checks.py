@@ -1,0 +1,219 @@
+"""Checking a run config: paths made absolute, bounds of single fields, then the combinations
+that cannot work together (the parallel layout, data sources, the spike guard)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from contract.branches import names_branch, resume_problem
+from contract.config_schema import EVALUATORS, FUSED_METHODS, DataConfig, RunConfig
+from contract.hub import is_hub_id
+
+
+def _absolute(value: str) -> str:
+    if not value or "://" in value:  # empty (a default applies) or an fsspec URL
+        return value
+    return str(Path(value).expanduser().resolve())
+
+
+def absolute_paths(c: RunConfig) -> None:
+    """Make every path of the config absolute against the directory it was given in: the engine
+    processes start in the project folder, and the saved config.yaml must mean the same files
+    wherever it is read again (resume, the app)."""
+    c.model.path, c.model.tokenizer = (p if is_hub_id(p) else _absolute(p) for p in (c.model.path, c.model.tokenizer))
+    c.data.train, c.data.eval = _absolute(c.data.train), _absolute(c.data.eval)
+    c.data.sources = [{**s, "path": _absolute(s["path"])} if isinstance(s.get("path"), str) else s
+                      for s in c.data.sources]
+    c.logging.output_dir = _absolute(c.logging.output_dir)
+    c.control.chat_load = _absolute(c.control.chat_load)
+    c.parallel.hostfile = _absolute(c.parallel.hostfile)
+    if c.resume != "latest" and not names_branch(c.resume):  # a branch name stays a name
+        c.resume = _absolute(c.resume)
+    if isinstance(c.parallel.deepspeed, dict) and isinstance(c.parallel.deepspeed.get("file"), str):
+        c.parallel.deepspeed = {**c.parallel.deepspeed, "file": _absolute(c.parallel.deepspeed["file"])}
+
+
+def validate(c: RunConfig) -> list[tuple[str, str]]:
+    """Bounds of single fields, then the combinations that cannot work together."""
+    problems = _check_bounds(c, "")
+    p, t = c.parallel, c.train
+    if p.nproc % (p.tp_size * p.pp_size):
+        problems.append(("parallel.nproc", f"{p.nproc} processes cannot be split into tp_size "
+                         f"{p.tp_size} x pp_size {p.pp_size}; nproc must be a multiple of {p.tp_size * p.pp_size}"))
+    elif p.dp_size and p.dp_size * p.tp_size * p.pp_size != c.world_size:
+        problems.append(("parallel.dp_size", f"dp_size {p.dp_size} x tp_size {p.tp_size} x pp_size "
+                         f"{p.pp_size} must equal the world size {c.world_size} (or set dp_size 0)"))
+    if p.tp_size > 1 and p.zero_stage == 3:
+        problems.append(("parallel.tp_size", "DeepSpeed AutoTP training works with ZeRO 0, 1 and 2, not 3"))
+    if p.pp_size > 1 and p.zero_stage > 1:
+        problems.append(("parallel.pp_size", "the DeepSpeed pipeline engine supports ZeRO 0 and 1 only"))
+    if p.offload_optimizer and p.zero_stage == 0:
+        problems.append(("parallel.offload_optimizer", "needs zero_stage 1, 2 or 3"))
+    if p.offload_param and p.zero_stage != 3:
+        problems.append(("parallel.offload_param", "needs zero_stage 3"))
+    if c.method.name in FUSED_METHODS:
+        if p.pp_size > 1:
+            problems.append(("method.name", f"{c.method.name} updates inside backward and cannot run "
+                             "with pipeline parallelism (parallel.pp_size > 1)"))
+        if t.grad_accum > 1:
+            problems.append(("train.grad_accum", f"{c.method.name} applies each gradient as soon as it "
+                             "is computed, so gradients cannot be accumulated; set grad_accum 1"))
+        if isinstance(p.deepspeed, dict) and "optimizer" in p.deepspeed:
+            problems.append(("parallel.deepspeed", f"{c.method.name} updates the weights itself; remove "
+                             "the DeepSpeed \"optimizer\" section"))
+        if p.offload_optimizer:
+            problems.append(("parallel.offload_optimizer", f"{c.method.name} keeps no optimizer state to offload"))
+    if c.method.name in ("prompt_tuning", "p_tuning") and c.data.batching == "packing":
+        problems.append(("data.batching", f"{c.method.name} puts virtual tokens in front of each row and "
+                         "drops position_ids, which packed rows need to keep samples apart; use "
+                         "group_by_length or random"))
+    if t.max_steps == 0 and t.epochs == 0:
+        problems.append(("train.max_steps", "set max_steps or epochs above 0"))
+    evaluates = c.eval.every_n_steps or c.eval.every_n_epochs
+    if evaluates and not c.data.eval and not c.uses_default_task:
+        problems.append(("eval.every_n_steps" if c.eval.every_n_steps else "eval.every_n_epochs",
+                         "evaluation is scheduled but data.eval names no evaluation data"))
+    if c.control.chat_only and not c.control.enabled:
+        problems.append(("control.chat_only", "chat goes through the control socket: set control.enabled"))
+    if c.control.chat_load and not c.control.chat_only:
+        problems.append(("control.chat_load", "is for chat-only runs: set control.chat_only"))
+    if c.eval.early_stopping_patience and not evaluates:
+        problems.append(("eval.early_stopping_patience", "early stopping watches evaluations: set "
+                         "eval.every_n_steps or eval.every_n_epochs"))
+    if c.eval.early_stopping_patience and not c.checkpoint.monitor:
+        problems.append(("checkpoint.monitor", "early stopping needs a metric to watch"))
+    if c.checkpoint.keep_best and not c.checkpoint.monitor:
+        problems.append(("checkpoint.monitor", "keep_best needs a metric to rank by"))
+    if c.resume == "latest" and not c.logging.run_name:
+        problems.append(("resume", "`latest` is the newest checkpoint of a run folder: name the run to "
+                         "continue with logging.run_name (run_name=...), or give a checkpoint path"))
+    elif names_branch(c.resume):
+        problem = resume_problem(c.logging.output_dir, c.logging.run_name, c.resume)
+        if problem:
+            problems.append(("resume", problem))
+    elif c.resume and c.resume != "latest" and "://" not in c.resume and not Path(c.resume).exists():
+        problems.append(("resume", f"no such checkpoint folder: {c.resume}"))
+    if len(c.optim.betas) != 2:
+        problems.append(("optim.betas", f"expected two numbers, got {c.optim.betas}"))
+    for name in c.eval.evaluators:
+        if name not in EVALUATORS:
+            problems.append(("eval.evaluators", f"unknown evaluator {name!r}; allowed: {', '.join(EVALUATORS)}"))
+    if c.control.host not in ("127.0.0.1", "localhost", "::1") and not p.hostfile and p.nodes == 1:
+        problems.append(("control.host", "listening beyond loopback is for multi-machine runs; set "
+                         "parallel.hostfile (or parallel.nodes, which submit --slurm sets)"))
+    if p.hostfile and p.nodes != 1:
+        problems.append(("parallel.nodes", "the hostfile says which machines the run spans; leave nodes at 1"))
+    for key, folder in (("model.path", c.model.path), ("model.tokenizer", c.model.tokenizer)):
+        if is_hub_id(folder):  # a hub ID: the pre-flight check looks in the cache (contract.hub)
+            continue
+        if folder and not Path(folder).is_dir():
+            problems.append((key, f"no such folder: {folder} (nor a hub ID such as owner/name)"))
+    for key, data_path in (("data.train", c.data.train), ("data.eval", c.data.eval)):
+        if data_path and not Path(data_path).exists():
+            problems.append((key, f"no such file or folder: {data_path}"))
+    problems += source_problems(c.data)
+    if p.hostfile and not Path(p.hostfile).is_file():
+        problems.append(("parallel.hostfile", f"no such file: {p.hostfile}"))
+    from contract.layout_checks import layout_problems  # torch-free: model config.json, hostfile
+    problems += layout_problems(c)
+    problems += guard_problems(c)
+    return problems
+
+
+SOURCE_KEYS = ("path", "format", "weight", "name")
+SOURCE_FORMATS = ("auto", "text", "input_output", "chat", "tokenized")
+
+
+def source_problems(d: DataConfig) -> list[tuple[str, str]]:
+    """Each `data.sources` entry: a mapping with an existing path, a known format, a finite
+    weight >= 0 and a unique name; at least one weight above 0; not together with data.train."""
+    import math
+    problems: list[tuple[str, str]] = []
+    if d.sources and d.train:
+        problems.append(("data.sources", "give data.train (one source) or data.sources, not both"))
+    names: set[str] = set()
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        unknown = [k for k in s if k not in SOURCE_KEYS]
+        if unknown:
+            problems.append((key, f"unknown key {', '.join(map(str, unknown))}; allowed: {', '.join(SOURCE_KEYS)}"))
+        path = s.get("path")
+        if not isinstance(path, str) or not path:
+            problems.append((f"{key}.path", "a file or saved dataset folder is needed"))
+        elif "://" not in path and not Path(path).exists():
+            problems.append((f"{key}.path", f"no such file or folder: {path}"))
+        if s.get("format", "auto") not in SOURCE_FORMATS:
+            problems.append((f"{key}.format", f"must be one of {', '.join(SOURCE_FORMATS)}, got {s.get('format')!r}"))
+        weight = s.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            problems.append((f"{key}.weight", f"must be a number >= 0 (0 pauses the source), got {weight!r}"))
+        name = source_name(s, i)
+        if name in names:
+            problems.append((f"{key}.name", f"{name!r} names two sources; give each its own name"))
+        names.add(name)
+    weights = [s.get("weight", 1.0) for s in d.sources]
+    if d.sources and not any(isinstance(w, (int, float)) and w > 0 for w in weights):
+        problems.append(("data.sources", "at least one source needs a weight above 0"))
+    return problems
+
+
+def source_name(source: dict, index: int) -> str:
+    """A source's name: its `name`, else its file's stem, else source<index>."""
+    name = source.get("name")
+    if isinstance(name, str) and name:
+        return name
+    path = source.get("path")
+    return Path(path).stem if isinstance(path, str) and path else f"source{index}"
+
+
+def guard_problems(c: RunConfig) -> list[tuple[str, str]]:
+    """What the spike guard cannot do in this run: skipping needs the update to wait for the
+    loss (the engine step, one micro-batch per step); rewind and pause act through the control plane."""
+    g = c.guard
+    if not g.enabled:
+        return []
+    problems = []
+    actions = {"guard.on_nonfinite": g.on_nonfinite, "guard.on_spike": g.on_spike}
+    for key, action in actions.items():
+        if action != "skip":
+            continue
+        if c.method.name in FUSED_METHODS:
+            problems.append((key, f"skip needs the update to wait for the guard, but {c.method.name} "
+                             "updates inside backward; choose rewind or pause"))
+        elif c.parallel.pp_size > 1:
+            problems.append((key, "skip needs the update to wait for the guard, but the pipeline schedule "
+                             "runs forward, backward and update in one call; choose rewind or pause"))
+        elif c.train.grad_accum > 1:
+            problems.append((key, "skip judges the loss before the backward, which needs train.grad_accum 1 "
+                             "(earlier micro-batches would be accumulated already); choose rewind or pause"))
+    if g.grad_norm_max > 0:  # (a non-finite norm without the control plane is only reported)
+        actions["guard.on_grad_norm"] = g.on_grad_norm
+    acting = [k for k, a in actions.items() if a != "skip"]
+    if acting and not c.control.enabled:
+        other = "set guard.grad_norm_max 0" if acting[0] == "guard.on_grad_norm" else "choose skip"
+        problems.append((acting[0], f"rewind and pause act through the control plane; set control.enabled "
+                         f"true, or {other}"))
+    if g.lr_scale <= 0:
+        problems.append(("guard.lr_scale", f"must be above 0 (a rate of 0 cannot be scaled back), got {g.lr_scale}"))
+    if g.snapshot_every_n_steps and not c.checkpoint.snapshots_keep:
+        problems.append(("guard.snapshot_every_n_steps", "snapshots are off (checkpoint.snapshots_keep 0); "
+                         "keep at least 1, or set 0 here"))
+    return problems
+
+
+def _check_bounds(obj: Any, prefix: str) -> list[tuple[str, str]]:
+    problems = []
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems += _check_bounds(value, key + ".")
+            continue
+        lo, hi = f.metadata.get("minimum"), f.metadata.get("maximum")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if lo is not None and value < lo:
+                problems.append((key, f"must be at least {lo}, got {value}"))
+            if hi is not None and value > hi:
+                problems.append((key, f"must be at most {hi}, got {value}"))
+    return problems

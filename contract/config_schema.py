@@ -1,0 +1,316 @@
+"""The run config's declaration: one typed dataclass per section, each field documented where it
+is declared (litgpt style), with its bounds and label in the field's metadata. Loading lives in
+contract.config_load, the checks in contract.config_checks, the form entries in
+contract.config_form; import them all through contract.config. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field with its documentation (and optional bounds) in the metadata."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+METHODS = ("full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo")
+FUSED_METHODS = ("lomo", "adalomo")  # the update happens inside backward
+PEFT_METHODS = ("lora", "prompt_tuning", "p_tuning")
+# eval.evaluators values (engine.evaluators builds them; kept here so that validation stays torch-free)
+EVALUATORS = ("perplexity", "choice", "exact_match", "generation")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", "Local Hugging Face model folder, or a hub ID (owner/name) read from the Hugging "
+                   "Face cache. Empty: the embedded tiny default model.", label="Model folder or hub ID")
+    tokenizer: str = _f("", "Tokenizer folder or hub ID. Empty: the model's own tokenizer.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    attn_implementation: Literal["sdpa", "eager"] = _f("sdpa", "Attention kernel of the model.")
+    trust_remote_code: bool = _f(False, "Allow model code shipped inside the model folder to run.")
+
+
+@dataclass
+class DataConfig:
+    train: str = _f("", "Training data file or saved dataset folder (JSON lines, JSON, CSV, "
+                    "Parquet, or `datasets` save_to_disk). Empty: the embedded default task.",
+                    label="Training data")
+    eval: str = _f("", "Evaluation data in the same formats. Empty with the default task: its "
+                   "held-out split; empty otherwise: no evaluation data.", label="Evaluation data")
+    format: Literal["auto", "text", "input_output", "chat", "tokenized"] = _f(
+        "auto", "Row format: {text}, {input, output} (loss on output only), {messages} (chat "
+        "template, loss on assistant turns), {input_ids, labels}; auto detects it from the keys.")
+    max_length: int = _f(512, "Longest sample in tokens.", minimum=8)
+    overlong: Literal["truncate", "drop", "error"] = _f(
+        "truncate", "What to do with a sample longer than max_length (always counted and reported).")
+    batching: Literal["random", "group_by_length", "packing"] = _f(
+        "group_by_length", "How samples form batches: random order, batches of similar length "
+        "(little padding), or several samples packed per row (per-sample attention and positions).")
+    num_workers: int = _f(0, "Data loader worker processes (a run's training sources are drawn "
+                          "in the main process, step by step: this applies to evaluation data).", minimum=0)
+    sources: list[dict] = _f([], "Several training sources, each {path, format, weight, name}: a "
+                             "file or saved dataset folder, its row format (auto by default), its "
+                             "weight (>= 0; batches draw from the sources in proportion) and a name "
+                             "(default: the file name). Empty: data.train is the one source.",
+                             label="Training sources")
+
+
+@dataclass
+class TeachConfig:
+    per_step: int = _f(4, "Samples of a taught answer in each of the next global batches.", minimum=1)
+    steps: int = _f(20, "Batches a taught answer is mixed into.", minimum=1)
+    check_after: int = _f(20, "Steps after a teach when the model is asked the prompt again "
+                          "(greedy) and the old and new answers are recorded; 0: never.", minimum=0)
+    max_new_tokens: int = _f(32, "Tokens generated for the answers before and after teaching.", minimum=1)
+
+
+@dataclass
+class MethodConfig:
+    name: Literal["full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo"] = _f(
+        "full", "Fine-tuning method: all parameters with an optimizer, a PEFT adapter, or the "
+        "fused low-memory LOMO / AdaLomo update.", label="Method")
+    lora_r: int = _f(8, "LoRA rank.", minimum=1)
+    lora_alpha: int = _f(16, "LoRA scaling numerator (scale = alpha / r).", minimum=1)
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA branch.", minimum=0.0, maximum=1.0)
+    lora_target_modules: list[str] = _f([], "Module names LoRA wraps. Empty: inferred from the model.")
+    num_virtual_tokens: int = _f(8, "Virtual tokens for prompt tuning / P-tuning.", minimum=1)
+    adapter_name: str = _f("default", "Name of the trained adapter.")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = _f("adamw", "Optimizer (ignored by LOMO / AdaLomo).", label="Optimizer")
+    lr: float = _f(1e-3, "Peak learning rate.", minimum=0.0)
+    weight_decay: float = _f(0.0, "Decoupled weight decay.", minimum=0.0)
+    betas: list[float] = _f([0.9, 0.999], "Adam betas.")
+    eps: float = _f(1e-8, "Adam epsilon.", minimum=0.0)
+    scheduler: Literal["constant", "linear", "cosine"] = _f("cosine", "Learning-rate schedule after warmup.")
+    warmup_steps: int = _f(0, "Linear warmup steps (wins over warmup_ratio when > 0).", minimum=0)
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps.", minimum=0.0, maximum=0.99)
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables.", minimum=0.0)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = _f(1, "Passes over the training data (max_steps wins when > 0).", minimum=0)
+    max_steps: int = _f(0, "Optimizer steps to train; 0: as many as the epochs give.", minimum=0)
+    micro_batch_size: int = _f(8, "Samples per rank per forward pass.", minimum=1)
+    grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.", minimum=1)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = _f(
+        "auto", "Training precision; auto takes bf16 where the hardware does bf16 fast, else fp32.")
+    seed: int = _f(42, "Seed of weights init, data order and dropout.")
+    loss_average: Literal["tokens", "micro_batch"] = _f(
+        "tokens", "The step's loss: tokens = the sum of the token losses over every micro-batch of the "
+        "step on every data-parallel rank, divided by their number of label tokens (the Hugging Face "
+        "Trainer's objective; the same whatever the split into micro-batches, accumulation and ranks); "
+        "micro_batch = the mean of the micro-batches' mean losses (each micro-batch weighs the same).")
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = _f(1, "Processes (ranks) on this machine.", minimum=1)
+    zero_stage: int = _f(0, "DeepSpeed ZeRO stage: 0 off, 1 optimizer, 2 +gradients, 3 +parameters.",
+                         minimum=0, maximum=3)
+    offload_optimizer: bool = _f(False, "Keep optimizer state in CPU memory (ZeRO >= 1).")
+    offload_param: bool = _f(False, "Keep parameters in CPU memory (ZeRO 3).")
+    tp_size: int = _f(1, "Tensor-parallel size (DeepSpeed AutoTP).", minimum=1)
+    pp_size: int = _f(1, "Pipeline-parallel size (DeepSpeed pipeline engine).", minimum=1)
+    dp_size: int = _f(0, "Data-parallel size; 0: derived as world / (tp * pp).", minimum=0)
+    pp_partition: Literal["parameters", "uniform"] = _f("parameters", "How pipeline stages are split.")
+    launcher: Literal["deepspeed", "torchrun"] = _f("deepspeed", "Launcher that starts the ranks.")
+    deepspeed: dict = _f({}, "A full DeepSpeed config (dict, or {file: path.json}); \"auto\" values "
+                         "are filled from this run config, contradicting values are an error.")
+    hostfile: str = _f("", "DeepSpeed hostfile for several machines. Empty: this machine only.")
+    nodes: int = _f(1, "Machines the run spans when no hostfile lists them: a Slurm job's nodes "
+                    "(set by submit --slurm, which starts nproc ranks on each).", minimum=1, label="Nodes")
+    master_addr: str = _f("127.0.0.1", "Rendezvous address of rank 0.")
+    master_port: int = _f(0, "Rendezvous port; 0 picks a free one.", minimum=0, maximum=65535)
+
+
+@dataclass
+class EvalConfig:
+    every_n_steps: int = _f(0, "Evaluate every n optimizer steps; 0 never.", minimum=0)
+    every_n_epochs: int = _f(0, "Evaluate every n epochs; 0 never.", minimum=0)
+    at_end: bool = _f(True, "Evaluate once more when training ends (if there is evaluation data).")
+    batch_size: int = _f(16, "Samples per rank per evaluation batch.", minimum=1)
+    evaluators: list[str] = _f(["perplexity"], "Evaluators: perplexity (loss, perplexity); choice "
+                               "(rows with choices: the lowest-loss candidate; accuracy, F1); "
+                               "exact_match (generate and compare); generation (exact match, BLEU, "
+                               "ROUGE, predictions saved in the run folder).")
+    max_new_tokens: int = _f(32, "Tokens generated per sample by generating evaluators.", minimum=1)
+    max_samples: int = _f(0, "Evaluate on at most this many samples; 0: all.", minimum=0)
+    early_stopping_patience: int = _f(0, "Stop training after this many evaluations in a row "
+                                      "without improvement of checkpoint.monitor; 0: never stop early.",
+                                      minimum=0, label="Early stopping patience")
+    early_stopping_threshold: float = _f(0.0, "How much checkpoint.monitor must improve on its best "
+                                         "to count as an improvement (early stopping).", minimum=0.0,
+                                         label="Early stopping threshold")
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = _f(0, "Save a training checkpoint every n steps; 0 never.", minimum=0)
+    every_n_epochs: int = _f(0, "Save a training checkpoint every n epochs; 0 never.", minimum=0)
+    keep_last: int = _f(2, "Keep the newest k step checkpoints; 0 keeps all.", minimum=0)
+    keep_best: int = _f(0, "Also keep the best k by `monitor`; 0 off.", minimum=0)
+    monitor: str = _f("eval/loss", "Metric the best checkpoints are ranked by.")
+    mode: Literal["min", "max"] = _f("min", "Whether smaller or larger `monitor` is better.")
+    save_at_end: bool = _f(True, "Save the final model (Hugging Face format) when training ends.")
+    load_best_at_end: bool = _f(False, "Reload the best checkpoint's weights at the end.")
+    snapshots_keep: int = _f(2, "In-memory snapshots kept for instant rewinds (the `snapshot` "
+                             "command); the oldest goes first; 0: snapshots off.", minimum=0,
+                             maximum=1000, label="Snapshots kept")
+    snapshots_max_mib: int = _f(0, "Most host memory (MiB, per machine) the snapshots may take "
+                                "together; the oldest go first; 0: no bound but snapshots_keep.",
+                                minimum=0, label="Snapshot memory (MiB)")
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = _f("runs", "Folder that holds the run folders.")
+    run_name: str = _f("", "Name of this run's folder. Empty: a timestamp.")
+    log_every_n_steps: int = _f(1, "Write a training record every n steps.", minimum=1)
+    tensorboard: bool = _f(True, "Also write TensorBoard event files.")
+    csv: bool = _f(False, "Also write train.csv and eval.csv (one row per record) in the run folder.",
+                   label="CSV files")
+    wandb: Literal["off", "offline", "online"] = _f("off", "Also log to Weights & Biases: offline writes "
+                                                    "the run under <run folder>/wandb/ with no network "
+                                                    "(wandb sync uploads it later); online needs wandb login.",
+                                                    label="Weights & Biases")
+    wandb_project: str = _f("livetune", "The W&B project the run is logged to.", label="W&B project")
+    progress_bar: bool = _f(True, "Show a progress bar on rank 0 when attached to a terminal.")
+
+
+@dataclass
+class ControlConfig:
+    enabled: bool = _f(True, "Open the control socket on rank 0 (chat, pause, set lr ...).",
+                       label="Control socket on")
+    host: str = _f("127.0.0.1", "Address the control socket listens on. Anything but loopback "
+                   "must be opted into explicitly; every message still needs the run's token.")
+    port: int = _f(0, "Control socket port; 0 picks a free one.", minimum=0, maximum=65535)
+    chat_only: bool = _f(False, "Train nothing: hold the model (model.path, the checkpoint `resume` "
+                         "names, or chat_load) in the engine for chat until stopped.", label="Chat only")
+    chat_load: str = _f("", "With chat_only: a model folder, or a PEFT adapter folder on top of model.path, "
+                        "loaded into the engine before chat starts.", label="Chat with (folder)")
+
+
+@dataclass
+class GuardConfig:
+    """The spike guard (engine.spike_guard): every step's loss and gradient norm are judged, and
+    a non-finite value, a loss spike or a gradient norm above the bound triggers an action."""
+    enabled: bool = _f(False, "Judge every step and act by itself on a non-finite loss, a loss "
+                       "spike or a gradient norm above grad_norm_max.", label="Spike guard on")
+    warmup_steps: int = _f(10, "Steps whose loss only feeds the spike statistic before spikes are "
+                           "judged (non-finite values and the norm bound count from step 1).",
+                           minimum=0, label="Guard warm-up steps")
+    window: int = _f(20, "The spike statistic is taken over the losses of the last n accepted steps.",
+                     minimum=3, maximum=10000, label="Spike window (steps)")
+    spike_z: float = _f(6.0, "A loss spikes when it is above the window's median by more than spike_z "
+                        "times its noise (a robust standard deviation of the step-to-step changes) ...",
+                        minimum=0.0, label="Spike threshold (robust z)")
+    spike_ratio: float = _f(1.2, "... and at least spike_ratio x the median (a nearly flat loss then "
+                            "does not make every wiggle a spike); 1: the z threshold alone.",
+                            minimum=1.0, label="Spike ratio to the median")
+    grad_norm_max: float = _f(0.0, "Bound on the global gradient norm (before clipping); 0: off.",
+                              minimum=0.0, label="Gradient norm bound")
+    on_nonfinite: Literal["skip", "rewind", "pause"] = _f(
+        "skip", "Action on a non-finite loss: skip the update, rewind to the newest good checkpoint "
+        "or snapshot (lr x lr_scale), or pause and notify.", label="On a non-finite loss")
+    on_spike: Literal["skip", "rewind", "pause"] = _f("skip", "Action on a loss spike (as on_nonfinite).",
+                                                      label="On a loss spike")
+    on_grad_norm: Literal["rewind", "pause"] = _f(
+        "rewind", "Action on a gradient norm above the bound, or non-finite. The norm is known only "
+        "once the update is applied, so it cannot be skipped.", label="On a gradient norm")
+    lr_scale: float = _f(0.5, "Factor on the learning rate at each guard rewind.", minimum=0.0,
+                         maximum=1.0, label="Learning-rate factor per rewind")
+    max_rewinds: int = _f(3, "Guard rewinds in the whole run; once spent, a trigger that would "
+                          "rewind pauses instead.", minimum=0, label="Most guard rewinds")
+    max_skips_in_a_row: int = _f(5, "Skipped steps in a row after which the guard pauses instead "
+                                 "(a run whose every step spikes is not training).", minimum=1,
+                                 label="Most skips in a row")
+    snapshot_every_n_steps: int = _f(0, "Take an in-memory snapshot every n steps for the guard to "
+                                     "rewind to (fast, no disk); 0: off (it rewinds to checkpoints "
+                                     "and to the snapshots you take).", minimum=0,
+                                     label="Guard snapshot every N steps")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    teach: TeachConfig = field(default_factory=TeachConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    resume: str = _f("", "Continue from a training checkpoint folder, `latest` in the run folder (the "
+                     "present branch's newest), or a branch's name (its newest checkpoint).",
+                     label="Resume from checkpoint")
+
+    # -- derived values -----------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        nodes = _hostfile_nodes(self.parallel.hostfile) if self.parallel.hostfile else self.parallel.nodes
+        return self.parallel.nproc * max(1, nodes)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // (self.parallel.tp_size * self.parallel.pp_size)
+
+    @property
+    def uses_default_task(self) -> bool:
+        return not self.data.train and not self.data.sources
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# The most used settings, short whatever the nesting: `./launch.sh train max_steps=40 nproc=2`.
+SHORTCUTS = {
+    "max_steps": "train.max_steps",
+    "epochs": "train.epochs",
+    "nproc": "parallel.nproc",
+    "zero_stage": "parallel.zero_stage",
+    "tp": "parallel.tp_size",
+    "pp": "parallel.pp_size",
+    "seed": "train.seed",
+    "lr": "optim.lr",
+    "output_dir": "logging.output_dir",
+    "run_name": "logging.run_name",
+    "method": "method.name",
+    "precision": "train.precision",
+    "model": "model.path",
+    "batch_size": "train.micro_batch_size",
+}
+
+
+class ConfigError(ValueError):
+    """Every problem of a config at once; `problems` is a list of (field, message)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        lines = "\n".join(f"  - {key}: {msg}" for key, msg in problems)
+        super().__init__(f"invalid run config ({len(problems)} problem{'s' * (len(problems) != 1)}):\n{lines}")
+
+
+def _hostfile_nodes(hostfile: str) -> int:
+    if not hostfile or not Path(hostfile).is_file():
+        return 1
+    lines = [ln.split("#")[0].strip() for ln in Path(hostfile).read_text().splitlines()]
+    return max(1, sum(1 for ln in lines if ln))
