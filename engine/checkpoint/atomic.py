@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import shutil
 import tempfile
@@ -61,60 +60,16 @@ from pathlib import Path
 import zipfile
 from typing import Any, Callable, Iterator
 
-import fsspec
-import xxhash
-
 from contract.events import EventType
 from engine.checkpoint import space as disk
-
-MARKER = "COMPLETE.json"
-POINTER = "latest"
-TMP_PREFIX = ".tmp-"
-OLD_PREFIX = ".old-"
-FORMAT = "livetune-checkpoint-v1"
-
-
-# -- errors -------------------------------------------------------------------------------------
-class CheckpointError(Exception):
-    """A checkpoint cannot be saved or loaded; the message says why and what to do."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    pass
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """The folder has no completion marker: the save that wrote it never finished."""
-
-
-class MissingFilesError(CheckpointError):
-    pass
-
-
-class CorruptCheckpointError(CheckpointError):
-    pass
-
-
-class LayoutMismatchError(CheckpointError):
-    """The checkpoint was written by another parallel layout (or another model / method)."""
-
-
-class WrongKindError(CheckpointError):
-    """A model export where a training checkpoint was expected, or the other way round."""
-
-
-class DiskFullError(CheckpointError):
-    """The file system ran out of space during a save, or would have (`foreseen`)."""
-
-    def __init__(self, message: str, path: str, needed: int | None, free: int | None, foreseen: bool):
-        super().__init__(message)
-        self.path, self.needed, self.free, self.foreseen = path, needed, free, foreseen
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-    def __reduce__(self):
-        return (type(self), (self.args[0], self.path, self.needed, self.free, self.foreseen))
+# Where folders live and how they are read back are their own modules; their names are also
+# offered here, where every caller of the checkpoint layer has always found them.
+from engine.checkpoint.locations import (FORMAT, MARKER, OLD_PREFIX, POINTER, TMP_PREFIX, CheckpointError,
+                                         CheckpointNotFoundError, CorruptCheckpointError, DiskFullError,
+                                         IncompleteCheckpointError, LayoutMismatchError, Location, MissingFilesError,
+                                         WrongKindError, describe, file_digest, local_files, location)
+from engine.checkpoint.reading import (complete_marker, fetch, latest_checkpoint, list_checkpoints,
+                                       missing_files, read_marker, resolve_checkpoint, verify)
 
 
 # -- ranks ----------------------------------------------------------------------------------------
@@ -157,69 +112,6 @@ class Comm:
         """Every rank's problem (None: none), so that all ranks raise the same error or none."""
         return [f"rank {r}: {p}" if self.world > 1 else p
                 for r, p in enumerate(self.all_gather(problem)) if p]
-
-
-# -- locations ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Location:
-    """A folder on some fsspec file system."""
-    fs: Any
-    path: str
-
-    @property
-    def is_local(self) -> bool:
-        return "file" in _protocols(self.fs)
-
-    @property
-    def url(self) -> str:
-        return self.path if self.is_local else self.fs.unstrip_protocol(self.path)
-
-    @property
-    def name(self) -> str:
-        return self.path.rstrip("/").rsplit("/", 1)[-1]
-
-    @property
-    def parent(self) -> "Location":
-        return Location(self.fs, self.path.rstrip("/").rsplit("/", 1)[0] or "/")
-
-    def child(self, *parts: str) -> "Location":
-        return Location(self.fs, "/".join([self.path.rstrip("/"), *parts]))
-
-    def exists(self) -> bool:
-        return self.fs.exists(self.path)
-
-    def read_text(self) -> str:
-        return self.fs.cat_file(self.path).decode("utf-8")
-
-
-def location(url: str | os.PathLike) -> Location:
-    """The file system and path of a local path or fsspec URL."""
-    fs, path = fsspec.core.url_to_fs(str(url))
-    return Location(fs, path)
-
-
-def _protocols(fs) -> tuple:
-    proto = fs.protocol
-    return proto if isinstance(proto, tuple) else (proto,)
-
-
-# -- hashing --------------------------------------------------------------------------------------
-def file_digest(path: str | Path) -> str:
-    """xxh3-128 of a local file, read through a memory map (no copy into Python memory)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return xxhash.xxh3_128(b"").hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return xxhash.xxh3_128(m).hexdigest()
-
-
-def describe(root: Path, relpaths: list[str]) -> dict[str, dict]:
-    """{relpath: {"size", "xxh3"}} of files under a local folder."""
-    return {rel: {"size": (root / rel).stat().st_size, "xxh3": file_digest(root / rel)} for rel in relpaths}
-
-
-def local_files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -593,143 +485,3 @@ def _remove_stale(collection: Location) -> None:
         name = info["name"].rstrip("/").rsplit("/", 1)[-1]
         if info["type"] == "directory" and name.startswith((TMP_PREFIX, OLD_PREFIX)):
             remove(Location(collection.fs, info["name"]))
-
-
-# -- reading --------------------------------------------------------------------------------------
-def read_marker(folder: Location) -> dict | None:
-    """The completion marker of a folder, or None when it has none (never finished)."""
-    path = folder.child(MARKER)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path.url} is not valid JSON ({e}); the checkpoint "
-                                     f"cannot be trusted") from None
-
-
-def complete_marker(url: str, kind: str | None = None) -> dict:
-    """The marker of a complete folder of `kind`, or a clear error saying what is wrong."""
-    folder = location(url)
-    if not folder.exists():
-        raise CheckpointNotFoundError(f"no checkpoint at {folder.url}: the folder does not exist")
-    marker = read_marker(folder)
-    if marker is None:
-        nearby = [c["name"] for c in list_checkpoints(folder.parent.url)]
-        raise IncompleteCheckpointError(
-            f"{folder.url} has no completion marker ({MARKER}): the save that wrote it did not "
-            f"finish, so it is not used. Complete checkpoints beside it: {nearby or 'none'}")
-    if marker.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{folder.url}/{MARKER} has format {marker.get('format')!r}, "
-                                     f"expected {FORMAT!r}")
-    if kind is not None and marker.get("kind") != kind:
-        raise WrongKindError(f"{folder.url} is a {marker.get('kind')} folder, not a {kind} one"
-                             + (" (load it with load_model / load_peft)" if kind == "training" else ""))
-    return marker
-
-
-def list_checkpoints(collection_url: str, kind: str = "training") -> list[dict]:
-    """The complete checkpoints directly under a folder, oldest step first; each is its marker
-    plus "name" and "url". Temporary and unmarked folders are left out."""
-    collection = location(collection_url)
-    if not collection.exists():
-        return []
-    found = []
-    for info in collection.fs.ls(collection.path, detail=True):
-        name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-        if info["type"] != "directory" or name.startswith((TMP_PREFIX, OLD_PREFIX)):
-            continue
-        folder = Location(collection.fs, info["name"])
-        try:
-            marker = read_marker(folder)
-        except CorruptCheckpointError:
-            continue
-        if marker and marker.get("format") == FORMAT and marker.get("kind") == kind:
-            found.append({**marker, "name": name, "url": folder.url})
-    return sorted(found, key=lambda m: (m.get("step", 0), m.get("created", 0)))
-
-
-def latest_checkpoint(collection_url: str) -> str | None:
-    """The checkpoint `latest` names when it is complete, else the newest complete one."""
-    collection = location(collection_url)
-    pointer = collection.child(POINTER)
-    if pointer.exists():
-        name = pointer.read_text().strip()
-        candidate = collection.child(name)
-        marker = read_marker(candidate) if name and candidate.exists() else None
-        if marker is not None and marker.get("kind") == "training":
-            return candidate.url
-    complete = list_checkpoints(collection.url)
-    return complete[-1]["url"] if complete else None
-
-
-def resolve_checkpoint(value: str, checkpoints_url: str) -> str:
-    """The training checkpoint to continue from: `value` is a checkpoint folder, a folder of
-    checkpoints (the one its `latest` names), or "latest" (in the run's `checkpoints_url`)."""
-    collection = None
-    if value == "latest":
-        collection = location(checkpoints_url)
-    else:
-        folder = location(value)
-        if not folder.exists():
-            raise CheckpointNotFoundError(f"resume={value}: no such checkpoint folder")
-        if read_marker(folder) is not None:
-            complete_marker(folder.url, "training")  # the right kind, or a clear error
-            return folder.url
-        if not folder.child(POINTER).exists() and not list_checkpoints(folder.url):
-            complete_marker(folder.url, "training")  # raises: an unfinished checkpoint
-        collection = folder
-    found = latest_checkpoint(collection.url)
-    if found is None:
-        ignored = [n for n in _subfolders(collection) if not n.startswith(OLD_PREFIX)]
-        raise CheckpointNotFoundError(f"resume={value}: no complete checkpoint in {collection.url}"
-                                      + (f" (unfinished, ignored: {ignored})" if ignored else ""))
-    return found
-
-
-def _subfolders(collection: Location) -> list[str]:
-    if not collection.exists():
-        return []
-    return sorted(i["name"].rstrip("/").rsplit("/", 1)[-1]
-                  for i in collection.fs.ls(collection.path, detail=True) if i["type"] == "directory")
-
-
-def verify(folder: Location, marker: dict, relpaths: list[str] | None = None,
-           local_root: Path | None = None) -> list[str]:
-    """Problems of the listed files (all of the manifest when None): missing, wrong size, wrong
-    hash. `local_root`: a local copy to hash (the folder itself when it is local)."""
-    files = marker.get("files", {})
-    root = local_root if local_root is not None else (Path(folder.path) if folder.is_local else None)
-    problems = []
-    for rel in files if relpaths is None else relpaths:
-        expected = files[rel]
-        path = root / rel if root is not None else None
-        if path is None or not path.is_file():
-            problems.append(f"missing {rel}")
-        elif path.stat().st_size != expected["size"]:
-            problems.append(f"{rel} has {path.stat().st_size} bytes, the manifest says {expected['size']}")
-        elif file_digest(path) != expected["xxh3"]:
-            problems.append(f"{rel} does not match its hash (the file changed or is damaged)")
-    return problems
-
-
-def missing_files(folder: Location, marker: dict) -> list[str]:
-    """Files the manifest lists that the folder lacks (one listing, no reads)."""
-    present = set()
-    base = folder.path.rstrip("/") + "/"
-    for path in folder.fs.find(folder.path):
-        present.add(path[len(base):] if path.startswith(base) else path)
-    return [rel for rel in marker.get("files", {}) if rel not in present]
-
-
-def fetch(folder: Location, relpaths: list[str]) -> tuple[Path, bool]:
-    """A local folder holding `relpaths` of `folder`: the folder itself when local, else a
-    temporary download (the bool says whether the caller must delete it)."""
-    if folder.is_local:
-        return Path(folder.path), False
-    local = Path(tempfile.mkdtemp(prefix="livetune-fetch-"))
-    for rel in relpaths:
-        dest = local / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        folder.fs.get_file(folder.child(*rel.split("/")).path, str(dest))
-    return local, True
