@@ -15,34 +15,39 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+import yaml
 
-from app.session import SessionError
 from app.branches import checkpoint_targets
+from app.embedded import early_note, expected_answer
+from app.session import SessionError
 from app.web.backend import Backend
+from app.web.backend.watch import Snapshot
 from app.web.widgets import readable
 from contract.branches import BranchTree
 
 TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
+LIVE = "Live model (the weights being trained)"
 
 
 def build(backend: Backend, run_state: gr.State) -> dict:
     about = gr.Markdown("", elem_id="chat-about")
     with gr.Row(equal_height=True):
-        live = gr.Chatbot(label="Live model (the weights being trained)", height=420, elem_id="chat-live",
+        live = gr.Chatbot(label=LIVE, height=420, elem_id="chat-live",
                           buttons=["copy"], placeholder="Ask the model something while it trains.",
                           feedback_options=None)
         base = gr.Chatbot(label="Base model (adapter off)", height=420, elem_id="chat-base",
                           visible=False, buttons=["copy"], feedback_options=None)
-        other = gr.Chatbot(label="Checkpoint (a chat-only copy)", height=420, elem_id="chat-ckpt-answers",
+        other = gr.Chatbot(label="Compared with", height=420, elem_id="chat-ckpt-answers",
                            visible=False, buttons=["copy"], feedback_options=None)
-    with gr.Accordion("Compare with a checkpoint of any branch: a chat-only copy answers beside the live model",
-                      open=False, elem_id="chat-ckpt-fold"):
+    with gr.Accordion("Compare: another run, or a checkpoint of any branch, answers the same question beside "
+                      "the live model", open=False, elem_id="chat-ckpt-fold"):
         with gr.Row(equal_height=True):
-            ckpt = gr.Dropdown([], label="Checkpoint", scale=3, elem_id="chat-ckpt")
-            ckpt_start = gr.Button("Start the copy", scale=1, elem_id="chat-ckpt-start")
+            ckpt = gr.Dropdown([], label="Compare with (a checkpoint, or another run)", scale=3, elem_id="chat-ckpt")
+            ckpt_start = gr.Button("Compare", scale=1, elem_id="chat-ckpt-start")
             ckpt_stop = gr.Button("End it", scale=1, elem_id="chat-ckpt-stop")
-        ckpt_note = gr.Markdown("The copy is a run of its own (the checkpoint in its own layout, its own "
-                                "memory); it trains nothing and ends with *End it*.", elem_id="chat-ckpt-note")
+        ckpt_note = gr.Markdown("Another live run answers with its own live weights. A checkpoint, or a run that "
+                                "has ended, answers from a chat-only copy: a run of its own (its own layout and "
+                                "memory) that trains nothing and ends with *End it*.", elem_id="chat-ckpt-note")
     copy = gr.State(None)  # {"path", "label"} of the chat-only copy this page compares with
     with gr.Row(equal_height=True):
         message = gr.Textbox(placeholder="e.g. reverse: hello", show_label=False, scale=6,
@@ -86,10 +91,13 @@ def build(backend: Backend, run_state: gr.State) -> dict:
         trigger(respond, inputs=[message, live, base, run_state, copy, other, *settings],
                 outputs=[message, live, base, about, other], concurrency_limit=None, show_progress="hidden",
                 api_visibility="private")
-    ckpt_start.click(readable(lambda c, old: start_copy(backend, c, old, copy, other, ckpt_note)), inputs=[ckpt, copy],
-                     outputs=[copy, other, ckpt_note], api_visibility="private")
-    ckpt_stop.click(readable(lambda old: stop_copy(backend, old, copy, other, ckpt_note)), inputs=copy,
-                    outputs=[copy, other, ckpt_note], api_visibility="private")
+    def compare_with(choice: str | None, old: dict | None, path: str | None) -> dict:
+        return {**start_copy(backend, choice, old, copy, other, ckpt_note), live: gr.update(label=live_label(backend, path))}
+
+    ckpt_start.click(readable(compare_with), inputs=[ckpt, copy, run_state],
+                     outputs=[copy, other, ckpt_note, live], api_visibility="private")
+    ckpt_stop.click(readable(lambda old: {**stop_copy(backend, old, copy, other, ckpt_note), live: gr.update(label=LIVE)}),
+                    inputs=copy, outputs=[copy, other, ckpt_note, live], api_visibility="private")
     clear.click(lambda: {live: [], base: []}, outputs=[live, base], api_visibility="private")
     live.change(lambda chat: gr.update(choices=questions(chat), value=(questions(chat) or [None])[-1]),
                 inputs=live, outputs=asked, trigger_mode="always_last", show_progress="hidden",
@@ -109,28 +117,57 @@ class ChatView:
     """The components an answer updates as it streams in."""
     message: gr.Textbox
     live: gr.Chatbot
-    base: gr.Chatbot
+    base: gr.Chatbot | None
     about: gr.Markdown
     other: gr.Chatbot | None = None
+    note_default: bool = True  # the header carries app.embedded's note (the side panel shows it apart)
 
 
 def _about(backend: Backend, path: str | None, about: gr.Markdown, compare: gr.Checkbox) -> dict:
-    """The header line: which run, its step and state; whether comparing makes sense."""
+    """The header line and note; whether comparing with the base model makes sense."""
+    adapter = backend.watch.trains_adapter(path)
+    return {about: about_text(backend, path), compare: gr.update(interactive=adapter, value=False) if not adapter
+            else gr.update(interactive=True)}
+
+
+def about_text(backend: Backend, path: str | None, with_note: bool = True) -> str:
+    """The chat views' header (`header`) of the run `path` names (None: the current run), with
+    `with_note` the embedded default's note (app.embedded) under it; or why there is no run."""
     try:
         path = path or backend.session.default_run()
         if not path:
-            return {about: "No run yet: start one in the Configure tab.",
-                    compare: gr.update(interactive=False, value=False)}
+            return "No run yet: start one in the Configure tab."
         snap = backend.watch.snapshot(path)
     except SessionError as e:
-        return {about: str(e), compare: gr.update(interactive=False)}
-    adapter = backend.watch.trains_adapter(path)
+        return str(e)
+    text = header(backend, snap)
+    if with_note and backend.watch.embedded(snap.path) is not None:
+        text += "\n\n" + early_note()
+    return text
+
+
+def header(backend: Backend, snap: Snapshot) -> str:
+    """"Talking to run NAME — running, step N / T." (and, for the embedded default, its held-out
+    exact match so far): the chat views' header, which the Train tab's tick keeps live beside
+    the plots."""
     p = snap.progress
     text = f"Talking to run **{snap.info.name}** — {p.state}, step {p.step}{f' / {p.total}' if p.total else ''}."
     if not snap.info.alive:
         text += " It has ended, so it cannot answer any more; start or reattach a run that is going."
-    return {about: text, compare: gr.update(interactive=adapter, value=False) if not adapter
-            else gr.update(interactive=True)}
+    default = backend.watch.embedded(snap.path)
+    if default is not None:
+        text += f" Its {default.exact_match_text(backend.watch.view(snap.path).eval_points('exact_match'))}."
+    return text
+
+
+def expected(backend: Backend, path: str | None, question: str) -> str | None:
+    """The embedded default's expected answer to `question` when the run trains it and the
+    question is one of app.embedded.EXAMPLES."""
+    try:
+        root = backend.session.resolve(path)
+    except SessionError:
+        return None
+    return expected_answer(question) if backend.watch.embedded(root) is not None else None
 
 
 def _text(content: Any) -> str:
@@ -159,28 +196,39 @@ def _messages(chat: list, text: str, with_history: bool) -> list[dict]:
 def _respond(backend: Backend, view: ChatView, text: str, chat: list, base_chat: list, path: str | None,
              max_new: int, temperature: float, top_p: float, top_k: Any, repetition: float,
              with_history: bool, compare: bool):
+    """Stream the live model's answer into `view` (the Chat tab's and the Train tab's side panel
+    alike; the side panel has no base column), then refresh the header (the step moved on)."""
     text = (text or "").strip()
     if not text:
         raise gr.Error("Type a message first.", print_exception=False)
     chat, base_chat = list(chat or []), list(base_chat or [])
+    compare = compare and view.base is not None
     messages = _messages(chat, text, with_history)
     chat += [{"role": "user", "content": text}, {"role": "assistant", "content": "… waiting for the next step boundary"}]
     if compare:
         base_chat += [{"role": "user", "content": text}, {"role": "assistant", "content": "…"}]
-    yield {view.message: "", view.live: chat, view.base: base_chat}
+
+    def shown() -> dict:
+        return {view.live: chat, view.base: base_chat} if view.base is not None else {view.live: chat}
+
+    yield {view.message: "", **shown()}
     params = dict(max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
                   top_k=int(top_k or 0), repetition_penalty=float(repetition))
-    branch = _branch(backend, path)
+    what = f"{_branch(backend, path)}live weights"
+    want = expected(backend, path, text)
+    if want is not None:
+        what += f" · expected: {want}"
     try:
         for update in backend.session.chat(path, messages, compare_base=compare, **params):
-            chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, f"{branch}live weights")}
+            chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, what)}
             if compare:
                 base_text = update.base or ("" if not update.done else update.note or "")
                 base_chat[-1] = {"role": "assistant", "content": _tagged(base_text, update.step, "adapter off")}
-            yield {view.live: chat, view.base: base_chat}
+            yield shown()
     except SessionError as e:
         chat[-1] = {"role": "assistant", "content": f"⚠ {e}"}
-        yield {view.live: chat, view.base: base_chat}
+        yield shown()
+    yield {view.about: about_text(backend, path, view.note_default)}
 
 
 def _tagged(text: str, step: int | None, what: str) -> str:
@@ -239,44 +287,99 @@ def teach_answer(backend: Backend, path: str | None, question: str | None, answe
     return {taught: text, wanted: ""}
 
 
-# -- comparing with a checkpoint: a chat-only copy of it (Session.chat_with) -----------------------
+# -- comparing: another run, or a checkpoint of any branch, answering beside the live model ---------
+# A live run answers with its own live weights; a checkpoint or a run that has ended answers from
+# a chat-only copy (`Session.chat_with`: its own processes, ended with "End it").
 
 def _checkpoints(backend: Backend, path: str | None) -> dict:
-    """The Checkpoint list: every branch's complete training checkpoints, newest first."""
+    """The Compare list: every branch's complete training checkpoints (newest first), then the
+    other runs (live ones first; chat-only copies left out)."""
     try:
         root = backend.session.resolve(path)
     except SessionError:
         return gr.update(choices=[], value=None)
     choices = [(t.label, t.value) for t in checkpoint_targets(Path(root), BranchTree.load(root))]
+    choices += other_runs(backend, root)
     return gr.update(choices=choices, value=choices[0][1] if choices else None)
+
+
+def other_runs(backend: Backend, root: str) -> list[tuple[str, str]]:
+    """(label, run folder) of every run but `root` that can answer: live ones with their live
+    weights, ended ones that saved a model or a checkpoint through a chat-only copy."""
+    live, ended = [], []
+    for info in backend.session.runs():
+        if info.path == root or _chat_only(info.path):
+            continue
+        if info.alive:
+            live.append((f"run {info.name} ({info.state}, step {info.step}: its live weights)", info.path))
+        elif _saved_something(Path(info.path)):
+            ended.append((f"run {info.name} ({info.state}: its last checkpoint or final model, in a "
+                          "chat-only copy)", info.path))
+    return live + ended
+
+
+def _chat_only(path: str) -> bool:
+    try:
+        cfg = yaml.safe_load((Path(path) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return bool(isinstance(cfg, dict) and (cfg.get("control") or {}).get("chat_only"))
+
+
+def _saved_something(run: Path) -> bool:
+    model = run / "model"
+    return any((run / "checkpoints").glob("step-*/COMPLETE.json")) or (model.is_dir() and any(model.iterdir()))
 
 
 def start_copy(backend: Backend, checkpoint: str | None, old: dict | None, copy: gr.State, other: gr.Chatbot,
                note: gr.Markdown) -> dict:
-    """Start the chat-only copy of `checkpoint` (ending this page's earlier copy)."""
+    """Compare with `checkpoint`: a checkpoint, or another run's folder (ending this page's
+    earlier copy). A live run answers as it is; anything else through a chat-only copy of it."""
     if not checkpoint:
-        raise SessionError("pick a checkpoint first (the run has saved none yet?)")
+        raise SessionError("pick a checkpoint or a run first (the run has saved none yet?)")
     if old:
         _end(backend, old)
-    info = backend.session.chat_with(checkpoint)
     where = Path(checkpoint)
-    branch = where.parent.parent.name if where.parent.parent.parent.name == "branches" else "main"
-    label = f"checkpoint {where.name} of branch {branch}"
-    return {copy: {"path": info.path, "label": label},
+    if (where / "events.jsonl").exists():  # a run folder
+        run = backend.session.info(str(where), fresh=True)
+        if run.alive:
+            label = f"run {run.name}"
+            return {copy: {"path": run.path, "label": label, "own": False},
+                    other: gr.update(visible=True, value=[], label=f"{label} (its live weights)"),
+                    note: f"Comparing with **{label}** as it trains: each question now goes to the live model, "
+                          "then to that run. *End it* only stops comparing; the run goes on."}
+        label = f"run {run.name} (final)"
+    else:
+        branch = where.parent.parent.name if where.parent.parent.parent.name == "branches" else "main"
+        label = f"checkpoint {where.name} of branch {branch}"
+    info = backend.session.chat_with(checkpoint)
+    return {copy: {"path": info.path, "label": label, "own": True},
             other: gr.update(visible=True, value=[], label=f"{label} (a chat-only copy)"),
             note: f"Starting a chat-only copy of **{label}** (run `{info.name}`): each question now goes to "
                   "the live model, then to the copy, which answers once its ranks are up."}
 
 
 def stop_copy(backend: Backend, old: dict | None, copy: gr.State, other: gr.Chatbot, note: gr.Markdown) -> dict:
-    """End this page's copy: its processes end and its memory is freed."""
+    """Stop comparing: this page's copy ends and its memory is freed (another live run goes on)."""
     if old:
         _end(backend, old)
-    return {copy: None, other: gr.update(visible=False, value=[]),
-            note: f"The copy of {old['label']} has ended." if old else "There was no copy to end."}
+    said = "There was nothing to compare with."
+    if old:
+        said = f"The copy of {old['label']} has ended." if old.get("own", True) else f"No longer comparing with {old['label']}."
+    return {copy: None, other: gr.update(visible=False, value=[]), note: said}
+
+
+def live_label(backend: Backend, path: str | None) -> str:
+    """The live column's label naming its run, for a side-by-side comparison."""
+    try:
+        return f"Run {Path(backend.session.resolve(path)).name}: the weights being trained"
+    except SessionError:
+        return LIVE
 
 
 def _end(backend: Backend, copied: dict) -> None:
+    if not copied.get("own", True):
+        return  # another live run: not this page's to stop
     try:
         backend.session.stop(copied["path"], save=False, wait=True)
     except SessionError:
@@ -295,9 +398,11 @@ def _respond_copy(backend: Backend, view: ChatView, text: str, other_chat: list,
     yield {view.other: other_chat}
     params = dict(max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
                   top_k=int(top_k or 0), repetition_penalty=float(repetition))
+    want = expected(backend, copied["path"], text)
+    what = copied["label"] + (f" · expected: {want}" if want is not None else "")
     try:
         for update in backend.session.chat(copied["path"], [{"role": "user", "content": text}], **params):
-            other_chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, copied["label"])}
+            other_chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, what)}
             yield {view.other: other_chat}
     except SessionError as e:
         other_chat[-1] = {"role": "assistant", "content": f"⚠ {e}"}

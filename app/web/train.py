@@ -13,7 +13,7 @@ from typing import Any
 import gradio as gr
 
 from app.session import STOP_SAVES, SessionError, allowed
-from app.web import data
+from app.web import chat, chat_side, data
 from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import HAVE_JS, Plots, batch, make_plots
@@ -96,7 +96,13 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
                         info="Takes effect at the next step; the schedule goes on from there, scaled. "
                              "0 stops learning and is asked about first.")
         buttons["set_lr"] = gr.Button("Set learning rate", interactive=False, elem_id="train-set-lr", scale=1)
-    plots = make_plots("train")
+        side_shown = gr.Checkbox(True, label="Chat beside the plots", elem_id="train-chat-toggle", scale=1)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3, min_width=480):
+            plots = make_plots("train")
+        side = chat_side.build(backend, run_state)  # the chat beside the plots; its header follows the tick
+    side_shown.change(lambda on: gr.Column(visible=on), inputs=side_shown, outputs=side.column, queue=False,
+                      api_visibility="private", show_progress="hidden")
     data.build(backend, run_state)  # sources, weights, samples drawn, the inbox (issue 13)
     with gr.Accordion("Log tail (rank 0)", open=False):
         log = gr.Code("", language="shell", lines=14, interactive=False, elem_id="train-log")
@@ -108,7 +114,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     open_train = gr.Checkbox(False, visible=False)  # the first look found a run going
     confirmed = gr.Checkbox(True, visible=False)    # the page's answer to a confirmation
     configure.start_buttons.append(start)
-    view = TrainView(run_state, seen, open_train, status, banner, plots, log, lr, buttons, start)
+    view = TrainView(run_state, seen, open_train, status, banner, plots, log, lr, buttons, start, side.header)
 
     def tick(path: str | None, shown: dict | None, have_text: str, navigated: bool, on_screen: bool,
              log_shown: bool) -> dict:
@@ -168,11 +174,12 @@ class TrainView:
     lr: gr.Textbox
     buttons: dict[str, gr.Button]
     start: gr.Button | None = None
+    chat_header: gr.Markdown | None = None  # the side panel's "running, step N" (chat_side)
 
     def outputs(self) -> list:
-        start = [self.start] if self.start is not None else []
+        extra = [c for c in (self.start, self.chat_header) if c is not None]
         return [self.run_state, self.seen, self.open_train, self.status, self.banner,
-                *self.plots.components(), self.log, *self.buttons.values(), *start]
+                *self.plots.components(), self.log, *self.buttons.values(), *extra]
 
     def controls(self, state: str | None) -> dict:
         """Each button enabled when the run's state allows its command; Resume is the primary
@@ -213,6 +220,11 @@ def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | N
         return {**out, view.seen: shown}
     text = banner_html(snap.failure, backend.session.stop_error(path))
     out.update(_changed(view, sent, snap.info.state, status_html(snap)))
+    if view.chat_header is not None:  # a few words, only when they change (the step does, each tick)
+        said = chat.header(backend, snap)
+        if said != sent.get("chat_header"):
+            out[view.chat_header] = said
+            sent["chat_header"] = said
     if text or sent.get("banner"):
         out[view.banner] = gr.update(value=text, visible=bool(text))
         sent["banner"] = bool(text)

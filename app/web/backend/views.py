@@ -106,6 +106,11 @@ class RunView:
             "memory": _frame(_series(train.get("mem_mb", []), "rank 0"), "mem_mb"),
         }
 
+    def eval_points(self, name: str) -> Series:
+        """One evaluation metric's (step, value) points so far (the `eval/` prefix dropped)."""
+        with self._lock:
+            return list(self.history.eval.get(name, []))
+
     def progress(self, state: str | None = None) -> Progress:
         """Where the run is; `state` (from the run manager, which also sees dead processes)
         wins over the last state event."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from app.embedded import EmbeddedDefault, embedded_default
 from app.session import Session, SessionError
 from app.web.backend.views import Progress, RunView
 from contract.config import PEFT_METHODS
@@ -36,6 +37,7 @@ class Watch:
         self.session = session
         self._lock = threading.Lock()
         self._views: dict[str, RunView] = {}
+        self._embedded: dict[str, EmbeddedDefault | None] = {}
 
     def view(self, path: str) -> RunView:
         """The run's history, read from its event log as it grows (one view per run)."""
@@ -76,6 +78,13 @@ class Watch:
             return view.method in PEFT_METHODS
         except SessionError:
             return False
+
+    def embedded(self, path: str) -> EmbeddedDefault | None:
+        """Whether the run trains the embedded default (app.embedded), read from its config once."""
+        with self._lock:
+            if path not in self._embedded:
+                self._embedded[path] = embedded_default(path)
+            return self._embedded[path]
 
     def status(self, ref: str | None = None) -> dict:
         """The run's info, position and, while it takes commands, its live settings."""

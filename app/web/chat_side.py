@@ -1,0 +1,60 @@
+"""The chat beside the plots (issue 15): a side panel of the Train tab that stays in view while
+the run trains. It is the Chat tab's chat, smaller: the same handler (`chat._respond`, through
+the shared session's streaming chat), the same header (`chat.header`), which the Train tab's
+tick keeps live ("running, step N"; nothing is polled for it apart from that tick), and, for
+the embedded default, the note on its early answers with the answers it should come to give
+(app.embedded). Settings, comparing and Teach stay in the Chat tab."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from app.embedded import early_note
+from app.web import chat
+from app.web.backend import Backend
+
+MAX_NEW_TOKENS = 32  # the embedded default's answers are a word; the Chat tab has the slider
+
+
+@dataclass
+class SidePanel:
+    """The components the Train tab's tick updates: the header."""
+    column: gr.Column
+    header: gr.Markdown
+
+
+def build(backend: Backend, run_state: gr.State) -> SidePanel:
+    """The panel, in a column the caller's row places beside the plots."""
+    with gr.Column(scale=2, min_width=320, elem_id="side-chat") as column:
+        header = gr.Markdown("", elem_id="side-chat-about")
+        note = gr.Markdown("", elem_id="side-chat-note", visible=False)
+        live = gr.Chatbot(label=chat.LIVE, height=330, elem_id="side-chat-live", buttons=["copy"],
+                          placeholder="Ask the model something while it trains: it answers from the weights "
+                                      "of the next step.", feedback_options=None)
+        with gr.Row(equal_height=True):
+            message = gr.Textbox(placeholder="e.g. reverse: hello", show_label=False, scale=4, max_lines=3,
+                                 elem_id="side-chat-input", submit_btn=False)
+            send = gr.Button("Send", variant="primary", scale=1, min_width=70, elem_id="side-chat-send")
+        sample = gr.Checkbox(False, label="Sample (temperature 1) instead of the most likely answer",
+                             elem_id="side-chat-sample")
+    view = chat.ChatView(message, live, None, header, note_default=False)
+
+    def respond(text: str, history: list, path: str | None, sampled: bool):
+        temperature = 1.0 if sampled else 0.0
+        yield from chat._respond(backend, view, text, history, [], path, MAX_NEW_TOKENS, temperature,
+                                 1.0, 0, 1.0, False, False)
+
+    for trigger in (send.click, message.submit):
+        trigger(respond, inputs=[message, live, run_state, sample], outputs=[message, live, header],
+                concurrency_limit=None, show_progress="hidden", api_visibility="private")
+    run_state.change(lambda path: _note(backend, path, note), inputs=run_state, outputs=note,
+                     api_visibility="private", show_progress="hidden")
+    return SidePanel(column, header)
+
+
+def _note(backend: Backend, path: str | None, note: gr.Markdown) -> dict:
+    """The embedded default's note, shown for such a run only."""
+    shown = bool(path) and backend.watch.embedded(path) is not None
+    return gr.update(value=early_note() if shown else "", visible=shown)
