@@ -1,11 +1,18 @@
 """The Chat tab: talk to the model while it trains (the live weights in the engine), tokens
 streaming in; generation settings; the base model's answer side by side when a PEFT adapter
 trains; each answer tagged with the training step and the branch it came from. Works while
-paused. Compare with a checkpoint (issue 12): any branch's checkpoint answers beside the live
-model, from a chat-only copy of it (`Session.chat_with`: its own processes, stopped with "End
-it"), each answer labelled with where it came from. Teach (issue 13): pick any answer of the chat, write the answer you wanted, press Teach:
-the pair goes into the run's inbox and into the next batches (the inbox is on the Train tab's
-data panel, with the engine's check of the answer before and after)."""
+paused. For the embedded default, the header says its early answers are empty or garbage, gives
+the answers it learns to give and its held-out exact match (app.embedded), and an answer to one
+of those questions is tagged with the expected answer. The same handler and header serve the
+Train tab's chat beside the plots (chat_side).
+
+Compare (issues 12, 15): another run, or any branch's checkpoint, answers the same question in a
+column beside the live model, each answer labelled with where it came from: a live run with its
+own live weights; a checkpoint or a run that has ended from a chat-only copy (`Session.chat_with`:
+its own processes, stopped with "End it"). Teach (issue 13): pick any answer of the chat, write
+the answer you wanted, press Teach: the pair goes into the run's inbox and into the next batches
+(the inbox is on the Train tab's data panel, with the engine's check of the answer before and
+after)."""
 
 from __future__ import annotations
 
@@ -15,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import yaml
 
 from app.branches import checkpoint_targets
 from app.embedded import early_note, expected_answer
@@ -304,31 +310,11 @@ def _checkpoints(backend: Backend, path: str | None) -> dict:
 
 
 def other_runs(backend: Backend, root: str) -> list[tuple[str, str]]:
-    """(label, run folder) of every run but `root` that can answer: live ones with their live
-    weights, ended ones that saved a model or a checkpoint through a chat-only copy."""
-    live, ended = [], []
-    for info in backend.session.runs():
-        if info.path == root or _chat_only(info.path):
-            continue
-        if info.alive:
-            live.append((f"run {info.name} ({info.state}, step {info.step}: its live weights)", info.path))
-        elif _saved_something(Path(info.path)):
-            ended.append((f"run {info.name} ({info.state}: its last checkpoint or final model, in a "
-                          "chat-only copy)", info.path))
-    return live + ended
-
-
-def _chat_only(path: str) -> bool:
-    try:
-        cfg = yaml.safe_load((Path(path) / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return False
-    return bool(isinstance(cfg, dict) and (cfg.get("control") or {}).get("chat_only"))
-
-
-def _saved_something(run: Path) -> bool:
-    model = run / "model"
-    return any((run / "checkpoints").glob("step-*/COMPLETE.json")) or (model.is_dir() and any(model.iterdir()))
+    """(label, run folder) of every other run that can answer (Store.answering_runs): live ones
+    with their live weights, ended ones through a chat-only copy of what they saved."""
+    return [(f"run {i.name} ({i.state}, step {i.step}: its live weights)" if i.alive else
+             f"run {i.name} ({i.state}: its last checkpoint or final model, in a chat-only copy)", i.path)
+            for i in backend.store.answering_runs(root)]
 
 
 def start_copy(backend: Backend, checkpoint: str | None, old: dict | None, copy: gr.State, other: gr.Chatbot,

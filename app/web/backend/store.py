@@ -11,10 +11,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from app.session import Session, SessionError
 from app.web.backend.watch import Watch
 from contract.config import ConfigError, RunConfig, load_config
 from contract.run_folder import RunFolder
+from supervisor import RunInfo
 from supervisor.launch import REPO_ROOT
 
 EXPORT_TIMEOUT_S = 900.0
@@ -58,6 +61,15 @@ def list_saved(folder: RunFolder) -> list[Saved]:
         kind = "adapter" if (model / "adapter_config.json").exists() else "model"
         found.append(Saved("model", str(model), kind, None, folder_size(model), True))
     return found
+
+
+def chat_only(run: Path) -> bool:
+    """Whether the run is a chat-only copy (control.chat_only in its config)."""
+    try:
+        cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(cfg, dict) and bool((cfg.get("control") or {}).get("chat_only"))
 
 
 def folder_size(path: Path) -> int:
@@ -121,6 +133,14 @@ class Store:
         view.poll()
         return [(s, view.metrics_at(s.step) if s.step is not None else {})
                 for s in list_saved(RunFolder(Path(path)))]
+
+    def answering_runs(self, ref: str | None) -> list[RunInfo]:
+        """The runs other than `ref` that can answer a chat beside it: the live ones first, then
+        those that ended having saved a checkpoint or a model (chat-only runs left out)."""
+        root = self.session.resolve(ref)
+        others = [i for i in self.session.runs() if i.path != root and not chat_only(Path(i.path))]
+        return ([i for i in others if i.alive] +
+                [i for i in others if not i.alive and any(s.complete for s in list_saved(RunFolder(Path(i.path))))])
 
     def resume_from(self, ref: str | None, checkpoint: str):
         """A new run continuing exactly from `checkpoint` of run `ref`; returns its RunInfo."""
