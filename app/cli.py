@@ -36,7 +36,7 @@ from contract.config import SHORTCUTS, ConfigError, RunConfig
 from contract.preflight import PreflightError, PreflightReport, preflight
 from contract.protocol import RunState, Stop
 from contract.run_folder import EventTail
-from supervisor import Failure, RunError, RunHandle, RunManager, RunRefused
+from supervisor import Failure, RunError, RunHandle, RunManager, RunRefused, remote_stop
 from supervisor.procs import signal_group
 
 console = Console(stderr=True)
@@ -131,6 +131,7 @@ def _stop_on_signal(handle: RunHandle, signum: int) -> int:
     pgid = handle.pid
 
     def end_now(again: int, frame: FrameType | None) -> None:
+        remote_stop.signal_remote(handle.folder.root, "KILL")  # ranks on other machines, if any
         if pgid is not None:
             signal_group(pgid, signal.SIGCONT)
             signal_group(pgid, signal.SIGKILL)

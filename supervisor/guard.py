@@ -16,7 +16,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from supervisor import remote_stop
 from supervisor.procs import live, snapshot
 
 _PR_SET_PDEATHSIG = 1
@@ -24,15 +26,29 @@ GRACE_S = 10.0  # SIGTERM first (the launchers end their ranks on it), SIGKILL a
 
 
 def _end_group(signum: int, frame: object) -> None:
-    """End every process of the group (the guard's own), then the guard."""
+    """End every process of the group (the guard's own), then the guard. A run with ranks on
+    other machines is ended there by its run folder, and its group here by SIGKILL alone: a
+    SIGTERM would make DeepSpeed's runner pkill every DeepSpeed launch on those machines
+    (supervisor.remote_stop)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM reaches the guard too
     pgid = os.getpgrp()
+    root = _run_dir(sys.argv)
+    if root is not None and remote_stop.recorded(root)[0]:
+        remote_stop.end(root, GRACE_S)
+        os.killpg(pgid, signal.SIGKILL)  # the guard included
     os.killpg(pgid, signal.SIGCONT)
     os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline and _others_alive(pgid):
         time.sleep(0.1)
     os.killpg(pgid, signal.SIGKILL)  # the guard included
+
+
+def _run_dir(argv: list[str]) -> Path | None:
+    """The run folder the launcher's command names (`engine.worker --run-dir FOLDER`)."""
+    if "--run-dir" in argv[:-1]:
+        return Path(argv[argv.index("--run-dir") + 1])
+    return None
 
 
 def _others_alive(pgid: int) -> bool:

@@ -19,6 +19,8 @@ from contract.config import RunConfig
 from contract.layout_checks import is_local_only, parse_hostfile
 from contract.run_folder import RunFolder, make_run_folder
 
+from supervisor import remote_stop
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -117,6 +119,8 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
     check_launchable(cfg)
     if runs_on_other_machines(cfg):
         env["DS_ENV_FILE"] = str(write_remote_env(folder, run_env))
+        hosts = list(parse_hostfile(Path(cfg.parallel.hostfile).read_text())[0])
+        remote_stop.record(folder.root, hosts, env)  # how a stop reaches them (remote_stop says why)
     cmd = launch_command(cfg, folder)
     folder.logs.mkdir(parents=True, exist_ok=True)
     (folder.logs / "command.txt").write_text(" ".join(cmd) + "\n")

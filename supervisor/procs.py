@@ -194,13 +194,16 @@ def signal_group(pgid: int, sig: int) -> bool:
 
 
 def kill_group(pgid: int, grace_s: float = 10.0, run_dir: Path | None = None,
-               alive: Callable[[], bool] | None = None) -> None:
+               alive: Callable[[], bool] | None = None, term: bool = True) -> None:
     """SIGTERM the whole process group, then SIGKILL what is left after `grace_s`. A stopped
     (SIGSTOP) process cannot act on SIGTERM until it is continued, so it is continued first.
     `run_dir` (or the `alive` test): signal only while the group is still that run's (see
-    group_alive); without either, the caller vouches that `pgid` is its own."""
+    group_alive); without either, the caller vouches that `pgid` is its own. `term=False`:
+    SIGKILL at once, for a group whose SIGTERM handlers must not run (supervisor.remote_stop)."""
     still = alive or (lambda: group_alive(pgid, run_dir))
-    for sig, wait in ((signal.SIGCONT, 0.0), (signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+    steps = ((signal.SIGCONT, 0.0), (signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)) if term else \
+        ((signal.SIGKILL, 2.0),)
+    for sig, wait in steps:
         if not still() or not signal_group(pgid, sig):
             return
         deadline = time.monotonic() + wait

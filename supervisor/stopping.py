@@ -13,7 +13,7 @@ from pathlib import Path
 from contract.protocol import Stop
 from contract.run_folder import RunFolder
 
-from supervisor import procs
+from supervisor import procs, remote_stop
 from supervisor.records import child_running, reap
 
 # What `stop()` does when not told: the one default, declared by the contract's Stop command.
@@ -65,7 +65,11 @@ def end_group(pgid: int | None, root: Path, grace_s: float) -> None:
     the group is no longer the run's (see `alive`)."""
     if pgid is None or not alive(pgid, root):
         return
-    procs.kill_group(pgid, grace_s=grace_s, alive=lambda: alive(pgid, root))
+    if remote_stop.recorded(root)[0]:  # ranks on other machines: never SIGTERM DeepSpeed's runner
+        remote_stop.end(root, grace_s)
+        procs.kill_group(pgid, alive=lambda: alive(pgid, root), term=False)
+    else:
+        procs.kill_group(pgid, grace_s=grace_s, alive=lambda: alive(pgid, root))
     deadline = time.monotonic() + 5.0
     while procs.snapshot({pgid})[pgid] and time.monotonic() < deadline:
         reap(pgid)

@@ -26,7 +26,9 @@ from contract.branches import ROOT, BranchTree, branch_events, path_events
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 
 STEPS = [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 5, 6, 7, 8, 5, 6, 7, 8, 9, 9]
-LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora", "split-and-fused": "lomo,tp2,pp2"}
+# each layout after another one, whose checkpoint it must refuse (adalomo follows tp2, not lomo:
+# the refusal checked is the layout's; lomo's checkpoint would be refused as another method)
+LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora", "split-and-fused": "lomo,tp2,adalomo,pp2"}
 
 
 def check_sequence(seen: list) -> dict[int, float]:

@@ -21,6 +21,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -54,6 +56,25 @@ def net(tmp_path_factory) -> TwoHosts:
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> dict:
     return task_files(tmp_path_factory.mktemp("task"))
+
+
+@pytest.fixture(scope="module")
+def decoy(tmp_path_factory):
+    """Another DeepSpeed launch on the machine, not ours: a process whose command line is
+    `<python> -u -m deepspeed.launcher.launch ...` (a stand-in package that only sleeps). It must
+    outlive every stop and failure of the runs here: DeepSpeed's multi-node runner, on SIGTERM,
+    pkills every such command line on every host (supervisor/remote_stop.py), so the supervisor
+    must never SIGTERM it."""
+    fake = tmp_path_factory.mktemp("decoy")
+    (fake / "deepspeed" / "launcher").mkdir(parents=True)
+    (fake / "deepspeed" / "__init__.py").write_text("")
+    (fake / "deepspeed" / "launcher" / "__init__.py").write_text("")
+    (fake / "deepspeed" / "launcher" / "launch.py").write_text("import time\ntime.sleep(3600)\n")
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.launch", "--world_info=not-ours"],
+                            env={**os.environ, "PYTHONPATH": str(fake)}, start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
 
 
 def config(runs: Path, name: str, task: dict, *overrides: str):
@@ -165,7 +186,7 @@ def one_host(tmp_path_factory, task) -> dict:
             "first_token_s": latency}
 
 
-def test_two_hosts_train_chat_pause_set_lr_and_stop(net, task, one_host, tmp_path):
+def test_two_hosts_train_chat_pause_set_lr_and_stop(net, task, one_host, tmp_path, decoy):
     a, b = net.hosts
     runs = tmp_path / "runs"
     manager = RunManager(runs)
@@ -199,6 +220,7 @@ def test_two_hosts_train_chat_pause_set_lr_and_stop(net, task, one_host, tmp_pat
     finally:
         with in_host(b):
             manager.stop(handle.name, save=False, timeout=30)
+    assert decoy.poll() is None, "the stop ended another DeepSpeed launch on the machine"
     launcher = (handle.folder.logs / "launcher.log").read_text()
     assert f"{a.name}: " in launcher and f"{b.name}: " in launcher  # pdsh started a rank on each
     assert f"'{a.name}': [0], '{b.name}': [1]" in launcher
@@ -233,7 +255,7 @@ def web_app_view(runs: Path, run_dir: Path) -> dict:
         backend.close()
 
 
-def test_a_killed_remote_rank_is_reported_with_its_host(net, task, tmp_path):
+def test_a_killed_remote_rank_is_reported_with_its_host(net, task, tmp_path, decoy):
     a, b = net.hosts
     runs = tmp_path / "runs"
     manager = RunManager(runs)
@@ -259,6 +281,9 @@ def test_a_killed_remote_rank_is_reported_with_its_host(net, task, tmp_path):
         handle.wait_cleaned_up(60)  # the manager records the failure it found (the run blamed rank 0)
         info = handle.info()
         assert info.state == "failed" and info.failed_rank == 1, info
+        # what was left of the run was ended by its run folder, not by DeepSpeed's pkill of
+        # every launch on the machine
+        assert decoy.poll() is None, "ending the failed run ended another DeepSpeed launch"
     finally:
         manager.close()
         with in_host(b):

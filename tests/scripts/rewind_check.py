@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_common import make_task, overrides, report  # noqa: E402
 
 LAYOUTS = {"zero0": (0, []), "zero2": (2, []), "zero3": (3, []), "lora": (2, ["method=lora"]),
-           "lomo": (0, ["method=lomo", "lr=5e-2", "train.grad_accum=1"]), "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"])}
+           "lomo": (0, ["method=lomo", "lr=5e-2", "train.grad_accum=1"]),
+           "adalomo": (0, ["method=adalomo", "lr=1e-2", "train.grad_accum=1"]),
+           "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"])}
 
 
 def plan(other: str | None) -> dict[int, list]:
