@@ -1,6 +1,7 @@
 """Throughput of this Trainer against a bare DeepSpeed loop and the Hugging Face Trainer.
 
 Run by hand:  .venv/bin/python bench/bench_trainer.py [--steps 30] [--stages 2,3] [--repeats 3]
+                 [--data uniform,uneven]
 
 Same model (a Llama of hidden 256, 4 layers, saved once with weights), same data, same DeepSpeed
 config, 2 ranks (gloo on CPU, nccl on GPU), ZeRO-2 then ZeRO-3. Tokens/s counts real (non-pad)
@@ -87,7 +88,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--data", default="uniform,uneven", help="which data sets (a quick check: uniform)")
     args = parser.parse_args()
+    data_sets = set(args.data.split(","))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -99,6 +102,7 @@ def main() -> None:
                     ("uneven", uneven, "bare", "random"), ("uneven", uneven, "hf", "random"),
                     ("uneven", uneven, "hf", "group_by_length"),
                     ("uneven", uneven, "ours", "group_by_length"), ("uneven", uneven, "ours", "packing")]
+            plan = [entry for entry in plan if entry[0] in data_sets]
             runs: dict[tuple[str, str, str], list[float]] = {}
             for rep in range(args.repeats):
                 for data_name, path, variant, batching in (plan if rep % 2 == 0 else plan[::-1]):
