@@ -24,6 +24,10 @@ RUN = {"train": {"max_steps": 5000, "micro_batch_size": 8}, "eval": {"every_n_st
        "checkpoint": {"save_at_end": False}, "logging": {"tensorboard": False}}
 
 
+def toasts(page) -> list[str]:
+    return [t.inner_text() for t in page.locator(".toast-body").all()]
+
+
 def header_step(page) -> int | None:
     found = re.search(r"running, step (\d+)", page.locator("#side-chat-about").inner_text())
     return int(found.group(1)) if found else None
@@ -64,13 +68,17 @@ def test_the_side_header_follows_the_tick_with_the_exact_match_and_other_runs_ar
         with gr.Blocks():
             view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(),
                                    make_plots("t"), gr.Code(), gr.Textbox(),
-                                   {name: gr.Button() for name in train.COMMAND_OF}, gr.Button(), gr.Markdown())
+                                   {name: gr.Button() for name in train.COMMAND_OF}, gr.Button(), gr.Markdown(),
+                                   gr.Markdown())
         out = train.refresh(backend, view, str(mine.root), None)
         said = out[view.chat_header]
         assert said.startswith("Talking to run **mine**") and "step 2 / 400" in said
         assert "held-out exact match 25% at step 2" in said
+        assert out[view.chat_note]["visible"] and "first ~100-200 steps" in out[view.chat_note]["value"]
         again = train.refresh(backend, view, str(mine.root), out[view.seen], visible=True)
-        assert view.chat_header not in again  # unchanged: not sent again
+        assert view.chat_header not in again and view.chat_note not in again  # unchanged: not sent again
+        other = train.refresh(backend, view, str(theirs.root), again[view.seen])
+        assert other[view.chat_note]["visible"] is False  # not the embedded default: no note
         assert "exact match" not in chat.header(backend, backend.watch.snapshot(str(theirs.root)))
         assert "first ~100-200 steps" in chat.about_text(backend, str(mine.root))
         assert "first ~" not in chat.about_text(backend, str(theirs.root))
@@ -86,7 +94,7 @@ def test_split_view_chat_answers_while_training_and_compares_with_another_run(ap
     from gradio_client import Client
     url, runs = app
     client = Client(url, verbose=False)
-    for name in ("other", "main"):  # "main" is started last: the current run the page opens on
+    for name in ("other", "mine"):  # "mine" is started last: the current run the page opens on
         config = {**RUN, "logging": {**RUN["logging"], "run_name": name}}
         client.predict(config=json.dumps(config), preset="embedded default", api_name="/start")
 
@@ -95,7 +103,7 @@ def test_split_view_chat_answers_while_training_and_compares_with_another_run(ap
     # the page opens on the Train tab of the run going; the chat sits beside the plots
     side = page.locator("#side-chat")
     side.wait_for(state="visible", timeout=SLOW)
-    wait_until(lambda: "Talking to run main" in page.locator("#side-chat-about").inner_text()
+    wait_until(lambda: "Talking to run mine" in page.locator("#side-chat-about").inner_text()
                and (header_step(page) or 0) >= 1, SLOW / 1000, "the side panel's header on the running run")
     assert page.locator("#train-plot-loss").is_visible() and side.is_visible()
     first = header_step(page)
@@ -126,12 +134,20 @@ def test_split_view_chat_answers_while_training_and_compares_with_another_run(ap
     # compare mode: the second run, live, answers the same question beside this one
     open_tab(page, "Chat")
     page.locator("#chat-ckpt-fold").click()
-    page.locator("#chat-ckpt input").click()
-    page.get_by_role("option", name=re.compile(r"^run other \(")).click()
+    choice = page.locator("#chat-ckpt input")
+    # the first choice, as the run saved no checkpoint: the runs come after the checkpoints
+    wait_until(lambda: choice.input_value().startswith("run other ("), 60, "the other run offered")
     page.locator("#chat-ckpt-start").click()
-    wait_until(lambda: "Comparing with run other" in page.locator("#chat-ckpt-note").inner_text(), 60,
-               "the comparison to start")
-    assert "Run main: the weights being trained" in page.locator("#chat-live").inner_text()
+    said: set[str] = set()  # any message the page shows meanwhile, for the failure's text
+
+    def comparing() -> bool:
+        said.update(toasts(page))
+        return "Comparing with run other" in page.locator("#chat-ckpt-note").inner_text()
+    try:
+        wait_until(comparing, 120, "the comparison to start")
+    except pytest.fail.Exception:
+        pytest.fail(f"the comparison did not start; the page said: {sorted(said)}")
+    assert "Run mine: the weights being trained" in page.locator("#chat-live").inner_text()
     assert "run other (its live weights)" in page.locator("#chat-ckpt-answers").inner_text()
     mine = ask(page, "upper: hello")
     assert re.search(r"step \d+ · live weights · expected: HELLO", mine), mine

@@ -20,9 +20,10 @@ MAX_NEW_TOKENS = 32  # the embedded default's answers are a word; the Chat tab h
 
 @dataclass
 class SidePanel:
-    """The components the Train tab's tick updates: the header."""
+    """The components the Train tab's tick updates (`note` with the run it shows)."""
     column: gr.Column
     header: gr.Markdown
+    note: gr.Markdown
 
 
 def build(backend: Backend, run_state: gr.State) -> SidePanel:
@@ -49,12 +50,11 @@ def build(backend: Backend, run_state: gr.State) -> SidePanel:
     for trigger in (send.click, message.submit):
         trigger(respond, inputs=[message, live, run_state, sample], outputs=[message, live, header],
                 concurrency_limit=None, show_progress="hidden", api_visibility="private")
-    run_state.change(lambda path: _note(backend, path, note), inputs=run_state, outputs=note,
-                     api_visibility="private", show_progress="hidden")
-    return SidePanel(column, header)
+    return SidePanel(column, header, note)
 
 
-def _note(backend: Backend, path: str | None, note: gr.Markdown) -> dict:
-    """The embedded default's note, shown for such a run only."""
-    shown = bool(path) and backend.watch.embedded(path) is not None
+def note_update(backend: Backend, path: str) -> dict:
+    """The side panel's note for the run at `path`: the embedded default's (app.embedded), shown
+    for such a run only."""
+    shown = backend.watch.embedded(path) is not None
     return gr.update(value=early_note() if shown else "", visible=shown)

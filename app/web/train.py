@@ -15,6 +15,7 @@ import gradio as gr
 from app.session import STOP_SAVES, SessionError, allowed
 from app.web import chat, chat_side, data
 from app.web.backend import Backend
+from app.web.backend.watch import Snapshot
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import HAVE_JS, Plots, batch, make_plots
 from app.web.widgets import banner_html, readable, status_html
@@ -114,7 +115,8 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     open_train = gr.Checkbox(False, visible=False)  # the first look found a run going
     confirmed = gr.Checkbox(True, visible=False)    # the page's answer to a confirmation
     configure.start_buttons.append(start)
-    view = TrainView(run_state, seen, open_train, status, banner, plots, log, lr, buttons, start, side.header)
+    view = TrainView(run_state, seen, open_train, status, banner, plots, log, lr, buttons, start, side.header,
+                     side.note)
 
     def tick(path: str | None, shown: dict | None, have_text: str, navigated: bool, on_screen: bool,
              log_shown: bool) -> dict:
@@ -175,9 +177,10 @@ class TrainView:
     buttons: dict[str, gr.Button]
     start: gr.Button | None = None
     chat_header: gr.Markdown | None = None  # the side panel's "running, step N" (chat_side)
+    chat_note: gr.Markdown | None = None    # and its note on the embedded default
 
     def outputs(self) -> list:
-        extra = [c for c in (self.start, self.chat_header) if c is not None]
+        extra = [c for c in (self.start, self.chat_header, self.chat_note) if c is not None]
         return [self.run_state, self.seen, self.open_train, self.status, self.banner,
                 *self.plots.components(), self.log, *self.buttons.values(), *extra]
 
@@ -220,11 +223,7 @@ def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | N
         return {**out, view.seen: shown}
     text = banner_html(snap.failure, backend.session.stop_error(path))
     out.update(_changed(view, sent, snap.info.state, status_html(snap)))
-    if view.chat_header is not None:  # a few words, only when they change (the step does, each tick)
-        said = chat.header(backend, snap)
-        if said != sent.get("chat_header"):
-            out[view.chat_header] = said
-            sent["chat_header"] = said
+    out.update(_side_chat(backend, view, sent, snap))
     if text or sent.get("banner"):
         out[view.banner] = gr.update(value=text, visible=bool(text))
         sent["banner"] = bool(text)
@@ -242,6 +241,20 @@ def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | N
         sent["log"] = True
     sent["version"] = snap.version
     return {**out, view.seen: sent}
+
+
+def _side_chat(backend: Backend, view: TrainView, sent: dict, snap: Snapshot) -> dict:
+    """The chat beside the plots: its header when it changed (a few words; the step changes each
+    tick), its note once per run (`sent` is updated)."""
+    out: dict = {}
+    if view.chat_header is not None:
+        said = chat.header(backend, snap)
+        if said != sent.get("chat_header"):
+            out[view.chat_header] = sent["chat_header"] = said
+    if view.chat_note is not None and sent.get("chat_note") != snap.path:
+        out[view.chat_note] = chat_side.note_update(backend, snap.path)
+        sent["chat_note"] = snap.path
+    return out
 
 
 def _changed(view: TrainView, sent: dict, state: str | None, status: str) -> dict:
