@@ -26,6 +26,13 @@ ALIASES: dict[str, dict[str, str]] = {
 TP_UNSUPPORTED_STYLES: dict[str, tuple[str, ...]] = {
     "phi3": ("rowwise_split_input",),  # o_proj and down_proj (their input comes from a fused, sliced projection)
 }
+# Architectures DeepSpeed AutoTP refuses outright, tp_plan or not: `AutoTP.supported` (deepspeed
+# 0.19 module_inject/auto_tp.py) excludes the models it keeps for inference kernel injection, and
+# asserts "AutoTP not supported for model" after the ranks have started.
+TP_UNSUPPORTED_MODELS: dict[str, str] = {
+    "gpt2": "AutoTP excludes GPT-2 models (DeepSpeed keeps them for its inference kernel injection, "
+            "which does not train)",
+}
 # The longest max_length a user's run starts from when it names none: the model's own context,
 # but no more than this (a long context costs memory quadratically in attention).
 CONTEXT_CAP = 2048
@@ -77,6 +84,9 @@ def context_length(config: dict) -> int | None:
 def tp_refusal(config: dict) -> str | None:
     """Why DeepSpeed AutoTP cannot split this architecture (None when it can, as far as known)."""
     kind = str(config.get("model_type"))
+    if kind in TP_UNSUPPORTED_MODELS:
+        return (f"DeepSpeed AutoTP cannot split a {kind!r} model: {TP_UNSUPPORTED_MODELS[kind]}; "
+                "use tp_size 1 (ZeRO shards it instead)")
     styles = TP_UNSUPPORTED_STYLES.get(kind)
     if not styles:
         return None

@@ -42,11 +42,11 @@ def test_layouts_that_cannot_run_are_refused_with_the_reason(tmp_path):
     assert "ZeRO 0, 1 and 2" in problems_of("nproc=2", "tp=2", "zero_stage=3")["parallel.tp_size"]
     assert "ZeRO 0 and 1" in problems_of("nproc=2", "pp=2", "zero_stage=2")["parallel.pp_size"]
     assert "at least 4 decoder layers" in problems_of(f"model={odd_heads}", "nproc=4", "pp=4")["parallel.pp_size"]
-    gpt2 = model_folder(tmp_path, model_type="gpt2")
-    assert "'gpt2'" in problems_of(f"model={gpt2}", "nproc=2", "pp=2")["parallel.pp_size"]
     # what can run passes: 6 heads / 2 kv heads split 2 ways; the default model (4 heads) 2 ways
     load_config(overrides=[f"model={odd_heads}", "nproc=4", "tp=2", "zero_stage=2"])
     load_config(overrides=["nproc=4", "pp=2", "zero_stage=1"])
+    gpt2 = model_folder(tmp_path, model_type="gpt2")  # the same folder, rewritten: checked last
+    assert "'gpt2'" in problems_of(f"model={gpt2}", "nproc=2", "pp=2")["parallel.pp_size"]
 
 
 def test_deepspeed_keeps_the_vocabulary_whole():

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-VOCAB, STEPS = 64, 12  # 12 steps of 4: the 32 rows once and a half
+VOCAB, STEPS = 64, 16  # 16 steps of 4: the 32 rows twice
 SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
@@ -26,26 +26,37 @@ def configs() -> dict:
     common = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, **SPECIAL)
     decoder = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, **common)
     return {
-        "gpt2": lambda: t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, **SPECIAL),
+        # dropout off everywhere: the 2-rank matrix compares tp's losses with ZeRO's step for step
+        "gpt2": lambda: t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **SPECIAL),
         "qwen2": lambda: t.Qwen2Config(num_key_value_heads=2, **decoder),
         "mistral": lambda: t.MistralConfig(num_key_value_heads=2, sliding_window=16, **decoder),
         "phi3": lambda: t.Phi3Config(num_key_value_heads=4, **decoder),
         "gpt_neox": lambda: t.GPTNeoXConfig(**decoder),
         "opt": lambda: t.OPTConfig(hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32,
-                                   **common),
-        "gemma": lambda: t.GemmaConfig(num_key_value_heads=1, head_dim=8, **decoder),
+                                   dropout=0.0, **common),
+        "gemma": lambda: t.GemmaConfig(num_key_value_heads=2, head_dim=8, **decoder),  # 2 kv heads: tp=2 splits them
         "llama": lambda: t.LlamaConfig(num_key_value_heads=2, **decoder),
     }
 
 
 def write_folder(folder: Path, arch: str) -> None:
-    """A tiny model of `arch` with a word-level tokenizer, and patterned rows to learn."""
-    from tokenizers import Tokenizer, models
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    """A tiny model of `arch` with a word-level tokenizer ("t1 t5 t6" <-> [1, 5, 6]), and
+    patterned rows to learn."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(configs()[arch]()).save_pretrained(folder / "model")
+    model = AutoModelForCausalLM.from_config(configs()[arch]())
+    # Chat from a barely trained tiny model may well pick pad / bos / eos / unk first, which
+    # decode to nothing (skip_special_tokens) or end the answer at once; suppressing them (a
+    # setting any user may put in generation_config.json, honoured by the engine's generate)
+    # makes "the streamed answer is not empty" a property of the generation path, not of luck.
+    model.generation_config = GenerationConfig(suppress_tokens=[0, 1, 2, 3], **SPECIAL)
+    model.save_pretrained(folder / "model")
     vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # chat prompts are text
+    tok = PreTrainedTokenizerFast(tokenizer_object=words,
                                   pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
     tok.save_pretrained(folder / "model")
     rows = []
@@ -55,25 +66,63 @@ def write_folder(folder: Path, arch: str) -> None:
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def train(folder: Path, method: str, lr: float):
+def overrides(folder: Path, method: str, lr: float, steps: int, name: str, *extra: str) -> list[str]:
+    """The run config of one cell: the folder's model and rows, constant lr, fp32, nothing saved
+    or evaluated on the way (`extra`: the layout, say "nproc=2", "zero_stage=3")."""
+    return [f"model.path={folder / 'model'}", f"data.train={folder / 'train.jsonl'}", f"method={method}",
+            f"max_steps={steps}", "batch_size=4", f"lr={lr}", "optim.warmup_steps=0", "optim.scheduler=constant",
+            "precision=fp32", "eval.at_end=false", "checkpoint.save_at_end=false", "control.enabled=false",
+            "logging.tensorboard=false", "logging.progress_bar=false", f"output_dir={folder / 'runs'}",
+            f"run_name={name}", *extra]
+
+
+def train(folder: Path, method: str, lr: float, *extra: str, steps: int = STEPS, name: str = "",
+          at_step: dict | None = None):
+    """Our Trainer on the cell's config; returns (trainer, per-step losses). `at_step`:
+    {step: fn(trainer)} called at those step boundaries (a mid-training chat)."""
     from contract.config import load_config
     from engine.callbacks import Callback
     from engine.trainer import Trainer
-    cfg = load_config(overrides=[
-        f"model.path={folder / 'model'}", f"data.train={folder / 'train.jsonl'}", f"method={method}",
-        f"max_steps={STEPS}", "batch_size=4", f"lr={lr}", "optim.warmup_steps=0", "optim.scheduler=constant",
-        "precision=fp32", "eval.at_end=false", "checkpoint.save_at_end=false", "control.enabled=false",
-        "logging.tensorboard=false", "logging.progress_bar=false", f"output_dir={folder / 'runs'}",
-        f"run_name={method}"])
+    cfg = load_config(overrides=overrides(folder, method, lr, steps, name or method, *extra))
     losses: list[float] = []
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, loss):
             losses.append(loss)
+            if at_step and trainer.state.global_step in at_step:
+                at_step[trainer.state.global_step](trainer)
 
     trainer = Trainer(config=cfg, callbacks=[Record()])
     trainer.train()
     return trainer, losses
+
+
+# -- shared by the 2-rank scripts (architectures_zero.py, architectures_tp.py) ------------------
+PROMPT = "t1 t5 t6 t7 t8"  # bos, then a counting run
+IDS = [[1, 5, 6, 7, 8, 9, 10, 11]]  # the input whose logits the engine and the exports compare
+CHAT_TOKENS = 4
+
+
+def chat(trainer) -> dict:
+    """A greedy answer to PROMPT through engine.generation.generate, the path the control plane's
+    `generate` command takes (collective: every rank calls it; rank 0 streams the pieces)."""
+    from engine.generation import generate
+    pieces: list[str] = []
+    on_text = pieces.append if trainer.env.rank == 0 else None
+    (text,) = generate(trainer, [PROMPT], max_new_tokens=CHAT_TOKENS, on_text=on_text)
+    return {"step": trainer.state.global_step, "text": text, "pieces": pieces}
+
+
+def engine_logits(trainer) -> torch.Tensor:
+    """The engine's logits on IDS (collective under ZeRO-3 and tp), in eval mode."""
+    module = trainer.engine.module
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            return module(input_ids=torch.tensor(IDS)).logits.detach().clone()
+    finally:
+        module.train(was_training)
 
 
 def one(work: Path, arch: str) -> dict:
