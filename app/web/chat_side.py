@@ -29,7 +29,8 @@ class SidePanel:
 def build(backend: Backend, run_state: gr.State) -> SidePanel:
     """The panel, in a column the caller's row places beside the plots."""
     with gr.Column(scale=2, min_width=320, elem_id="side-chat") as column:
-        header = gr.Markdown("", elem_id="side-chat-about")
+        header = gr.Markdown("No run yet: press Start, then ask the model anything while it trains.",
+                             elem_id="side-chat-about")
         note = gr.Markdown("", elem_id="side-chat-note", visible=False)
         live = gr.Chatbot(label=chat.LIVE, height=330, elem_id="side-chat-live", buttons=["copy"],
                           placeholder="Ask the model something while it trains: it answers from the weights "

@@ -1,7 +1,8 @@
 """The Train tab: Start, Pause / Resume, Stop (as the contract's Stop means it: saving first) and
 its opposite, Save now, Evaluate now, a live learning-rate change; state, step, epoch, progress
 and ETA; live plots rebuilt from the event log (so a reloaded page shows the whole history); the
-log tail; a banner when the run fails. Which buttons are enabled follows the run's state through
+log tail; a banner when the run fails; the chat beside the plots (chat_side), whose header the
+tick keeps live. Which buttons are enabled follows the run's state through
 `contract.protocol.allowed_commands`; every handler returns its outputs keyed by component."""
 
 from __future__ import annotations
