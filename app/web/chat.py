@@ -334,7 +334,7 @@ def start_copy(backend: Backend, checkpoint: str | None, old: dict | None, copy:
                     other: gr.update(visible=True, value=[], label=f"{label} (its live weights)"),
                     note: f"Comparing with **{label}** as it trains: each question now goes to the live model, "
                           "then to that run. *End it* only stops comparing; the run goes on."}
-        label = f"run {run.name} (final)"
+        label = f"run {run.name} (as it ended)"
     else:
         branch = where.parent.parent.name if where.parent.parent.parent.name == "branches" else "main"
         label = f"checkpoint {where.name} of branch {branch}"
