@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "architectures.py"
 sys.path.insert(0, str(SCRIPTS))
 import architectures as arch_script  # noqa: E402  (the tiny folders and the cells' run configs)
+from architectures_zero import CHAT_STEP, STEPS  # noqa: E402  (8 steps: two passes over the rows)
 
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPECTED = {  # the linear layers of one block, by their short names
@@ -96,12 +97,13 @@ def test_architecture_trains_full_and_lora_and_the_adapter_reloads(reports, arch
 # AutoTP.supported excludes it), Phi-3's tp_plan has a partition style AutoTP lacks. The
 # pre-flight check refuses them before start, saying why (contract.model_facts.tp_refusal).
 TP_REFUSED = {"gpt2": "AutoTP excludes GPT-2", "phi3": "rowwise_split_input"}
-STEPS, CHAT_STEP = 8, 2  # tests/scripts/architectures_zero.py's: two passes over the rows
-# Logits of a reloaded export against the engine's, fp32 (|logits| ~ 1): the full model's weights
-# are the very same tensors (only the kernels' summation order may differ); the merged LoRA
-# model adds B @ A into W once instead of applying it beside W, a last-bit difference per weight.
-EXPORT_ATOL, MERGED_ATOL = 1e-5, 1e-4
-TP_RTOL = 2e-3  # tp sums each sharded matmul in another order (the README's tp tolerance)
+# Logits of a reloaded export against the engine's, fp32 (|logits| ~ 1). The full model and the
+# adapter on its base are the very same tensors and kernels (measured: equal to the bit); the
+# merged LoRA model adds B @ A into W once instead of applying it beside W (measured <= 4e-7).
+EXPORT_ATOL, MERGED_ATOL = 1e-6, 1e-5
+# tp sums each sharded matmul in another order than ZeRO-2's whole layers (measured <= 2e-7
+# relative on these models; the README's tp-vs-one-rank tolerance for bigger ones is 2e-3)
+TP_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +201,7 @@ def test_zero2_full_zero3_lora_chat_and_exports_on_2_ranks(zero_reports, folders
     merged = _reloaded_logits(folder / "merged")
     assert (merged - engine["lora"]).abs().max() < MERGED_ATOL
     adapter = _reloaded_logits(folder / "model", adapter=folder / "adapter")
-    assert (adapter - engine["lora"]).abs().max() < MERGED_ATOL
+    assert (adapter - engine["lora"]).abs().max() < EXPORT_ATOL
     base = _reloaded_logits(folder / "model")
     assert (base - engine["lora"]).abs().max() > 1e-3  # the adapter trained, and is in both exports
 
