@@ -137,16 +137,25 @@ def test_split_view_chat_answers_while_training_and_compares_with_another_run(ap
     choice = page.locator("#chat-ckpt input")
     # the first choice, as the run saved no checkpoint: the runs come after the checkpoints
     wait_until(lambda: choice.input_value().startswith("run other ("), 60, "the other run offered")
-    page.locator("#chat-ckpt-start").click()
     said: set[str] = set()  # any message the page shows meanwhile, for the failure's text
 
     def comparing() -> bool:
         said.update(toasts(page))
         return "Comparing with run other" in page.locator("#chat-ckpt-note").inner_text()
-    try:
-        wait_until(comparing, 120, "the comparison to start")
-    except pytest.fail.Exception:
-        pytest.fail(f"the comparison did not start; the page said: {sorted(said)}")
+    # Up to three clicks: on a loaded machine a click can land while the Chat tab's refresh is
+    # re-rendering the fold, and the page then never sends it (seen once in seven runs, no
+    # message, nothing in the app's log); a person would click again. A click that does reach
+    # the app and fails shows its message, and three in a row fail the test.
+    for _ in range(3):
+        page.locator("#chat-ckpt-start").click()
+        try:
+            wait_until(comparing, 60, "the comparison to start")
+            break
+        except pytest.fail.Exception:
+            if said:
+                break
+    if not comparing():
+        pytest.fail(f"the comparison did not start after three clicks; the page said: {sorted(said)}")
     assert "Run mine: the weights being trained" in page.locator("#chat-live").inner_text()
     assert "run other (its live weights)" in page.locator("#chat-ckpt-answers").inner_text()
     mine = ask(page, "upper: hello")
