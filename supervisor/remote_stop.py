@@ -62,33 +62,30 @@ def run_pattern(root: Path) -> str:
     return rf"-m (deepspeed\.launcher\.launch .*|engine\.worker .*)--run-dir {folder}( |$)"
 
 
+def _on_hosts(hosts: list[str], env: dict[str, str], command: str, timeout: float) -> str | None:
+    """Run `command` through pdsh on every host, as the launcher reached them; its output, or
+    None when pdsh could not be run."""
+    try:
+        return subprocess.run(["pdsh", "-S", "-w", ",".join(hosts), command], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=timeout, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def signal_remote(root: Path, signal_name: str, timeout: float = 30.0) -> bool:
     """Send `signal_name` (TERM, KILL) to this run's processes on every machine it runs on;
-    False when there are none recorded or pdsh could not be run."""
+    False when there are none recorded or pdsh could not be run. (pkill's exit code 1, nothing
+    matched, is fine: the run is gone there.)"""
     hosts, env = recorded(root)
-    if not hosts:
-        return False
-    remote = f"pkill -{signal_name} -f -- {shlex.quote(run_pattern(root))}"
-    try:  # pkill's exit code 1 means "nothing matched": fine, the run is gone there
-        subprocess.run(["pdsh", "-S", "-w", ",".join(hosts), remote], env={**os.environ, **env},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return True
+    command = f"pkill -{signal_name} -f -- {shlex.quote(run_pattern(root))}"
+    return bool(hosts) and _on_hosts(hosts, env, command, timeout) is not None
 
 
 def remote_alive(root: Path, timeout: float = 30.0) -> bool:
     """Whether any machine still runs a process of this run (pgrep over pdsh)."""
     hosts, env = recorded(root)
-    if not hosts:
-        return False
-    remote = f"pgrep -f -- {shlex.quote(run_pattern(root))} >/dev/null && echo alive"
-    try:
-        out = subprocess.run(["pdsh", "-S", "-w", ",".join(hosts), remote], env={**os.environ, **env},
-                             capture_output=True, text=True, timeout=timeout, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "alive" in out
+    command = f"pgrep -f -- {shlex.quote(run_pattern(root))} >/dev/null && echo alive"
+    return bool(hosts) and "alive" in (_on_hosts(hosts, env, command, timeout) or "")
 
 
 def end(root: Path, grace_s: float) -> None:
