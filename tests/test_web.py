@@ -259,8 +259,10 @@ def test_gradio_client_start_chat_set_stop(app):
     assert final["done"] and isinstance(final["step"], int) and final["step"] >= 2
     assert len(partials) >= 2 and not partials[0]["done"]  # streamed before it was done
 
-    changed = client.predict(run="api-run", lr=5e-4, api_name="/set")
-    assert changed["changes"]["lr"] == pytest.approx(5e-4)
+    # above the schedule's peak (3e-3): never within 5% of the unchanged schedule's own next rate,
+    # whichever step the change lands on (5e-4 once met the warm-up ramp there)
+    changed = client.predict(run="api-run", lr=6e-3, api_name="/set")
+    assert changed["changes"]["lr"] == pytest.approx(6e-3)
     status = client.predict(run="api-run", api_name="/status")
     set_at = changed["step"]
     assert status["state"] == "running"
@@ -270,18 +272,18 @@ def test_gradio_client_start_chat_set_stop(app):
     events = [json.loads(line) for line in (runs / "api-run" / "events.jsonl").read_text().splitlines()]
     lrs = {e["step"]: e["lr"] for e in events if e["type"] == "train"}
     # each train record logs the rate its step trained with: the step after the change trains
-    # with 5e-4; the schedule goes on from there, one step later 5e-4 times the schedule's own
+    # with 6e-3; the schedule goes on from there, one step later 6e-3 times the schedule's own
     # step-to-step ratio there (the unchanged schedule's rates of steps set_at+1 and set_at+2,
     # extrapolated linearly from the two steps before the change: exact during the warmup)
     a, b = lrs[set_at], lrs[set_at - 1]
     unchanged_next = 2 * a - b
     ratio = (3 * a - 2 * b) / unchanged_next
-    assert lrs[set_at + 1] == pytest.approx(5e-4, rel=1e-6)
+    assert lrs[set_at + 1] == pytest.approx(6e-3, rel=1e-6)
     assert lrs[set_at + 1] != pytest.approx(unchanged_next, rel=0.05)
-    assert lrs[set_at + 2] == pytest.approx(5e-4 * ratio, rel=0.05)
+    assert lrs[set_at + 2] == pytest.approx(6e-3 * ratio, rel=0.05)
     # the status read just after the change shows the new value, moved on by the schedule for
     # any steps the run took in between (it does not stop to wait for the reader)
-    assert status["settings"]["lr"] == pytest.approx(5e-4 * ratio ** (status["step"] - set_at), rel=0.1)
+    assert status["settings"]["lr"] == pytest.approx(6e-3 * ratio ** (status["step"] - set_at), rel=0.1)
 
     # the branch and data endpoints (issues 12, 13): the contract's commands by name
     snap = client.predict(run="api-run", name="api", api_name="/snapshot")
