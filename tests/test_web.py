@@ -340,3 +340,23 @@ def test_browser_shows_a_failed_run_with_its_last_log_lines(app, browser, tmp_pa
     assert state(page) == "failed"
     assert page.locator("#train-pause").is_disabled() and page.locator("#train-stop").is_disabled()
     page.close()
+
+
+def test_an_idle_page_asks_for_about_a_frame_a_second_not_sixty(app, browser):
+    """Gradio's status tracker would ask for an animation frame 60 times a second for as long as
+    a page is open (app.web.early_script); the app's page script slows it to one a second. The
+    counter below sits under everything the page installs, so it sees each frame asked for."""
+    url, _ = app
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.add_init_script("""window.framesAsked = 0; const ask = window.requestAnimationFrame.bind(window);
+        window.requestAnimationFrame = cb => { window.framesAsked += 1; return ask(cb); };""")
+    page = context.new_page()
+    page.goto(url)
+    page.locator("#tab-configure").wait_for(state="attached", timeout=SLOW)
+    open_tab(page, "Configure")  # no live plots there: only Gradio's own frames are counted
+    time.sleep(10)  # the page's start-up transitions ask for frames of their own, for a while
+    before = page.evaluate("() => window.framesAsked")
+    time.sleep(3)
+    asked = page.evaluate("() => window.framesAsked") - before
+    context.close()
+    assert asked <= 20, f"{asked} animation frames asked for in 3 s by an idle page (60 a second unthrottled)"

@@ -19,7 +19,6 @@ from app.web import configure, slurm, train
 from app.web.backend import Backend
 from app.web.backend.views import Progress
 from app.web.backend.watch import Snapshot
-from app.web.plots import make_plots
 from app.web.widgets import status_html
 from contract.protocol import RunState
 from contract.run_folder import RunFolder
@@ -105,8 +104,8 @@ def test_a_queued_run_is_live_on_the_train_tab_and_only_stop_is_offered(tmp_path
     assert RunState.QUEUED.value in train.LIVE_STATES and "'queued'" in train.CONFIRM_START_JS
     with gr.Blocks():
         view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(),
-                               make_plots("q"), gr.Code(), gr.Textbox(),
-                               {name: gr.Button() for name in train.COMMAND_OF}, gr.Button())
+                               gr.Code(), gr.Textbox(), {name: gr.Button() for name in train.COMMAND_OF},
+                               gr.Button())
     controls = view.controls("queued")
     assert {n for n, b in view.buttons.items() if controls[b]["interactive"]} == {"stop", "stop_other"}
     assert controls[view.start]["variant"] == "secondary"  # a live run: Start is not the primary button

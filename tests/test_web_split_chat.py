@@ -52,7 +52,7 @@ def test_the_side_header_follows_the_tick_with_the_exact_match_and_other_runs_ar
     from app.embedded import embedded_default, expected_answer
     from app.web import chat, train
     from app.web.backend import Backend
-    from app.web.plots import make_plots
+    from app.web.feed import feed
 
     steps = [{"type": "state", "state": "starting", "time": 1.0}, {"type": "setup", "total_steps": 400, "time": 1.0}]
     steps += [{"type": "train", "step": s, "loss": 3.0, "lr": 0.1, "time": 1.0 + s} for s in (1, 2)]
@@ -67,16 +67,19 @@ def test_the_side_header_follows_the_tick_with_the_exact_match_and_other_runs_ar
     try:
         with gr.Blocks():
             view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(),
-                                   make_plots("t"), gr.Code(), gr.Textbox(),
-                                   {name: gr.Button() for name in train.COMMAND_OF}, gr.Button(), gr.Markdown(),
-                                   gr.Markdown())
-        out = train.refresh(backend, view, str(mine.root), None)
-        said = out[view.chat_header]
+                                   gr.Code(), gr.Textbox(), {name: gr.Button() for name in train.COMMAND_OF},
+                                   gr.Button(), gr.Markdown(), gr.HTML())
+        said = chat.header(backend, backend.watch.snapshot(str(mine.root)))
         assert said.startswith("Talking to run **mine**") and "step 2 / 400" in said
         assert "held-out exact match 25% at step 2" in said
+        # the side chat's header is kept live by the feed, rendered from that markdown
+        fed = feed(backend, {"run": str(mine.root)})
+        assert fed["header"].startswith("Talking to run <strong>mine</strong>") and "25% at step 2" in fed["header"]
+        assert feed(backend, {"run": str(mine.root), "known": {"header": fed["header_id"]}}).get("header") is None
+        out = train.refresh(backend, view, str(mine.root), None)
         assert out[view.chat_note]["visible"] and "first ~100-200 steps" in out[view.chat_note]["value"]
         again = train.refresh(backend, view, str(mine.root), out[view.seen], visible=True)
-        assert view.chat_header not in again and view.chat_note not in again  # unchanged: not sent again
+        assert view.chat_note not in again  # unchanged: not sent again
         other = train.refresh(backend, view, str(theirs.root), again[view.seen])
         assert other[view.chat_note]["visible"] is False  # not the embedded default: no note
         assert "exact match" not in chat.header(backend, backend.watch.snapshot(str(theirs.root)))

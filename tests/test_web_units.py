@@ -164,7 +164,6 @@ def test_the_train_tabs_look_is_keyed_by_component_and_follows_the_run_state(tmp
 
     from app.web import train
     from app.web.backend import Backend
-    from app.web.plots import make_plots
 
     folder = RunFolder(tmp_path / "runs" / "done").create()
     _log(folder, [{"type": "state", "state": "starting", "time": 1.0}, {"type": "setup", "total_steps": 3, "time": 1.0}]
@@ -174,26 +173,23 @@ def test_the_train_tabs_look_is_keyed_by_component_and_follows_the_run_state(tmp
     try:
         with gr.Blocks():
             view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(),
-                                   make_plots("t"), gr.Code(), gr.Textbox(),
-                                   {name: gr.Button() for name in train.COMMAND_OF}, gr.Button())
+                                   gr.Code(), gr.Textbox(), {name: gr.Button() for name in train.COMMAND_OF},
+                                   gr.Button(), None, gr.HTML())
         out = train.refresh(backend, view, None, None)  # the page's first look: the newest run
         assert set(out) <= set(view.outputs()) and out[view.run_state] == str(folder.root)
         assert "finished" in out[view.status] and out[view.open_train] is False  # ended: stay put
+        assert f"data-run='{folder.root}'" in out[view.marker] and "data-state='finished'" in out[view.marker]
         assert [b["interactive"] for b in (out[button] for button in view.buttons.values())] == \
             [False] * len(view.buttons)  # allowed_commands("finished") is empty
-        loss = json.loads(out[view.plots.by_name["loss"]])
-        assert loss["path"] == str(folder.root) and loss["series"]["raw"] == {
-            "reset": True, "points": [[1, 2.0], [2, 1.0], [3, 0.0]]}
         assert view.lr not in out  # the learning-rate box is never filled in for the user
-        # the page now holds every point: a second look sends neither plots nor the status again
-        have = {f"t-plot-{name}": {"path": str(folder.root),
-                                   "last": {k: v["points"][-1] for k, v in json.loads(out[p])["series"].items()}}
-                for name, p in view.plots.by_name.items()}
-        again = train.refresh(backend, view, str(folder.root), out[view.seen], have, log_open=True)
-        assert not set(view.plots.components()) & set(again) and view.status not in again
+        # nothing changed: a second look sends neither the status, the buttons nor the marker again
+        again = train.refresh(backend, view, str(folder.root), out[view.seen], log_open=True)
+        assert view.status not in again and view.marker not in again
+        assert not set(view.buttons.values()) & set(again)
         assert view.log in again  # opened: the log tail is sent once
-        hidden = train.refresh(backend, view, str(folder.root), again[view.seen], {}, visible=False)
-        assert set(hidden) == {view.run_state}  # a hidden tab is sent nothing
+        # a hidden tab is sent nothing but the run it shows (the feed reads it from the marker)
+        hidden = train.refresh(backend, view, str(folder.root), again[view.seen], visible=False)
+        assert set(hidden) == {view.run_state, view.seen}
         assert set(view.controls("paused")) == {*view.buttons.values(), view.start}
         enabled = {name for name, b in view.buttons.items() if view.controls("paused")[b]["interactive"]}
         assert enabled == {"resume", "stop", "stop_other", "save", "evaluate", "set_lr"}
@@ -204,6 +200,72 @@ def test_the_train_tabs_look_is_keyed_by_component_and_follows_the_run_state(tmp
         assert enabled == {"stop", "stop_other"}  # a second stop ends the group at once
     finally:
         backend.close()
+
+
+def test_the_live_feed_sends_only_what_the_page_lacks(tmp_path):
+    from app.web.backend import Backend
+    from app.web.feed import digest, feed
+
+    folder = RunFolder(tmp_path / "runs" / "live").create()
+    events = [{"type": "state", "state": "starting", "time": 1.0}, {"type": "setup", "total_steps": 9, "time": 1.0}]
+    events += [{"type": "train", "step": s, "loss": 3.0 - s, "lr": 0.1, "time": 1.0 + s} for s in (1, 2, 3)]
+    _log(folder, events)
+    backend = Backend(tmp_path / "runs")
+    run = str(folder.root)
+    try:
+        first = feed(backend, {"run": run})  # a page that holds nothing yet
+        assert first["run"] == run and "step 3 / 9" in first["status"] and first["status_id"] == digest(first["status"])
+        assert first["header"].startswith("Talking to run <strong>live</strong>") and "step 3 / 9" in first["header"]
+        loss = json.loads(first["plots"]["train-plot-loss"])
+        assert loss["path"] == run and loss["series"]["raw"] == {"reset": True, "points": [[1, 2.0], [2, 1.0], [3, 0.0]]}
+        # the page now holds all of it: the next answer carries no status, header or points
+        have = {i: {"path": run, "last": {k: v["points"][-1] for k, v in json.loads(b)["series"].items()}}
+                for i, b in first["plots"].items()}
+        known = {"status": first["status_id"], "header": first["header_id"], "version": first["version"]}
+        same = feed(backend, {"run": run, "have": have, "known": known})
+        assert "status" not in same and "header" not in same and same["plots"] == {}
+        # two more steps: the status, the header and only the two new points of each line
+        _log(folder, [{"type": "train", "step": s, "loss": 3.0 - s, "lr": 0.1, "time": 1.0 + s} for s in (4, 5)])
+        later = feed(backend, {"run": run, "have": have, "known": known})
+        assert "step 5 / 9" in later["status"] and "step 5 / 9" in later["header"]
+        assert json.loads(later["plots"]["train-plot-loss"])["series"]["raw"] == {
+            "reset": False, "points": [[4, -1.0], [5, -2.0]]}
+        # what a page sends cannot break it: an unknown run or a malformed ask gets a reason back
+        assert "error" in feed(backend, {"run": str(tmp_path / "nowhere")})
+        assert feed(backend, "not a dict")["error"] == "no run"
+        assert "error" not in feed(backend, {"run": run, "have": [1], "known": None})
+    finally:
+        backend.close()
+
+
+def test_the_early_script_goes_first_in_the_pages_head_and_nowhere_else():
+    import asyncio
+
+    from app.web.early_script import EarlyScript
+
+    def served(path: str, kind: bytes, body: bytes, chunks: int = 2) -> tuple[dict, bytes]:
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode())]})
+            step = len(body) // chunks + 1
+            for i in range(0, len(body), step):
+                await send({"type": "http.response.body", "body": body[i:i + step],
+                            "more_body": i + step < len(body)})
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+        asyncio.run(EarlyScript(app, b"<script>x</script>")({"type": "http", "method": "GET", "path": path},
+                                                              None, send))
+        headers = dict(sent[0]["headers"])
+        return headers, b"".join(m.get("body", b"") for m in sent[1:])
+
+    page = b"<html><head><title>t</title></head><body>hi</body></html>"
+    headers, body = served("/", b"text/html; charset=utf-8", page)
+    assert body == page.replace(b"<head>", b"<head><script>x</script>")
+    assert int(headers[b"content-length"]) == len(body)
+    assert served("/", b"application/json", b'{"<head>": 1}')[1] == b'{"<head>": 1}'
+    assert served("/config", b"text/html", page)[1] == page  # only the page itself
 
 
 # -- saved things, CLI ----------------------------------------------------------------------------

@@ -14,16 +14,14 @@ run is going opens on that run's Train tab, its plots rebuilt from the event log
 from __future__ import annotations
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from app.web import api, chat, checkpoints, configure, runs, train
 from app.web.backend import Backend
+from app.web.early_script import EarlyScript
 from app.web.widgets import CSS
 
 TITLE = "livetune"
-# whether the Train tab is the one shown, read in the page once the switch has been drawn
-TRAIN_SHOWN_JS = ("async () => { await new Promise(r => setTimeout(r, 50)); const b = Array.from("
-                  "document.querySelectorAll('button[role=tab]')).find(b => b.innerText.trim() === 'Train'); "
-                  "return !!b && b.getAttribute('aria-selected') === 'true'; }")
 
 
 def build_app(backend: Backend) -> gr.Blocks:
@@ -32,12 +30,11 @@ def build_app(backend: Backend) -> gr.Blocks:
         gr.Markdown(f"## {TITLE} · fine-tune a language model and talk to it while it trains",
                     elem_id="app-title")
         run_state = gr.State(None)  # the run folder this page shows
-        timer = gr.Timer(train.TICK_S, active=False)  # started when the Train tab is selected
         with gr.Tabs(selected="configure", elem_id="tabs") as tabs:
             with gr.Tab("Configure", id="configure", elem_id="tab-configure"):
                 config_tab = configure.build(backend, run_state, tabs)
             with gr.Tab("Train", id="train", elem_id="tab-train"):
-                train.build(backend, run_state, tabs, config_tab, timer, demo)
+                train.build(backend, run_state, tabs, config_tab, demo)
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
                 chat_refresh = chat.build(backend, run_state)
             with gr.Tab("Checkpoints", id="checkpoints", elem_id="tab-checkpoints") as ckpt_tab:
@@ -45,13 +42,6 @@ def build_app(backend: Backend) -> gr.Blocks:
             with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
                 runs_refresh = runs.build(backend, run_state, tabs)
         config_tab.validation()
-        # the timer ticks only while the Train tab shows (a hidden tab costs the run nothing);
-        # Tabs.change fires on a click and on a handler's switch (Start, Reattach ...) alike
-        train_shown = gr.Checkbox(False, visible=False)
-        tabs.change(None, outputs=train_shown, js=TRAIN_SHOWN_JS, api_visibility="private",
-                    show_progress="hidden").then(
-            lambda on: gr.Timer(active=bool(on)), inputs=train_shown, outputs=timer, queue=False,
-            api_visibility="private", show_progress="hidden")
         chat_tab.select(**chat_refresh)
         ckpt_tab.select(**ckpt_refresh)
         runs_tab.select(**runs_refresh)
@@ -60,6 +50,9 @@ def build_app(backend: Backend) -> gr.Blocks:
 
 
 def launch_options() -> dict:
-    """The look of the page (Gradio 6 takes theme and CSS at launch)."""
+    """The look of the page (Gradio 6 takes theme and CSS at launch), and the script that must
+    run before Gradio's own (early_script: an idle page would otherwise ask for 60 frames a
+    second)."""
     theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="slate")
-    return {"theme": theme, "css": CSS, "footer_links": ["api"], "head": train.NAVIGATION_HEAD}
+    return {"theme": theme, "css": CSS, "footer_links": ["api"], "head": train.NAVIGATION_HEAD,
+            "app_kwargs": {"middleware": [Middleware(EarlyScript)]}}

@@ -1,13 +1,15 @@
 // The live plots of the web app (app/web/plots.py): `element` is the plot's gr.HTML element and
-// `props.value` a JSON batch from the server ({path, seq, series: {name: {reset, points}}}).
+// `props.value` a JSON batch from the server ({path, seq, series: {name: {reset, points}}}); the
+// Train tab's plots get theirs from the live feed (feed.js) instead.
 // A batch holds only the points this page does not have yet (it says what it has through
-// window.livetunePlots, read by the Train tab's tick), so the page appends and redraws one small
+// window.livetunePlots, read by the live feed), so the page appends and redraws one small
 // SVG instead of receiving and re-embedding the whole history. Smoothing and the log scale are
 // drawn here, without a round trip.
 const MAX_DRAWN = 400;   // points drawn per line (the full history stays in events.jsonl)
 const MAX_KEPT = 20000;  // points kept per line in the page before the older half is thinned
 const spec = JSON.parse(element.querySelector('.lt-plot').dataset.spec);
 const store = { path: null, series: {}, log: false, smoothing: spec.smoothing ?? 0 };
+// the Train tab's plots are fed by the live feed (feed.js), which hands its batches to `apply`
 window.livetunePlots = window.livetunePlots || {};
 window.livetunePlots[spec.id] = store;
 
@@ -37,6 +39,7 @@ function apply(text) {
   }
   schedule();
 }
+store.apply = apply;
 
 let pending = false;
 function schedule() {

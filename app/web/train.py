@@ -1,39 +1,42 @@
 """The Train tab: Start, Pause / Resume, Stop (as the contract's Stop means it: saving first) and
 its opposite, Save now, Evaluate now, a live learning-rate change; state, step, epoch, progress
 and ETA; live plots rebuilt from the event log (so a reloaded page shows the whole history); the
-log tail; a banner when the run fails; the chat beside the plots (chat_side), whose header the
-tick keeps live. Which buttons are enabled follows the run's state through
-`contract.protocol.allowed_commands`; every handler returns its outputs keyed by component."""
+log tail; a banner when the run fails; the chat beside the plots (chat_side). Which buttons are
+enabled follows the run's state through `contract.protocol.allowed_commands`; every handler
+returns its outputs keyed by component.
+
+Two paths bring the run to the page. What changes every step (the status line, the plots' new
+points, the side chat's "running, step N") comes through the live feed (feed.py, feed.js), a
+plain call a second from the page. What changes rarely (the buttons, the banner, the log tail,
+which run the page shows) comes through "the look" (`refresh`), a Gradio event run when the page
+loads, when the page's run changes, and when the feed sees the run's state change."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
 
 from app.session import STOP_SAVES, SessionError, allowed
-from app.web import chat, chat_side, data
+from app.web import chat_side, data, feed
 from app.web.backend import Backend
-from app.web.backend.watch import Snapshot
 from app.web.configure import ConfigureTab, start_run
-from app.web.plots import HAVE_JS, Plots, batch, make_plots
+from app.web.plots import Plots, make_plots
 from app.web.widgets import banner_html, readable, status_html
 from contract.protocol import Evaluate, Pause, Resume, RunState, Save, Set
 
-TICK_S = 1.0  # how often the Train tab looks for news (a look that finds none sends nothing)
-# Read in the page as each tick leaves: the run it shows, what its plots hold (plots.HAVE_JS),
-# whether the user has clicked a tab yet (set by a click listener, NAVIGATION_HEAD, given to
-# launch(); a page state updated through the server could arrive after the first tick), and
-# whether the Train tab and its log are on screen: a hidden tab is sent nothing.
-# It also closes the "Stopping ..." note once the last look showed the run ended.
-TICK_JS = ("(path, shown, have, navigated, visible, log_open) => { const on = id => { const e = "
+# Read in the page as each look leaves: the run it shows, whether the user has clicked a tab yet
+# (set by a click listener, NAVIGATION_HEAD, given to launch(); a page state updated through the
+# server could arrive after the first look), and whether the Train tab and its log are on
+# screen: a hidden tab is sent nothing but the run it shows (the feed's marker).
+# It also closes the "Stopping ..." note once the status line shows the run ended.
+TICK_JS = ("(path, shown, navigated, visible, log_open) => { const on = id => { const e = "
            "document.getElementById(id); return !!e && e.offsetParent !== null && document.visibilityState "
            "!== 'hidden'; }; const s = document.getElementById('run-state'); if (s && /finished|failed/.test("
            "s.innerText)) document.querySelectorAll('.toast-body').forEach(t => { if (/Stopping/.test(t.innerText)) "
-           "{ const c = t.querySelector('.toast-close'); if (c) c.click(); } }); return [path, shown, " + HAVE_JS +
-           ", !!window.livetuneNavigated, on('train-status'), on('train-log')]; }")
+           "{ const c = t.querySelector('.toast-close'); if (c) c.click(); } }); return [path, shown, "
+           "!!window.livetuneNavigated, on('train-status'), on('train-log')]; }")
 # after the page's first look: open the Train tab when it found a run going, unless the user has
 # clicked a tab meanwhile
 AFTER_TICK_JS = ("(go) => { if (go && !window.livetuneNavigated) { const b = Array.from(document.querySelectorAll("
@@ -68,13 +71,15 @@ class TrainTab:
 
 
 def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: ConfigureTab,
-          timer: gr.Timer, page: gr.Blocks) -> TrainTab:
-    """The tab's layout and events. `timer` lives outside the tabs, so it ticks from the moment
-    the page loads. The page's load event does the first look at once (the timer's first tick
-    comes an interval later) and opens this tab when a run is going, unless the user has picked
-    a tab already (TICK_JS)."""
+          page: gr.Blocks) -> TrainTab:
+    """The tab's layout and events. The page's load event does the first look and opens this
+    tab when a run is going, unless the user has picked a tab already (TICK_JS); the status
+    line carries the live feed (feed.js, its server function feed.feed)."""
     banner = gr.HTML("", elem_id="train-banner", visible=False)
-    status = gr.HTML(status_html(None), elem_id="train-status")
+    status = gr.HTML(status_html(None), elem_id="train-status", js_on_load=feed.JS,
+                     server_functions=[feed.feed_function(backend)])
+    marker = gr.HTML(feed.marker_html(None, None), elem_id=feed.MARKER_ID, visible="hidden")
+    look_button = gr.Button("look", elem_id=feed.LOOK_ID, visible="hidden")
     with gr.Row():
         start = gr.Button("Start", variant="primary", interactive=configure.start_buttons[0].interactive,
                           elem_id="train-start", min_width=90)
@@ -109,28 +114,25 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     with gr.Accordion("Log tail (rank 0)", open=False):
         log = gr.Code("", language="shell", lines=14, interactive=False, elem_id="train-log")
     seen = gr.State(None)  # what this page was sent (see refresh)
-    have = gr.Textbox(visible=False)  # filled in by TICK_JS: what the page's plots hold
     navigated = gr.Checkbox(False, visible=False)  # filled in by TICK_JS
     visible = gr.Checkbox(False, visible=False)    # filled in by TICK_JS
     log_open = gr.Checkbox(False, visible=False)   # filled in by TICK_JS
     open_train = gr.Checkbox(False, visible=False)  # the first look found a run going
     confirmed = gr.Checkbox(True, visible=False)    # the page's answer to a confirmation
     configure.start_buttons.append(start)
-    view = TrainView(run_state, seen, open_train, status, banner, plots, log, lr, buttons, start, side.header,
-                     side.note)
+    view = TrainView(run_state, seen, open_train, status, banner, log, lr, buttons, start, side.note, marker)
 
-    def tick(path: str | None, shown: dict | None, have_text: str, navigated: bool, on_screen: bool,
-             log_shown: bool) -> dict:
-        return refresh(backend, view, path, shown, _json(have_text), visible=on_screen,
-                       log_open=log_shown, open_tab=not navigated)
+    def tick(path: str | None, shown: dict | None, navigated: bool, on_screen: bool, log_shown: bool) -> dict:
+        return refresh(backend, view, path, shown, visible=on_screen, log_open=log_shown, open_tab=not navigated)
 
     # the page's first look skips the queue (one plain request: the page is shown sooner); only
-    # it may open this tab, so the timer's ticks are one event each
-    look = dict(fn=tick, inputs=[run_state, seen, have, navigated, visible, log_open], outputs=view.outputs(),
+    # it may open this tab. Later looks: when the page's run changes, and when the feed asks.
+    look = dict(fn=tick, inputs=[run_state, seen, navigated, visible, log_open], outputs=view.outputs(),
                 js=TICK_JS, show_progress="hidden", concurrency_limit=None, api_visibility="private")
     page.load(**look, queue=False).then(None, inputs=open_train, js=AFTER_TICK_JS, api_visibility="private",
                                         show_progress="hidden")
-    timer.tick(**look, queue=True)
+    look_button.click(**look, queue=True)
+    run_state.change(**look, queue=True)
 
     def start_confirmed(given: dict) -> dict:
         if not given[confirmed]:
@@ -156,14 +158,6 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     return TrainTab(plots, status)
 
 
-def _json(text: str | None) -> dict:
-    try:
-        found = json.loads(text or "{}")
-    except ValueError:
-        return {}
-    return found if isinstance(found, dict) else {}
-
-
 @dataclass
 class TrainView:
     """The components one look at the run updates."""
@@ -172,18 +166,17 @@ class TrainView:
     open_train: gr.Checkbox
     status: gr.HTML
     banner: gr.HTML
-    plots: Plots
     log: gr.Code
     lr: gr.Textbox
     buttons: dict[str, gr.Button]
     start: gr.Button | None = None
-    chat_header: gr.Markdown | None = None  # the side panel's "running, step N" (chat_side)
-    chat_note: gr.Markdown | None = None    # and its note on the embedded default
+    chat_note: gr.Markdown | None = None  # the side chat's note on the embedded default
+    marker: gr.HTML | None = None         # the run and state this look saw, for the feed
 
     def outputs(self) -> list:
-        extra = [c for c in (self.start, self.chat_header, self.chat_note) if c is not None]
-        return [self.run_state, self.seen, self.open_train, self.status, self.banner,
-                *self.plots.components(), self.log, *self.buttons.values(), *extra]
+        extra = [c for c in (self.start, self.chat_note, self.marker) if c is not None]
+        return [self.run_state, self.seen, self.open_train, self.status, self.banner, self.log,
+                *self.buttons.values(), *extra]
 
     def controls(self, state: str | None) -> dict:
         """Each button enabled when the run's state allows its command; Resume is the primary
@@ -197,20 +190,21 @@ class TrainView:
         return out
 
 
-def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | None, have: dict | None = None,
-            visible: bool = True, log_open: bool = False, open_tab: bool = True) -> dict:
-    """One look at the run: only what changed since what the page was `shown`, and nothing while
-    the tab is hidden (`visible` False), except on the page's first look, which also asks the
-    page to open the Train tab when the run is going. `shown` is what was sent: {"path",
-    "version" (of the run's view), "state", "status", "seq"}; None on the first look. `have` is
-    what the page's plots hold (plots.HAVE_JS): each plot gets only the points it lacks."""
+def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | None, visible: bool = True,
+            log_open: bool = False, open_tab: bool = True) -> dict:
+    """One look at the run: only what changed since what the page was `shown`, and while the
+    tab is hidden (`visible` False) only the run it shows (the feed's marker), except on the
+    page's first look, which also asks the page to open the Train tab when the run is going.
+    `shown` is what was sent: {"path", "version" (of the run's view), "state", "status",
+    "marker"}; None on the first look. The plots and the side chat's header are the live feed's
+    (feed.py)."""
     first_tick = shown is None
     path = path or backend.session.default_run()
     if not shown or shown.get("path") != path:
-        shown = {"path": path, "version": -1, "state": "", "status": "", "seq": 0}
-    if not visible and not first_tick:
-        return {view.run_state: path}
+        shown = {"path": path, "version": -1, "state": "", "status": ""}
     sent = dict(shown)
+    if not visible and not first_tick:
+        return {view.run_state: path, **_marked(view, sent, path, False), view.seen: sent}
     if path is None:
         out = {view.run_state: None, view.open_train: False}
         return {**out, **_changed(view, sent, None, status_html(None)), view.seen: sent}
@@ -221,22 +215,15 @@ def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | N
         return {**out, **_changed(view, sent, None, status_html(None, str(e))), view.seen: sent}
     out = {view.run_state: path, view.open_train: first_tick and open_tab and snap.info.alive}
     if not visible:
-        return {**out, view.seen: shown}
+        return {**out, **_marked(view, sent, path, False), view.seen: sent}
+    out.update(_changed(view, sent, snap.info.state, status_html(snap), path))
     text = banner_html(snap.failure, backend.session.stop_error(path))
-    out.update(_changed(view, sent, snap.info.state, status_html(snap)))
-    out.update(_side_chat(backend, view, sent, snap))
     if text or sent.get("banner"):
         out[view.banner] = gr.update(value=text, visible=bool(text))
         sent["banner"] = bool(text)
-    have = have or {}
-    stale = any((have.get(view.plots.elem_id(n)) or {}).get("path") != path for n in view.plots.by_name)
-    if snap.version != shown["version"] or stale:
-        series = backend.watch.view(path).series()
-        for name, component in view.plots.by_name.items():
-            found = batch(series.get(name, {}), have.get(view.plots.elem_id(name)), path, sent["seq"] + 1)
-            if found is not None:
-                out[component] = found
-                sent["seq"] += 1
+    if view.chat_note is not None and sent.get("chat_note") != path:  # the side chat's note, once per run
+        out[view.chat_note] = chat_side.note_update(backend, path)
+        sent["chat_note"] = path
     if log_open and (snap.version != shown["version"] or not shown.get("log")):
         out[view.log] = backend.watch.log_tail(path)
         sent["log"] = True
@@ -244,24 +231,23 @@ def refresh(backend: Backend, view: TrainView, path: str | None, shown: dict | N
     return {**out, view.seen: sent}
 
 
-def _side_chat(backend: Backend, view: TrainView, sent: dict, snap: Snapshot) -> dict:
-    """The chat beside the plots: its header when it changed (a few words; the step changes each
-    tick), its note once per run (`sent` is updated)."""
-    out: dict = {}
-    if view.chat_header is not None:
-        said = chat.header(backend, snap)
-        if said != sent.get("chat_header"):
-            out[view.chat_header] = sent["chat_header"] = said
-    if view.chat_note is not None and sent.get("chat_note") != snap.path:
-        out[view.chat_note] = chat_side.note_update(backend, snap.path)
-        sent["chat_note"] = snap.path
-    return out
+def _marked(view: TrainView, sent: dict, path: str | None, state: str | None | bool) -> dict:
+    """The feed's marker, when the run or its state differ from what it says (`sent` updated).
+    `state` False: not looked at (a hidden tab), so only another run changes the marker."""
+    if state is False:
+        if (sent.get("marker") or [None])[0] == path and "marker" in sent:
+            return {}
+        state = None
+    if view.marker is None or sent.get("marker") == [path, state]:
+        return {}
+    sent["marker"] = [path, state]
+    return {view.marker: feed.marker_html(path, state)}
 
 
-def _changed(view: TrainView, sent: dict, state: str | None, status: str) -> dict:
-    """The status line and the buttons, when they differ from what the page shows (`sent` is
-    updated)."""
-    out: dict = {}
+def _changed(view: TrainView, sent: dict, state: str | None, status: str, path: str | None = None) -> dict:
+    """The status line, the buttons and the feed's marker, when they differ from what the page
+    shows (`sent` is updated)."""
+    out: dict = _marked(view, sent, path, state)
     if status != sent.get("status"):
         out[view.status] = status
         sent["status"] = status

@@ -92,8 +92,9 @@ def duration(seconds: float | None) -> str:
 def status_html(snap: Snapshot | None, note: str | None = None) -> str:
     """The status line: state, run, step / total, epoch, ETA, last numbers, a progress bar."""
     if snap is None:
-        return ("<div class='run-status'><span class='state-chip' style='background:#9ca3af'>no run</span>"
-                "<span class='muted'>Configure a run and press Start, or open one in the Runs tab.</span></div>")
+        return ("<div class='lt-status'><div class='run-status'><span class='state-chip' style='background:#9ca3af'>"
+                "no run</span><span class='muted'>Configure a run and press Start, or open one in the Runs tab."
+                "</span></div></div>")
     p, info = snap.progress, snap.info
     color = STATE_COLORS.get(p.state, "#6b7280")
     total = f" / {p.total}" if p.total else ""
@@ -119,7 +120,8 @@ def status_html(snap: Snapshot | None, note: str | None = None) -> str:
         parts.append(f"<span class='muted'>{html.escape(note)}</span>")
     bar = (f"<div class='progress-outer' title='{p.fraction:.0%}'>"
            f"<div class='progress-inner' style='width:{100 * p.fraction:.1f}%'></div></div>")
-    return f"<div><div class='run-status'>{' · '.join(parts)}</div>{bar}</div>"
+    # one outer element: the live feed (feed.js) replaces it whole
+    return f"<div class='lt-status'><div class='run-status'>{' · '.join(parts)}</div>{bar}</div>"
 
 
 def banner_html(failure: Failure | None, error: str | None = None) -> str:
