@@ -42,7 +42,7 @@ from typing import Any, ContextManager
 import torch
 
 from contract.config import FUSED_METHODS, PEFT_METHODS, RunConfig
-from engine import lomo
+from engine import ds_config, lomo
 from engine.checkpoint import adapters
 from engine.context import Method, RunContext
 from engine.steps import StepStrategy
@@ -187,6 +187,14 @@ class FullMethod:
     def optimizer_after_engine(self, engine, cfg: RunConfig, setup, env) -> Any:
         return None
 
+    def grad_clip(self, run: RunContext) -> float:
+        """The gradient-norm clipping in force (0: off): DeepSpeed's, which clips for this method."""
+        return float(run.engine.gradient_clipping() or 0.0)
+
+    def set_grad_clip(self, run: RunContext, value: float) -> None:
+        """Change the clipping of the running run (the control plane's `set grad_clip`)."""
+        ds_config.set_gradient_clipping(run.engine, value)
+
     def step(self, layout) -> StepStrategy:
         return layout.step()
 
@@ -254,6 +262,13 @@ class FusedMethod(FullMethod):
     def optimizer_after_engine(self, engine, cfg: RunConfig, setup, env) -> Any:
         # built on the engine's module: under ZeRO-3 its parameters are the partitioned ones
         return lomo.build_optimizer(engine, cfg, setup.config, env.dp_group, env.dp_size)
+
+    def grad_clip(self, run: RunContext) -> float:
+        # the fused update clips inside backward, with its own norm: DeepSpeed's setting is unused
+        return float(run.optimizer.max_grad_norm)
+
+    def set_grad_clip(self, run: RunContext, value: float) -> None:
+        run.optimizer.max_grad_norm = float(value)
 
     def step(self, layout) -> StepStrategy:
         if layout.name == "pipeline":

@@ -226,6 +226,33 @@ def test_fused_step_on_two_ranks_averages_and_learns(tmp_path, zero):
         assert r0["lrs"][7] < r0["lrs"][6]
 
 
+@pytest.mark.parametrize("name", ["lomo", "adalomo"])
+def test_a_live_grad_clip_change_reaches_the_fused_update(name):
+    """`set grad_clip` goes through the method object: for LOMO / AdaLomo it changes the fused
+    optimizer's own clipping (DeepSpeed's is unused), so the next update is the one an optimizer
+    built with the new value makes, and differs from the old value's."""
+    from types import SimpleNamespace
+
+    from engine.methods import FusedMethod
+
+    def one_step(built_with: float, set_to: float | None):
+        model = tiny_model()
+        model.train()
+        opt = FusedOptimizer(model.parameters(), AdaLomoRule() if name == "adalomo" else LomoRule(), lr=5e-2,
+                             max_grad_norm=built_with)
+        if set_to is not None:
+            run, method = SimpleNamespace(optimizer=opt, engine=None), FusedMethod(name)
+            method.set_grad_clip(run, set_to)
+            assert method.grad_clip(run) == set_to
+        b = batch(1)
+        opt.fused_step(lambda: model(**b).loss)
+        return snapshot(model)
+
+    changed, built, unchanged = one_step(1.0, 0.01), one_step(0.01, None), one_step(1.0, None)
+    assert same(changed, built)
+    assert not same(changed, unchanged)  # the value matters at all for this batch
+
+
 @pytest.mark.parametrize("rule", [LomoRule(), AdaLomoRule()], ids=["lomo", "adalomo"])
 def test_gradient_checkpointing_gives_the_same_update(rule):
     results = []

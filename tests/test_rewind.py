@@ -213,11 +213,20 @@ def test_a_restored_state_puts_the_runs_own_clipping_back():
         def gradient_clipping(self):
             return self._config.gradient_clipping
 
+    from engine.methods import FullMethod, FusedMethod
+
     engine = Engine()  # a `set grad_clip=0.5` happened after the state being restored was saved
+    run = SimpleNamespace(engine=engine, optimizer=None)
     control = SimpleNamespace(settings=LiveSettings(), trainer=SimpleNamespace(
-        engine=engine, config=RunConfig(), ds_setup=SimpleNamespace(config={"gradient_clipping": 1.0})))
+        engine=engine, ctx=run, method=FullMethod(), config=RunConfig(),
+        ds_setup=SimpleNamespace(config={"gradient_clipping": 1.0})))
     apply_settings(control)
     assert engine._config.gradient_clipping == 1.0 and engine.optimizer.clip_grad == 1.0
     control.settings.load_state_dict({"grad_clip": 0.25})
     apply_settings(control)
     assert engine.gradient_clipping() == 0.25 and engine.optimizer.clip_grad == 0.25
+    # LOMO / AdaLomo clip inside their fused update, with their own norm: that is what changes
+    fused = SimpleNamespace(max_grad_norm=1.0)
+    control.trainer.method, run.optimizer = FusedMethod("lomo"), fused
+    apply_settings(control)
+    assert fused.max_grad_norm == 0.25 and control.trainer.method.grad_clip(run) == 0.25

@@ -7,7 +7,7 @@ the run's present state; every rank refuses alike, because every rank sees the s
 command, so collective work is never entered by some ranks only.
 
 Live settings go into `control.settings` (engine.control.settings.LiveSettings), never into the
-run config; the DeepSpeed engine is changed only through engine.ds_config.
+run config; gradient clipping changes through the method object (DeepSpeed's, or LOMO's own).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from engine.control import data_commands
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.control.settings import REPLACED
-from engine.ds_config import set_gradient_clipping
 from engine.generation import generate as generate_text
 
 
@@ -189,14 +188,14 @@ def apply_settings(control: Plane) -> None:
     clip = control.settings.grad_clip
     if clip is None:  # the DeepSpeed config the engine was built from has the run's value
         clip = trainer.ds_setup.config.get("gradient_clipping", trainer.config.optim.grad_clip)
-    if float(trainer.engine.gradient_clipping() or 0.0) != float(clip):
-        set_gradient_clipping(trainer.engine, float(clip))
+    if trainer.method.grad_clip(trainer.ctx) != float(clip):  # the method knows who clips (LOMO: itself)
+        trainer.method.set_grad_clip(trainer.ctx, float(clip))
 
 
 def current_settings(control: Plane) -> dict:
     trainer, live = control.trainer, control.settings
     return {"lr": trainer.current_lr(), "lr_scale": live.lr_scale,
-            "grad_clip": float(trainer.engine.gradient_clipping() or 0.0),
+            "grad_clip": trainer.method.grad_clip(trainer.ctx),
             "eval_every_n_steps": live.eval_every(trainer.config),
             "save_every_n_steps": live.save_every(trainer.config),
             "generation": live.generation_params()}
