@@ -35,10 +35,12 @@ LAUNCHER_GRACE_S = 2.0
 LINGER_GRACE_S = 30.0
 # Exits this close together came from one wake-up: who went first is decided by how they ended.
 SAME_WAKE_S = 0.05
-# Ranks on other machines: their launchers poll each second and pdsh relays what they log; a
-# failure the run reports itself waits this long (while the launcher runs) for a remote rank's
-# death to be reported, which the run's error is then only the consequence of.
-REMOTE_REPORT_GRACE_S = 5.0
+# A failure the run reports itself waits this long (while the launcher runs) for a rank's death
+# to be seen, which the run's error is then only the consequence of: a rank killed here is seen
+# by the next look (its exit can be read after the run's "failed" event: rank 0's lost-peer
+# error is written at once), one on another machine when its launcher's poll (each second)
+# reports it through pdsh.
+REPORT_GRACE_S = 5.0
 
 
 class VerdictKind(str, Enum):
@@ -201,9 +203,9 @@ def _judge_final(f: Facts) -> Verdict | None:
         who = culprit(tuple(e for e in f.exits if not e.host), f.clean_pids)
         if who is None or who.rank == f.error_rank:
             who = _killed_elsewhere(f) or who
-        if ((who is None or who.rank == f.error_rank) and f.remote and f.launcher_alive
-                and (f.final_since is None or f.now - f.final_since < REMOTE_REPORT_GRACE_S)):
-            return None  # another machine's launcher may still report the rank that died first
+        if ((who is None or who.rank == f.error_rank) and f.alive and f.launcher_alive
+                and (f.final_since is None or f.now - f.final_since < REPORT_GRACE_S)):
+            return None  # the rank that died first may not be seen yet (here, or by its launcher)
         if who is not None and who.rank != f.error_rank:
             # a rank died first; what the run reported is the others' view of that death
             return _rank_died(who, suffix=f"; the run then reported: {f.error}")

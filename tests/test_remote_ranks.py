@@ -6,7 +6,7 @@ The log lines are DeepSpeed 0.19.8's and pdsh's own, as a two-host run wrote the
 import dataclasses
 
 from contract.protocol import RunState
-from supervisor.judgement import REMOTE_REPORT_GRACE_S, Facts, RankExit, VerdictKind, judge
+from supervisor.judgement import REPORT_GRACE_S, Facts, RankExit, VerdictKind, judge
 from supervisor.remote import RemoteLog, wait_status
 
 RUNNER = ("[2026-12-03 18:39:42,780] [INFO] [runner.py:618:main] cmd = pdsh -S -f 1024 -w node-a,node-b "
@@ -74,7 +74,7 @@ def test_the_killed_remote_rank_is_blamed_over_the_run_s_own_report():
 
 def test_the_run_s_report_waits_a_moment_for_the_other_machines():
     assert judge(FAILED_BY_GLOO) is None  # the other launchers poll each second
-    late = dataclasses.replace(FAILED_BY_GLOO, now=9.5 + REMOTE_REPORT_GRACE_S + 0.1)
+    late = dataclasses.replace(FAILED_BY_GLOO, now=9.5 + REPORT_GRACE_S + 0.1)
     assert (judge(late).kind, judge(late).rank) == (VerdictKind.ERROR, 0)
     gone = dataclasses.replace(FAILED_BY_GLOO, launcher_alive=False)  # all told: no more to wait for
     assert judge(gone).rank == 0

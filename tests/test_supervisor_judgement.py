@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from contract.protocol import RunState
-from supervisor.judgement import (LAUNCHER_GRACE_S, LINGER_GRACE_S, UNSEEN_EXIT_GRACE_S, Facts, RankExit,
+from supervisor.judgement import (LAUNCHER_GRACE_S, LINGER_GRACE_S, REPORT_GRACE_S, UNSEEN_EXIT_GRACE_S, Facts, RankExit,
                                   VerdictKind, culprit, judge, last_exception)
 
 NOW = 1000.0
@@ -46,6 +46,19 @@ CASES = [
            exits=(gone(1, KILLED),)),
      (VerdictKind.RANK_DIED, 1), ("rank 1 (pid 101) ended with signal SIGKILL",
                                   "the run then reported: gloo: connection closed")),
+    # rank 1 was killed; rank 0 wrote its lost-peer error before rank 1's exit was seen: the
+    # judgement waits (the launcher still runs) rather than blame rank 0's report ...
+    ("failed by a rank's report, the group still going: the rank that died first may not be seen yet",
+     facts(state=RunState.FAILED, error="gloo: Connection reset by peer", error_rank=0, final_since=NOW - 1.0),
+     None, ()),
+    # ... and once seen, the killed rank is the cause
+    ("failed by a rank's report, then the killed rank is seen: it is the cause",
+     facts(state=RunState.FAILED, error="gloo: Connection reset by peer", error_rank=0, final_since=NOW - 1.0,
+           exits=(gone(1, KILLED),)), (VerdictKind.RANK_DIED, 1), ("rank 1 (pid 101)", "SIGKILL",
+                                                                   "the run then reported: gloo")),
+    ("failed by a rank's report, and no rank seen dead within the grace: the report",
+     facts(state=RunState.FAILED, error="OOM", error_rank=0, final_since=NOW - REPORT_GRACE_S - 1.0),
+     (VerdictKind.ERROR, 0), ("OOM",)),
     ("failed, and the rank that reported it is the one that ended",
      facts(state=RunState.FAILED, alive=False, error="boom", error_rank=1, exits=(gone(1, EXIT_1),)),
      (VerdictKind.ERROR, 1), ("boom",)),
