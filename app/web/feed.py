@@ -29,14 +29,14 @@ from markdown_it import MarkdownIt
 from app.session import SessionError
 from app.web import chat
 from app.web.backend import Backend
-from app.web.plots import batch
+from app.web.plots import MAIN_PLOTS, MORE_PLOTS, batch, plot_id
 from app.web.widgets import status_html
 
 EVERY_MS = 1000  # how often the page asks while the Train tab shows
 JS = (Path(__file__).with_name("feed.js")).read_text().replace("EVERY_MS_VALUE", str(EVERY_MS))
 MARKER_ID = "train-looked"  # the look's marker: the run the page shows and its state then
 LOOK_ID = "train-look"      # the hidden button the feed presses to ask for a look
-PLOTS = ("loss", "eval", "lr", "tokens", "memory")  # the Train tab's plots (plots.make_plots)
+PLOT_IDS = {name: plot_id("train", name) for name in (*MAIN_PLOTS, *MORE_PLOTS)}  # make_plots("train")
 _MARKDOWN = MarkdownIt("commonmark", {"html": False})
 
 
@@ -52,8 +52,8 @@ def marker_html(path: str | None, state: str | None) -> str:
 
 def feed(backend: Backend, ask: Any) -> dict:
     """One answer to the page: `ask` is {"run": path, "have": what its plots hold (by element
-    id, as plots.batch reads it), "known": {"status", "header": digests of what it shows, "version": of the run's
-    view when it last asked}}."""
+    id, as plots.batch reads it), "known": {"status", "header": digests of what it shows,
+    "version": of the run's view when it last asked}}."""
     ask = ask if isinstance(ask, dict) else {}
     path = ask.get("run")
     if not isinstance(path, str) or not path:
@@ -66,17 +66,16 @@ def feed(backend: Backend, ask: Any) -> dict:
         return {"run": path, "error": str(e)}
     out: dict[str, Any] = {"run": path, "state": snap.info.state, "version": snap.version}
     status = status_html(snap)
-    if digest(status) != known.get("status"):
-        out["status"], out["status_id"] = status, digest(status)
+    if (status_id := digest(status)) != known.get("status"):
+        out["status"], out["status_id"] = status, status_id
     header = chat.header(backend, snap)
-    if digest(header) != known.get("header"):
-        out["header"], out["header_id"] = _MARKDOWN.renderInline(header), digest(header)
+    if (header_id := digest(header)) != known.get("header"):
+        out["header"], out["header_id"] = _MARKDOWN.renderInline(header), header_id
     plots: dict[str, str] = {}
-    ids = {name: f"train-plot-{name}" for name in PLOTS}
-    stale = any(not isinstance(have.get(i), dict) or have[i].get("path") != snap.path for i in ids.values())
+    stale = any(not isinstance(have.get(i), dict) or have[i].get("path") != snap.path for i in PLOT_IDS.values())
     if snap.version != known.get("version") or stale:
         series = backend.watch.view(snap.path).series()
-        for name, elem_id in ids.items():
+        for name, elem_id in PLOT_IDS.items():
             found = batch(series.get(name, {}), have.get(elem_id), snap.path, snap.version)
             if found is not None:
                 plots[elem_id] = found

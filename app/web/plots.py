@@ -1,6 +1,6 @@
 """The web app's live plots: one `gr.HTML` per plot whose script (plots.js) keeps the points the
 page has and draws them as a small SVG. A page says what it has (the last point of each series,
-through `window.livetunePlots`, read by the Train tab's tick, see HAVE_JS); `batch` answers with
+through `window.livetunePlots`, read by the live feed, feed.js); `batch` answers with
 only what is missing: the points after that one, or the whole series (thinned to MAX_POINTS)
 when the page has none of it or the run was rewound. Watching a run so costs a few points per
 tick, not a redraw of every plot's whole history. Hidden tabs get nothing (train.py).
@@ -122,19 +122,25 @@ class Plots:
         return list(self.by_name.values())
 
     def elem_id(self, name: str) -> str:
-        return f"{self.prefix}-plot-{name}"
+        return plot_id(self.prefix, name)
+
+
+MAIN_PLOTS = ("loss", "eval")             # every run view's plots
+MORE_PLOTS = ("lr", "tokens", "memory")   # and, in full, these
+
+
+def plot_id(prefix: str, name: str) -> str:
+    """The element id of a tab's plot (what the page's scripts find it by)."""
+    return f"{prefix}-plot-{name}"
 
 
 def make_plots(prefix: str, full: bool = True) -> Plots:
     """The plots of a run: loss and evaluation metrics, with `full` also lr, tokens/s, memory."""
     plots: dict[str, gr.HTML] = {}
-    with gr.Row(equal_height=True):
-        for name in ("loss", "eval"):
-            plots[name] = live_plot(name, f"{prefix}-plot-{name}")
-    if full:
+    for names in (MAIN_PLOTS, MORE_PLOTS) if full else (MAIN_PLOTS,):
         with gr.Row(equal_height=True):
-            for name in ("lr", "tokens", "memory"):
-                plots[name] = live_plot(name, f"{prefix}-plot-{name}")
+            for name in names:
+                plots[name] = live_plot(name, plot_id(prefix, name))
     return Plots(plots, prefix)
 
 
@@ -188,10 +194,3 @@ def thin(points: Series, limit: int = MAX_POINTS) -> Series:
         return list(points)
     stride = len(points) / limit
     return [points[int(i * stride)] for i in range(limit - 1)] + [points[-1]]
-
-
-# read in the page as a tick leaves: what each of the Train tab's plots holds
-HAVE_JS = """(() => { const out = {}; for (const [id, s] of Object.entries(window.livetunePlots || {})) {
-  if (!id.startsWith('train-plot-')) continue; const last = {};
-  for (const [n, p] of Object.entries(s.series)) if (p.length) last[n] = p[p.length - 1];
-  out[id] = {path: s.path, last}; } return JSON.stringify(out); })()"""

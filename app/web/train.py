@@ -235,7 +235,7 @@ def _marked(view: TrainView, sent: dict, path: str | None, state: str | None | b
     """The feed's marker, when the run or its state differ from what it says (`sent` updated).
     `state` False: not looked at (a hidden tab), so only another run changes the marker."""
     if state is False:
-        if (sent.get("marker") or [None])[0] == path and "marker" in sent:
+        if "marker" in sent and sent["marker"][0] == path:
             return {}
         state = None
     if view.marker is None or sent.get("marker") == [path, state]:
