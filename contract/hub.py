@@ -13,6 +13,7 @@ Torch-free: the pre-flight check and the config's validation use it, and so does
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -57,11 +58,25 @@ def known_folder(path: str) -> Path:
     return (cached_folder(path) or Path(path)) if is_hub_id(path) else Path(path)
 
 
+# the variables huggingface_hub reads the cache's place from, the first one set winning
+# (HUGGINGFACE_HUB_CACHE is its older name of HF_HUB_CACHE; HF_HOME holds the cache in hub/)
+_CACHE_VARIABLES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME")
+
+
+def cache_hint() -> str:
+    """How to point at another cache, naming the variable that placed this one (the one the user
+    set), or both usual ones when none is set."""
+    for name in _CACHE_VARIABLES:
+        if os.environ.get(name):
+            where = "a folder whose hub/ subfolder holds it" if name == "HF_HOME" else "a cache that holds it"
+            return f"point {name} (set to {os.environ[name]}) at {where}"
+    return "point HF_HUB_CACHE at a cache that holds it (or HF_HOME at a folder whose hub/ holds it)"
+
+
 def missing_message(repo_id: str) -> str:
     return (f"{repo_id} is not a local folder, and the Hugging Face cache ({cache_dir()}) does not "
             "hold it; HF_HUB_OFFLINE=1 forbids downloading it. Download it where there is network "
-            f"(huggingface-cli download {repo_id}), point HF_HOME at a cache that holds it, or name a "
-            "local model folder")
+            f"(huggingface-cli download {repo_id}), {cache_hint()}, or name a local model folder")
 
 
 def local_folder(path: str) -> Path:

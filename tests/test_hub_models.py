@@ -67,6 +67,20 @@ def test_an_id_the_cache_lacks_is_refused_offline_naming_the_cache(cache, tmp_pa
         hub.local_folder("acme/absent")
 
 
+def test_the_refusal_names_the_cache_variable_the_user_set(monkeypatch, tmp_path):
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    said = hub.missing_message("acme/absent")
+    assert f"point HF_HUB_CACHE (set to {tmp_path / 'cache'}) at a cache that holds it" in said
+    assert "HF_HOME" not in said
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert "point HF_HOME (set to" in hub.missing_message("acme/absent")
+    monkeypatch.delenv("HF_HOME")
+    assert "point HF_HUB_CACHE at a cache" in hub.missing_message("acme/absent")  # neither set: both named
+
+
 def test_a_local_folder_of_the_same_name_wins(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "acme" / "tiny-qwen").mkdir(parents=True)
