@@ -34,7 +34,10 @@ class ModelConfig:
                    "Face cache. Empty: the embedded tiny default model.", label="Model folder or hub ID")
     tokenizer: str = _f("", "Tokenizer folder or hub ID. Empty: the model's own tokenizer.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    attn_implementation: Literal["sdpa", "eager"] = _f("sdpa", "Attention kernel of the model.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = _f(
+        "sdpa", "Attention kernel: sdpa (PyTorch's fused attention, any device), eager (plain "
+        "matrix products), flash_attention_2 (a CUDA GPU in bf16 / fp16, the flash_attn package).",
+        label="Attention")
     trust_remote_code: bool = _f(False, "Allow model code shipped inside the model folder to run.")
 
 
