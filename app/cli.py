@@ -209,6 +209,8 @@ def follow(handle: RunHandle, signals: Signals | None = None) -> int:
                 say(str(failure), "yellow")
         for event in events():
             shown.event(event)
+    if reported is None:  # gone before any look judged it: judged now, with every exit in (and recorded)
+        reported = handle.evaluate()
     handle.wait_cleaned_up()
     return report(handle, reported)
 

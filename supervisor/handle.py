@@ -19,10 +19,11 @@ from contract.protocol import RunState
 from contract.run_folder import EventLog, EventTail, RunFolder
 
 from supervisor import procs, stopping
-from supervisor.judgement import Facts, RankExit, Verdict, VerdictKind, exited, judge
+from supervisor.judgement import LOST_PEER, Facts, RankExit, Verdict, VerdictKind, exited, judge, last_exception, post_mortem
 from supervisor.remote import RemoteLog
-from supervisor.records import (Failure, RunInfo, child_running, launcher_reported_success, log_tail,
-                                mark_stopping, read_pid, reap, stop_in_progress)
+from supervisor.records import (Failure, RunInfo, child_running, launcher_reported_failure,
+                                launcher_reported_success, log_tail, mark_stopping, read_pid, reap,
+                                stop_in_progress)
 from supervisor.stopping import DEFAULT_SAVE
 from supervisor.summary import RunSummary
 
@@ -113,12 +114,12 @@ class RunHandle:
                 if self._ranks.get(rank) != proc.pid:  # a new process for this rank (a resume)
                     self._ranks[rank] = proc.pid
                     self._exits.pop(rank, None)
+        now = time.monotonic()  # one look, one time: exits found together are told apart by evidence
         for rank, rank_pid in self._ranks.items():
             gone = self._exits.get(rank)
             if gone is None or gone.status is None:
-                self._check_rank(rank, rank_pid)
+                self._check_rank(rank, rank_pid, now)
         self._observe_remote()
-        now = time.monotonic()
         if not ours or self._launcher_alive:
             self._launcher_gone_since = None
         elif self._launcher_gone_since is None:
@@ -135,24 +136,25 @@ class RunHandle:
             if gone.rank is not None and gone.rank not in self._exits and gone.rank not in self._ranks:
                 self._exits[gone.rank] = RankExit(gone.rank, gone.pid, gone.status, time.monotonic(), gone.host)
 
-    def _check_rank(self, rank: int, pid: int) -> None:
+    def _check_rank(self, rank: int, pid: int, now: float) -> None:
         proc = procs.read_proc(pid)
         if proc is not None and not proc.zombie and proc.pgid == self._pid:
             return
         status = proc.exit_status if proc is not None and proc.zombie else None
         known = self._exits.get(rank)
         if known is None:
-            self._exits[rank] = RankExit(rank, pid, status, time.monotonic())
+            self._exits[rank] = RankExit(rank, pid, status, now)
         elif known.status is None and status is not None:
             self._exits[rank] = dataclasses.replace(known, status=status)
 
-    def note_exit(self, pid: int) -> None:
+    def note_exit(self, pid: int, seen: float | None = None) -> None:
         """A watched process just exited (its pidfd woke a watcher): read how, before its
-        parent reaps it."""
+        parent reaps it. `seen`: when the watcher woke (one time for every pid of one wake)."""
+        seen = time.monotonic() if seen is None else seen
         with self._lock:
             for rank, rank_pid in self._ranks.items():
                 if rank_pid == pid:
-                    self._check_rank(rank, pid)
+                    self._check_rank(rank, pid, seen)
 
     def watched_pids(self) -> list[int]:
         """Processes whose exit a watcher should wake on: the launcher and the live ranks."""
@@ -203,10 +205,13 @@ class RunHandle:
             if self._failure is not None:
                 return self._failure
             s = self._summary
+            if s.state == RunState.FAILED or not s.final and not self._alive and not self._is_stopping():
+                # judged as if over: the rank that died first, not just the run's own report
+                verdict = post_mortem(self._facts())
+                if verdict is not None:
+                    return self._failure_of(verdict)
             if s.state == RunState.FAILED:
                 return self._failure_of(Verdict(VerdictKind.ERROR, s.error_rank, s.error or "failed"))
-            if not s.final and not self._alive and not self._is_stopping():
-                return self._failure_of(exited(self._facts()))
             return None
 
     # -- judging --------------------------------------------------------------------------------
@@ -221,7 +226,22 @@ class RunHandle:
             exits=tuple(self._exits.values()),
             clean_pids=frozenset(launcher_reported_success(self.folder)) if self._exits else frozenset(),
             last_progress=self._last_progress, hang_timeout=self.hang_timeout,
-            final_since=self._final_seen_at, remote=self._remote.multi_host)
+            final_since=self._final_seen_at, remote=self._remote.multi_host, **self._exit_evidence())
+
+    def _exit_evidence(self) -> dict:
+        """What the launcher and the rank logs say of how the ranks seen gone ended (read only once
+        a rank is gone: a few log tails)."""
+        if not self._exits:
+            return {}
+        status, pid = launcher_reported_failure(self.folder)
+        raised, lost = set(), set()
+        for rank in self._exits:
+            error = last_exception(log_tail(self.folder, rank, self.log_lines)[1])
+            if error is not None:
+                raised.add(rank)
+                if LOST_PEER.search(error):
+                    lost.add(rank)
+        return dict(launcher_status=status, launcher_pid=pid, raised=frozenset(raised), lost_peer=frozenset(lost))
 
     def _failure_of(self, verdict: Verdict) -> Failure:
         """The verdict as a report: worded with the last lines of the log it points at."""
@@ -305,8 +325,10 @@ class RunHandle:
                 left = _RELOOK_S if deadline is None else min(_RELOOK_S, deadline - time.monotonic())
                 if left <= 0:
                     return False
-                for pid in watch.wait(left):
-                    self.note_exit(pid)
+                exited = watch.wait(left)
+                woke = time.monotonic()
+                for pid in exited:
+                    self.note_exit(pid, woke)
                     watch.discard(pid)
         finally:
             watch.close()

@@ -1,14 +1,28 @@
 """The failure judgement: which rank died or hangs, and why. A pure function of observed facts.
 
 `RunHandle` gathers the facts (the event log's summary, the process group as last seen, the
-exits it saw and how, the clock) into `Facts`; `judge` says what they mean as a `Verdict`, and
-`Verdict.message` words it with the last lines of the log it points at. Nothing here reads a
-file, a process or the clock, so every case is a row in a table (tests/test_supervisor_judgement.py).
+exits it saw and how, what the launcher and the rank logs said, the clock) into `Facts`; `judge`
+says what they mean as a `Verdict`, and `Verdict.message` words it with the last lines of the log
+it points at. Nothing here reads a file, a process or the clock, so every case is a row in a
+table (tests/test_supervisor_judgement.py).
 
-How a culprit is told apart from its victims: when one rank dies, the launcher ends the others
-with SIGTERM. So among the ranks that failed, the first one seen is the culprit; exits seen
-within one wake-up (SAME_WAKE_S) are told apart by how they ended: not by SIGTERM, and with a
-known exit status, is the cause.
+How a culprit is told apart from its victims, whatever order the evidence arrives in. When one
+rank dies, the others fail after it: a lost-peer error of their own, or the launcher's SIGTERM.
+So among the ranks that failed, the first one seen is the culprit; ranks seen gone in the same
+look are told apart by the evidence of how each ended (`evidence`, strongest first):
+
+  0  ended by a signal that no launcher sends (SIGKILL of the OOM killer or a user, SIGSEGV):
+     read from its zombie, or from the launcher's report of the first rank it saw fail
+     (`Facts.launcher_status`, attributed to the one rank that could have ended so);
+  1  ended with its own error (an exit code seen, or an exception in its log);
+  2  vanished unseen (its launcher reaped it first) without a word in its log;
+  3  a victim: ended by SIGTERM / SIGINT, or its last error is a lost connection to a peer.
+
+A run that reports its own failure (rank 0's `failed` event) is judged the same way: a rank
+with stronger evidence than the reporter's own error is the cause, at once; otherwise the verdict
+waits until the group is gone (its launcher ends it within seconds of a failure), because only
+then is every exit and the launcher's report in. It is not a race against a fixed wait: on a
+slower machine the group takes longer to go and the verdict waits as long.
 """
 
 from __future__ import annotations
@@ -16,13 +30,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Sequence
 
 from contract.protocol import RunState
 
-from supervisor.procs import describe_returncode, describe_status, ended_by_sigterm, failed_status
+from supervisor.procs import describe_returncode, describe_status, failed_status
 
 # A rank that vanished unseen (exit status unknown) while the others go on is called dead after
 # this long, unless the launcher logged it as a clean exit: a clean early exit of one rank is
@@ -31,16 +45,19 @@ UNSEEN_EXIT_GRACE_S = 5.0
 # Ranks going on without their launcher this long are orphans (not a group being torn down).
 LAUNCHER_GRACE_S = 2.0
 # A run that wrote its final state and still has processes this much later is stuck on the way
-# out (a hung teardown): the rest of its group is ended.
+# out (a hung teardown): the rest of its group is ended. A run that reported its own failure is
+# judged then with what is known, if its group has not gone by itself before (it normally goes
+# within seconds: the verdict waits for that, not for this bound).
 LINGER_GRACE_S = 30.0
-# Exits this close together came from one wake-up: who went first is decided by how they ended.
+# Exits seen within this of each other came from one look: who went first is decided by the
+# evidence of how each ended. (A look stamps every exit it finds with one time; this only
+# covers exits reported one by one from one wake-up.)
 SAME_WAKE_S = 0.05
-# A failure the run reports itself waits this long (while the launcher runs) for a rank's death
-# to be seen, which the run's error is then only the consequence of: a rank killed here is seen
-# by the next look (its exit can be read after the run's "failed" event: rank 0's lost-peer
-# error is written at once), one on another machine when its launcher's poll (each second)
-# reports it through pdsh.
-REPORT_GRACE_S = 5.0
+
+# What a rank whose peer died says of it (gloo, NCCL, torch.distributed): a victim's error.
+LOST_PEER = re.compile(r"connection (reset|closed|refused)|broken pipe|socket closed|remote process exited|"
+                       r"communicator was aborted|DistNetworkError|peer (closed|disconnected)|"
+                       r"timed out waiting .* for (recv|send)|early EOF", re.IGNORECASE)
 
 
 class VerdictKind(str, Enum):
@@ -87,6 +104,12 @@ class Facts:
     hang_timeout: float = 300.0
     final_since: float | None = None     # when the final state was first seen with the group alive
     remote: bool = False                 # the run's ranks were started on several machines
+    # the launcher's report of the first rank it saw fail (a wait status; DeepSpeed's launcher
+    # does not say which rank), and the pid when it does say (torchrun)
+    launcher_status: int | None = None
+    launcher_pid: int | None = None
+    raised: frozenset[int] = frozenset()     # ranks whose log ends in an exception
+    lost_peer: frozenset[int] = frozenset()  # ... whose last exception is a lost connection to a peer
 
 
 @dataclass(frozen=True)
@@ -123,22 +146,57 @@ def last_exception(lines: Sequence[str]) -> str | None:
     return None
 
 
-def culprit(exits: Sequence[RankExit], clean_pids: frozenset[int] = frozenset()) -> RankExit | None:
-    """The rank that died first and not as a victim of the launcher ending the others; None when
-    no rank failed or the first failures cannot be told apart."""
-    bad = [e for e in exits if failed_status(e.status) and not (e.status is None and e.pid in clean_pids)]
+def killed_by_signal(status: int | None) -> bool:
+    """Ended by a signal that no launcher sends to end the others (SIGKILL, SIGSEGV, SIGABRT ...).
+    (A launcher SIGKILLs a rank only after it ignored SIGTERM for long: seen much later.)"""
+    return (status is not None and os.WIFSIGNALED(status)
+            and os.WTERMSIG(status) not in (signal.SIGTERM, signal.SIGINT))
+
+
+def evidence(e: RankExit, f: Facts) -> int:
+    """How strongly this exit points at the cause of the failure: 0 strongest, 3 a victim (the
+    classes are listed in the module's docstring)."""
+    if killed_by_signal(e.status):
+        return 0
+    if e.rank in f.lost_peer or (e.status is not None and os.WIFSIGNALED(e.status)):
+        return 3
+    if e.status is not None or e.rank in f.raised:
+        return 1
+    return 2
+
+
+def reporter_evidence(f: Facts) -> int:
+    """The evidence class of the run's own failure report: a victim when it is a lost peer."""
+    return 3 if f.error is not None and LOST_PEER.search(f.error) else 1
+
+
+def attributed(f: Facts) -> tuple[RankExit, ...]:
+    """The exits, with the launcher's report of a death by signal given to the one rank it can
+    be: named by pid (torchrun), else the only rank seen gone with no exit status, no exception
+    in its log, and not the rank that reported the run's failure (it lived to report)."""
+    if not killed_by_signal(f.launcher_status) or any(killed_by_signal(e.status) for e in f.exits):
+        return f.exits
+    candidates = [e for e in f.exits if not e.host and e.status is None and (
+        e.pid == f.launcher_pid if f.launcher_pid is not None else
+        e.rank not in f.raised and not (f.state == RunState.FAILED and e.rank == f.error_rank))]
+    if len(candidates) != 1:
+        return f.exits
+    return tuple(replace(e, status=f.launcher_status) if e is candidates[0] else e for e in f.exits)
+
+
+def culprit(f: Facts, exits: Sequence[RankExit] | None = None) -> RankExit | None:
+    """The rank that failed first (of `exits`, default the facts' own, with the launcher's report
+    attributed): the first seen, and among those seen in one look the one with the strongest
+    evidence. None when no rank failed or the first cannot be told apart."""
+    exits = attributed(f) if exits is None else exits
+    bad = [e for e in exits if failed_status(e.status) and not (e.status is None and e.pid in f.clean_pids)]
     if not bad:
         return None
     first = min(e.seen for e in bad)
     tied = [e for e in bad if e.seen - first < SAME_WAKE_S]
-    if len(tied) == 1:
-        return tied[0]
-    causes = [e for e in tied if not ended_by_sigterm(e.status)]
-    seen = [e for e in causes if e.status is not None]
-    for group in (seen, causes):
-        if len(group) == 1:
-            return group[0]
-    return None
+    best = min(evidence(e, f) for e in tied)
+    strongest = [e for e in tied if evidence(e, f) == best]
+    return strongest[0] if len(strongest) == 1 else None
 
 
 def _rank_died(who: RankExit, prefix: str = "", suffix: str = "") -> Verdict:
@@ -150,7 +208,7 @@ def _rank_died(who: RankExit, prefix: str = "", suffix: str = "") -> Verdict:
 
 def exited(f: Facts) -> Verdict:
     """The failure of a group that is gone without having written a final state."""
-    who = culprit(f.exits, f.clean_pids)
+    who = culprit(f)
     if who is not None:
         return _rank_died(who, prefix="exited without a final state: ")
     reason = "exited without a final state"
@@ -170,7 +228,7 @@ def judge(f: Facts) -> Verdict | None:
         return _judge_final(f)
     if not f.alive:
         return exited(f) if f.seen_alive else None
-    who = culprit(f.exits, f.clean_pids)
+    who = culprit(f)
     if who is not None and (who.status is not None or f.now - who.seen > UNSEEN_EXIT_GRACE_S):
         return _rank_died(who)
     if (not f.launcher_alive and f.launcher_gone_since is not None and f.ranks_seen
@@ -184,31 +242,41 @@ def judge(f: Facts) -> Verdict | None:
     return None
 
 
+def post_mortem(f: Facts) -> Verdict | None:
+    """The judgement of a run whose group is gone, looked at now whether or not this process saw
+    it alive: what a listing or a report after the end shows."""
+    return judge(replace(f, alive=False, launcher_alive=False, seen_alive=True, stopping=False))
+
+
 def _killed_elsewhere(f: Facts) -> RankExit | None:
     """A rank on another machine killed by a signal (not a launcher's SIGTERM / SIGINT), other
     than the rank that reported the failure: it could report nothing, and the run's own error
     (a lost connection to a peer) is its consequence. Ranks that exited with a code are not
-    blamed over the run's own report."""
+    blamed over the run's own report: their launcher's poll (each second) decides when they
+    show, not when they failed."""
     for e in f.exits:
-        if (e.host and e.rank != f.error_rank and e.status is not None and os.WIFSIGNALED(e.status)
-                and os.WTERMSIG(e.status) not in (signal.SIGTERM, signal.SIGINT)):
+        if e.host and e.rank != f.error_rank and killed_by_signal(e.status):
             return e
     return None
 
 
+def _failed_first(f: Facts) -> RankExit | None:
+    """The rank that failed before the run reported its failure, if the evidence says one did:
+    stronger evidence than the reporter's own error (a lost peer is the weakest)."""
+    who = culprit(f, tuple(e for e in attributed(f) if not e.host))
+    if who is not None and who.rank != f.error_rank and evidence(who, f) < reporter_evidence(f):
+        return who
+    return _killed_elsewhere(f)
+
+
 def _judge_final(f: Facts) -> Verdict | None:
     if f.state == RunState.FAILED and f.seen_alive:
-        # a remote rank's exit code is not blamed over the run's report: its launcher's poll
-        # (each second) decides when it shows, not when the rank failed
-        who = culprit(tuple(e for e in f.exits if not e.host), f.clean_pids)
-        if who is None or who.rank == f.error_rank:
-            who = _killed_elsewhere(f) or who
-        if ((who is None or who.rank == f.error_rank) and f.alive and f.launcher_alive
-                and (f.final_since is None or f.now - f.final_since < REPORT_GRACE_S)):
-            return None  # the rank that died first may not be seen yet (here, or by its launcher)
-        if who is not None and who.rank != f.error_rank:
+        who = _failed_first(f)
+        if who is not None:
             # a rank died first; what the run reported is the others' view of that death
             return _rank_died(who, suffix=f"; the run then reported: {f.error}")
+        if f.alive and f.launcher_alive and (f.final_since is None or f.now - f.final_since < LINGER_GRACE_S):
+            return None  # every exit and the launcher's report are in once the group is gone
         return Verdict(VerdictKind.ERROR, f.error_rank, f.error or "failed")
     if f.alive and f.final_since is not None and f.now - f.final_since > LINGER_GRACE_S:
         return Verdict(VerdictKind.LINGERING, None, "the run wrote its final state "

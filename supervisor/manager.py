@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -215,9 +216,10 @@ class RunManager:
                     exited = []
                     self._monitor_stop.wait(interval)
                 handles = self._all_handles()
+                woke = time.monotonic()
                 for pid in exited:  # read how it ended while it is still a zombie
                     for handle in handles:
-                        handle.note_exit(pid)
+                        handle.note_exit(pid, woke)
                     watch.discard(pid)
                 for failure in self.check():
                     if on_failure is not None:

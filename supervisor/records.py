@@ -13,6 +13,7 @@ from pathlib import Path
 from contract.run_folder import RunFolder, tail_lines
 
 from supervisor.procs import read_proc, running
+from supervisor.remote import wait_status
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,28 @@ def launcher_reported_success(folder: RunFolder) -> set[int]:
     """Pids the DeepSpeed launcher logged as having exited cleanly."""
     text = "\n".join(tail_lines(folder.logs / "launcher.log", 200))
     return {int(pid) for pid in re.findall(r"Process (\d+) exits successfully", text)}
+
+
+# The launcher's word on the first rank it saw fail, in the latest launch's part of its log.
+# DeepSpeed's launch.py: "<the last command it started> exits with return code = -9" (no pid;
+# lines from other machines come prefixed with their host name, read by supervisor.remote);
+# torchrun: "exitcode  : -9 (pid: 1234)".
+_LAUNCH_START = re.compile(r"\[runner\.py:\d+:main\] cmd = ")
+_DS_FAILED = re.compile(r"^\[[^\]]*\].*\[launch\.py:\d+:sigkill_handler\] .* exits with return code = (-?\d+)")
+_TORCHRUN_FAILED = re.compile(r"exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
+
+
+def launcher_reported_failure(folder: RunFolder) -> tuple[int | None, int | None]:
+    """(wait status, pid or None) of the first rank the run's own launcher reported failing on
+    this machine; (None, None) when it reported none."""
+    lines = tail_lines(folder.logs / "launcher.log", 400)
+    starts = [i for i, line in enumerate(lines) if _LAUNCH_START.search(line) and line.startswith("[")]
+    for line in lines[starts[-1] if starts else 0:]:
+        if (ds := _DS_FAILED.match(line)) is not None:
+            return wait_status(int(ds[1])), None
+        if (tr := _TORCHRUN_FAILED.search(line)) is not None:
+            return wait_status(int(tr[1])), int(tr[2])
+    return None, None
 
 
 def log_tail(folder: RunFolder, rank: int | None, n: int) -> tuple[str, tuple[str, ...]]:

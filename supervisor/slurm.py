@@ -216,7 +216,8 @@ class SlurmHandle(RunHandle):
         alive = self.job is not None and self.job.alive
         self._alive = self._launcher_alive = alive
         self._seen_alive = self._seen_alive or alive
-        self._final_seen_at = None
+        # a job that wrote its final state and still runs: since when (the judgement's bound)
+        self._final_seen_at = (self._final_seen_at or time.monotonic()) if self._summary.final and alive else None
 
     def info(self, refresh: bool = True) -> RunInfo:
         info = super().info(refresh)

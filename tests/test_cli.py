@@ -238,16 +238,19 @@ def test_a_killed_command_takes_its_run_with_it(tmp_path, cleanup):
 
 @pytest.mark.slow
 def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path, cleanup):
+    """Rank 0 killed: the rank that writes the run's state is gone, rank 1 fails on its lost peer
+    (a network error of its own), the launcher ends the rest. The report names rank 0, not rank
+    1's error nor no rank, carries rank 0's last log lines and records rank 0."""
     proc, run_dir, out = start_cli(tmp_path, "killed", "nproc=2", "max_steps=5000")
     cleanup.append((proc, run_dir))
     wait_for_step(run_dir, proc, 2, out)
     pgid = launcher_pid(run_dir)
-    rank1 = [p for p in group_of(pgid) if runs_worker(p) and p.environ().get("RANK") == "1"
+    rank0 = [p for p in group_of(pgid) if runs_worker(p) and p.environ().get("RANK") == "0"
              and not runs_worker(p.parent())]  # not a data-loader child of the rank
-    assert len(rank1) == 1, "rank 1 not found"
-    with open(run_dir / "logs" / "rank1.log", "a") as log:  # a line as gloo writes them
+    assert len(rank0) == 1, "rank 0 not found"
+    with open(run_dir / "logs" / "rank0.log", "a") as log:  # a line as gloo writes them
         log.write("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] read error\n")
-    rank1[0].kill()
+    rank0[0].kill()
     try:
         code = proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
@@ -255,12 +258,12 @@ def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path, cle
         pytest.fail(f"the command did not end:\n{out.read_text()}")
     text = out.read_text()
     assert code == 1, text
-    assert "rank 1" in text and "SIGKILL" in text, text
-    assert "last lines of rank1.log" in text and "pair.cc:537] read error" in text, text
+    assert "rank 0" in text and "SIGKILL" in text, text
+    assert "last lines of rank0.log" in text and "pair.cc:537] read error" in text, text
     assert "MarkupError" not in text
     assert group_of(pgid) == []
     final = [e for e in events_of(run_dir) if e["type"] == "state"][-1]
-    assert final["state"] == "failed" and final.get("rank") == 1, final
+    assert final["state"] == "failed" and final.get("rank") == 0, final
 
 
 def test_a_detached_run_outlives_its_command_is_listed_and_stopped_from_its_folder(tmp_path, cleanup):

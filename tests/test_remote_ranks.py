@@ -6,7 +6,7 @@ The log lines are DeepSpeed 0.19.8's and pdsh's own, as a two-host run wrote the
 import dataclasses
 
 from contract.protocol import RunState
-from supervisor.judgement import REPORT_GRACE_S, Facts, RankExit, VerdictKind, judge
+from supervisor.judgement import LINGER_GRACE_S, Facts, RankExit, VerdictKind, judge
 from supervisor.remote import RemoteLog, wait_status
 
 RUNNER = ("[2026-12-03 18:39:42,780] [INFO] [runner.py:618:main] cmd = pdsh -S -f 1024 -w node-a,node-b "
@@ -72,9 +72,9 @@ def test_the_killed_remote_rank_is_blamed_over_the_run_s_own_report():
                                           "the run then reported: RuntimeError")
 
 
-def test_the_run_s_report_waits_a_moment_for_the_other_machines():
-    assert judge(FAILED_BY_GLOO) is None  # the other launchers poll each second
-    late = dataclasses.replace(FAILED_BY_GLOO, now=9.5 + REPORT_GRACE_S + 0.1)
+def test_the_run_s_report_waits_for_the_other_machines():
+    assert judge(FAILED_BY_GLOO) is None  # until the launchers (polling each second) have ended
+    late = dataclasses.replace(FAILED_BY_GLOO, now=9.5 + LINGER_GRACE_S + 0.1)
     assert (judge(late).kind, judge(late).rank) == (VerdictKind.ERROR, 0)
     gone = dataclasses.replace(FAILED_BY_GLOO, launcher_alive=False)  # all told: no more to wait for
     assert judge(gone).rank == 0
@@ -82,5 +82,5 @@ def test_the_run_s_report_waits_a_moment_for_the_other_machines():
 
 def test_a_remote_rank_that_exited_with_a_code_does_not_override_the_report():
     other = RankExit(1, 202, wait_status(1), 9.7, "node-b")  # it saw the same failure and exited
-    verdict = judge(dataclasses.replace(FAILED_BY_GLOO, exits=(other,), now=20.0))
+    verdict = judge(dataclasses.replace(FAILED_BY_GLOO, exits=(other,), launcher_alive=False))
     assert (verdict.kind, verdict.rank) == (VerdictKind.ERROR, 0)

@@ -8,8 +8,8 @@ import signal
 import pytest
 
 from contract.protocol import RunState
-from supervisor.judgement import (LAUNCHER_GRACE_S, LINGER_GRACE_S, REPORT_GRACE_S, UNSEEN_EXIT_GRACE_S, Facts, RankExit,
-                                  VerdictKind, culprit, judge, last_exception)
+from supervisor.judgement import (LAUNCHER_GRACE_S, LINGER_GRACE_S, UNSEEN_EXIT_GRACE_S, Facts, RankExit,
+                                  VerdictKind, culprit, judge, last_exception, post_mortem)
 
 NOW = 1000.0
 # raw wait statuses, as /proc shows a zombie's
@@ -47,17 +47,20 @@ CASES = [
      (VerdictKind.RANK_DIED, 1), ("rank 1 (pid 101) ended with signal SIGKILL",
                                   "the run then reported: gloo: connection closed")),
     # rank 1 was killed; rank 0 wrote its lost-peer error before rank 1's exit was seen: the
-    # judgement waits (the launcher still runs) rather than blame rank 0's report ...
+    # judgement waits while the group goes (however long that takes) rather than blame rank 0 ...
     ("failed by a rank's report, the group still going: the rank that died first may not be seen yet",
-     facts(state=RunState.FAILED, error="gloo: Connection reset by peer", error_rank=0, final_since=NOW - 1.0),
+     facts(state=RunState.FAILED, error="gloo: Connection reset by peer", error_rank=0, final_since=NOW - 20.0),
      None, ()),
     # ... and once seen, the killed rank is the cause
     ("failed by a rank's report, then the killed rank is seen: it is the cause",
      facts(state=RunState.FAILED, error="gloo: Connection reset by peer", error_rank=0, final_since=NOW - 1.0,
            exits=(gone(1, KILLED),)), (VerdictKind.RANK_DIED, 1), ("rank 1 (pid 101)", "SIGKILL",
                                                                    "the run then reported: gloo")),
-    ("failed by a rank's report, and no rank seen dead within the grace: the report",
-     facts(state=RunState.FAILED, error="OOM", error_rank=0, final_since=NOW - REPORT_GRACE_S - 1.0),
+    ("failed by a rank's report, and the group gone with no other rank dead: the report",
+     facts(state=RunState.FAILED, error="OOM", error_rank=0, alive=False, final_since=None),
+     (VerdictKind.ERROR, 0), ("OOM",)),
+    ("failed by a rank's report, the group stuck on the way out past the bound: the report",
+     facts(state=RunState.FAILED, error="OOM", error_rank=0, final_since=NOW - LINGER_GRACE_S - 1.0),
      (VerdictKind.ERROR, 0), ("OOM",)),
     ("failed, and the rank that reported it is the one that ended",
      facts(state=RunState.FAILED, alive=False, error="boom", error_rank=1, exits=(gone(1, EXIT_1),)),
@@ -119,12 +122,78 @@ def test_judgement(name, observed, expected, words):
         assert w in verdict.reason + verdict.suffix, (w, verdict)
 
 
+# A rank killed while the others train, the evidence arriving in every order: the rank's own
+# exit (read from its zombie, or gone unseen because the launcher reaped it first), rank 0's
+# lost-peer report in events.jsonl, rank 0's exit, the launcher's report. Each row is one order.
+LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+FAILED_BY_LOST_PEER = dict(state=RunState.FAILED, error=LOST, error_rank=0, final_since=NOW - 0.5)
+ORDERS = [
+    ("rank 1's SIGKILL read first, then rank 0's report: at once, group alive",
+     facts(**FAILED_BY_LOST_PEER, exits=(gone(1, KILLED, NOW - 0.6),)), (VerdictKind.RANK_DIED, 1)),
+    ("rank 0's report first, rank 1 not seen gone yet: wait (no timer decides)",
+     facts(**{**FAILED_BY_LOST_PEER, "final_since": NOW - 25.0}), None),
+    ("rank 0's report first, then rank 1 seen gone unseen (reaped by the launcher)",
+     facts(**FAILED_BY_LOST_PEER, exits=(gone(1, None, NOW - 0.1),)), (VerdictKind.RANK_DIED, 1)),
+    ("rank 0's report, then both gone in one look: rank 1 unseen, rank 0 exit 1 with a lost peer",
+     facts(**FAILED_BY_LOST_PEER, alive=False, lost_peer=frozenset({0}), raised=frozenset({0}),
+           exits=(gone(0, EXIT_1), gone(1, None))), (VerdictKind.RANK_DIED, 1)),
+    ("... rank 0's exit listed first",
+     facts(**FAILED_BY_LOST_PEER, alive=False, lost_peer=frozenset({0}), raised=frozenset({0}),
+           exits=(gone(1, None), gone(0, EXIT_1))), (VerdictKind.RANK_DIED, 1)),
+    ("both gone in one look, rank 0's error unrecognised, the launcher reported a SIGKILL",
+     facts(**{**FAILED_BY_LOST_PEER, "error": "RuntimeError: gloo said something new"}, alive=False,
+           raised=frozenset({0}), launcher_status=KILLED, exits=(gone(0, EXIT_1), gone(1, None))),
+     (VerdictKind.RANK_DIED, 1)),
+    ("a SIGKILL read from rank 1's zombie outranks rank 0's exit code seen in the same look",
+     facts(**FAILED_BY_LOST_PEER, exits=(gone(0, EXIT_1), gone(1, KILLED))), (VerdictKind.RANK_DIED, 1)),
+    ("rank 0 killed (no final state): both gone in one look, rank 0 unseen, rank 1 lost its peer",
+     facts(alive=False, lost_peer=frozenset({1}), raised=frozenset({1}), launcher_code=247,
+           exits=(gone(1, EXIT_1), gone(0, None))), (VerdictKind.EXITED, 0)),
+    ("rank 0 killed, the launcher's report gives the signal",
+     facts(alive=False, lost_peer=frozenset({1}), raised=frozenset({1}), launcher_status=KILLED,
+           exits=(gone(1, EXIT_1), gone(0, None))), (VerdictKind.EXITED, 0)),
+    ("rank 0 killed and seen first, rank 1's exit a look later",
+     facts(alive=False, exits=(gone(0, KILLED, NOW - 2.0), gone(1, EXIT_1, NOW - 1.0))), (VerdictKind.EXITED, 0)),
+    ("rank 0 killed while running: seen at once, before rank 1 fails",
+     facts(exits=(gone(0, KILLED),)), (VerdictKind.RANK_DIED, 0)),
+    ("a real error of rank 0, rank 1 then SIGTERMed by the launcher: rank 0's report",
+     facts(state=RunState.FAILED, error="ValueError: bad batch", error_rank=0, alive=False,
+           raised=frozenset({0}), exits=(gone(0, EXIT_1), gone(1, TERMED))), (VerdictKind.ERROR, 0)),
+    ("a real error of rank 0, rank 1 gone unseen in the same look: rank 0's report",
+     facts(state=RunState.FAILED, error="ValueError: bad batch", error_rank=0, alive=False,
+           raised=frozenset({0}), exits=(gone(0, None), gone(1, None))), (VerdictKind.ERROR, 0)),
+    ("torchrun names the killed rank's pid",
+     facts(alive=False, launcher_status=KILLED, launcher_pid=100,
+           exits=(gone(1, None), gone(0, None))), (VerdictKind.EXITED, 0)),
+]
+
+
+@pytest.mark.parametrize("name,observed,expected", ORDERS, ids=[c[0] for c in ORDERS])
+def test_the_rank_that_died_is_named_whatever_the_order(name, observed, expected):
+    verdict = judge(observed)
+    assert (None if verdict is None else (verdict.kind, verdict.rank)) == expected, verdict
+    if expected is not None and expected[0] != VerdictKind.ERROR and (
+            observed.launcher_status or any(e.status == KILLED for e in observed.exits)):
+        assert "SIGKILL" in verdict.reason, verdict
+
+
+def test_a_report_after_the_end_judges_as_the_watcher_did():
+    """A listing or the terminal's report after the group is gone: the dead rank, not rank 0's
+    lost-peer report (post_mortem ignores that this process never saw the run alive)."""
+    over = facts(**FAILED_BY_LOST_PEER, alive=False, seen_alive=False, exits=(gone(1, None),))
+    assert judge(over) is None
+    verdict = post_mortem(over)
+    assert (verdict.kind, verdict.rank) == (VerdictKind.RANK_DIED, 1)
+    assert verdict.message([]).endswith("the run then reported: " + LOST)
+
+
 # who went first: (exits, launcher-logged clean pids) -> the culprit's rank or None
 CULPRITS = [
     ((gone(0, TERMED, 10.0), gone(1, KILLED, 10.01)), frozenset(), 1),   # one wake: not-SIGTERM wins
     ((gone(0, TERMED, 9.0), gone(1, KILLED, 10.0)), frozenset(), 0),     # clearly first: first wins
     ((gone(0, KILLED, 10.0), gone(1, KILLED, 10.01)), frozenset(), None),  # cannot tell
     ((gone(0, None, 10.0), gone(1, KILLED, 10.01)), frozenset(), 1),     # the one whose end was seen
+    ((gone(0, None, 10.0), gone(1, EXIT_1, 10.0)), frozenset(), 1),      # an exit code over a silent vanish
     ((gone(0, None, 10.0),), frozenset({100}), None),                    # logged clean by the launcher
     ((gone(0, EXIT_0, 10.0), gone(1, EXIT_0, 10.0)), frozenset(), None),  # both ended well
     ((), frozenset(), None),
@@ -133,7 +202,7 @@ CULPRITS = [
 
 @pytest.mark.parametrize("exits,clean,rank", CULPRITS)
 def test_culprit(exits, clean, rank):
-    found = culprit(exits, clean)
+    found = culprit(facts(exits=exits, clean_pids=clean))
     assert (found.rank if found else None) == rank
 
 
@@ -152,3 +221,25 @@ def test_the_message_takes_the_exception_from_the_log_it_points_at():
     assert nobody.message(["KeyError: 'x'"]) == ("exited without a final state (launcher ended with "
                                                  "exit code 2); last error: KeyError: 'x'")
     assert last_exception(["[/__w/x.cc:1] Error: no", "ok"]) is None
+
+
+def test_the_launcher_s_report_is_read_from_the_latest_launch_only(tmp_path):
+    """DeepSpeed's launch.py and torchrun, as they word the first rank they saw fail."""
+    from contract.run_folder import RunFolder
+    from supervisor.records import launcher_reported_failure
+    folder = RunFolder(tmp_path)
+    folder.logs.mkdir(parents=True)
+    runner = "[2026-12-04 20:40:01,100] [INFO] [runner.py:630:main] cmd = /py -u -m deepspeed.launcher.launch ...\n"
+    ds = ("[2026-12-04 20:40:30,754] [ERROR] [launch.py:259:sigkill_handler] ['/py', '-u', '-m', "
+          "'engine.worker', '--local_rank=1', '--run-dir', '/runs/r'] exits with return code = {}\n")
+    log = folder.logs / "launcher.log"
+    log.write_text(runner + ds.format(-9) + runner)
+    assert launcher_reported_failure(folder) == (None, None)  # the resumed launch has not failed
+    log.write_text(runner + ds.format(-9))
+    assert launcher_reported_failure(folder) == (KILLED, None)
+    log.write_text(runner + ds.format(1))
+    assert launcher_reported_failure(folder) == (EXIT_1, None)
+    log.write_text("node-b: " + ds.format(-9))  # another machine's: supervisor.remote reads those
+    assert launcher_reported_failure(folder) == (None, None)
+    log.write_text("  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 4242)\n")
+    assert launcher_reported_failure(folder) == (KILLED, 4242)
