@@ -119,11 +119,13 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
     from contract.layout_checks import layout_problems  # torch-free: model config.json, hostfile
     problems += layout_problems(c)
     problems += guard_problems(c)
+    from contract.preference_checks import preference_problems  # the objectives' refusals
+    problems += preference_problems(c)
     return problems
 
 
 SOURCE_KEYS = ("path", "format", "weight", "name")
-SOURCE_FORMATS = ("auto", "text", "input_output", "chat", "tokenized")
+SOURCE_FORMATS = ("auto", "text", "input_output", "chat", "tokenized", "preference", "unpaired")
 
 
 def source_problems(d: DataConfig) -> list[tuple[str, str]]:

@@ -48,9 +48,10 @@ class DataConfig:
                     label="Training data")
     eval: str = _f("", "Evaluation data in the same formats. Empty with the default task: its "
                    "held-out split; empty otherwise: no evaluation data.", label="Evaluation data")
-    format: Literal["auto", "text", "input_output", "chat", "tokenized"] = _f(
+    format: Literal["auto", "text", "input_output", "chat", "tokenized", "preference", "unpaired"] = _f(
         "auto", "Row format: {text}, {input, output} (loss on output only), {messages} (chat "
-        "template, loss on assistant turns), {input_ids, labels}; auto detects it from the keys.")
+        "template, loss on assistant turns), {input_ids, labels}, {prompt, chosen, rejected} "
+        "(preference pairs), {prompt, completion, label} (KTO); auto detects it from the keys.")
     max_length: int = _f(512, "Longest sample in tokens.", minimum=8)
     overlong: Literal["truncate", "drop", "error"] = _f(
         "truncate", "What to do with a sample longer than max_length (always counted and reported).")
@@ -86,6 +87,37 @@ class MethodConfig:
     lora_target_modules: list[str] = _f([], "Module names LoRA wraps. Empty: inferred from the model.")
     num_virtual_tokens: int = _f(8, "Virtual tokens for prompt tuning / P-tuning.", minimum=1)
     adapter_name: str = _f("default", "Name of the trained adapter.")
+
+
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto")
+REFERENCE_OBJECTIVES = ("dpo", "kto")  # compare the policy with a frozen reference model
+OBJECTIVE_FORMATS = {"dpo": "preference", "orpo": "preference", "simpo": "preference", "kto": "unpaired"}
+
+
+@dataclass
+class PreferenceConfig:
+    """The training objective (docs/preferences.md): imitation (sft) or learning from preferences.
+    The defaults are TRL's."""
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = _f(
+        "sft", "sft: imitate the answers (the data's labels). dpo: prefer chosen over rejected "
+        "against a frozen reference (rows {prompt, chosen, rejected}); orpo: odds-ratio preference "
+        "plus the chosen answers' likelihood, no reference; simpo: length-normalised preference "
+        "with a target margin, no reference; kto: desirable / undesirable answers against the "
+        "reference (rows {prompt, completion, label}).", label="Objective")
+    beta: float = _f(0.1, "DPO, SimPO, KTO: beta, the scale of the implicit reward (DPO, KTO: how "
+                     "far from the reference; IPO: the regularisation tau).", minimum=0.0, label="Beta")
+    dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust"] = _f(
+        "sigmoid", "DPO's loss: sigmoid (the DPO paper), ipo (squared, per-token averaged), hinge "
+        "(SLiC), robust (label noise of label_smoothing).", label="DPO loss")
+    label_smoothing: float = _f(0.0, "DPO robust loss: the probability that a pair's preference is "
+                                "flipped, in [0, 0.5).", minimum=0.0, maximum=0.49, label="Label smoothing")
+    orpo_lambda: float = _f(0.1, "ORPO: weight of the odds-ratio term next to the chosen answers' "
+                            "negative log-likelihood (TRL's ORPOConfig.beta).", minimum=0.0, label="ORPO lambda")
+    simpo_gamma: float = _f(0.5, "SimPO: the target reward margin gamma.", label="SimPO gamma")
+    kto_desirable_weight: float = _f(1.0, "KTO: weight of the desirable answers' losses.", minimum=0.0,
+                                     label="KTO desirable weight")
+    kto_undesirable_weight: float = _f(1.0, "KTO: weight of the undesirable answers' losses.", minimum=0.0,
+                                       label="KTO undesirable weight")
 
 
 @dataclass
@@ -259,6 +291,7 @@ class RunConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     teach: TeachConfig = field(default_factory=TeachConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     resume: str = _f("", "Continue from a training checkpoint folder, `latest` in the run folder (the "
                      "present branch's newest), or a branch's name (its newest checkpoint).",
                      label="Resume from checkpoint")
@@ -300,6 +333,7 @@ SHORTCUTS = {
     "precision": "train.precision",
     "model": "model.path",
     "batch_size": "train.micro_batch_size",
+    "objective": "preference.objective",
 }
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contract.data_rows import (CHECKS, MAX_EXAMPLES, DataError, RowIssue, UnreadableRow,
+from contract.data_rows import (CHECKS, MAX_EXAMPLES, DataError, PreferenceRow, RowIssue, UnreadableRow,
                                 detect_rows_format, read_rows)
 
 SAMPLE_ROWS = 256              # rows tokenized to measure the characters per token
@@ -34,6 +34,7 @@ class DataScan:
     dropped: list[tuple[int, str]] = field(default_factory=list)  # (row, why), every one
     chars: dict[int, int] = field(default_factory=dict)           # row -> characters (or tokens)
     exact_tokens: bool = False                                    # chars holds token counts (tokenized rows)
+    prompt_chars: dict[int, int] = field(default_factory=dict)    # row -> its prompt's characters (preference rows)
 
 
 _CACHE: dict[tuple, DataScan] = {}  # (path, size, mtime, format) -> scan: forms re-check often
@@ -61,6 +62,8 @@ def scan_file(path: str, fmt: str) -> DataScan:
             scan.dropped.append((number, issue.detail))
             continue
         scan.chars[number] = _size(detected, payload)
+        if isinstance(payload, PreferenceRow):
+            scan.prompt_chars[number] = _chars(payload.prompt)
     if stat is not None:
         _CACHE[key] = scan
     return scan
@@ -73,9 +76,28 @@ def _size(fmt: str, payload: Any) -> int:
     if fmt == "input_output":
         return len(payload[0]) + len(payload[1])
     if fmt == "chat":
-        # the role's characters stand in for the template's markers around each message
-        return sum(len(m["content"]) + len(m["role"]) for m in payload)
+        return _chars(payload)
+    if isinstance(payload, PreferenceRow):  # a pair is as long as its prompt and longer answer
+        return _chars(payload.prompt) + max(_chars(a) for a in payload.answers)
     return len(payload[0])
+
+
+def _chars(value: str | list[dict]) -> int:
+    """Characters of a text, or of messages (the role's characters stand in for the template's
+    markers around each message)."""
+    if isinstance(value, str):
+        return len(value)
+    return sum(len(m["content"]) + len(m["role"]) for m in value)
+
+
+def _text(payload: Any) -> str:
+    if isinstance(payload, str):
+        return payload
+    if isinstance(payload, PreferenceRow):
+        return "\n".join(_text(part) for part in (payload.prompt, *payload.answers))
+    if isinstance(payload, tuple):
+        return payload[0] + payload[1]
+    return "\n".join(m["content"] for m in payload)
 
 
 def chars_per_token(tokenizer_folder: str | None, scan: DataScan) -> tuple[float, str]:
@@ -113,13 +135,7 @@ def _sample_texts(scan: DataScan) -> list[str]:
     step = max(1, len(usable) // SAMPLE_ROWS)
     texts = []
     for row in usable[::step][:SAMPLE_ROWS]:
-        payload = CHECKS[scan.format](row)
-        if scan.format == "text":
-            texts.append(payload)
-        elif scan.format == "input_output":
-            texts.append(payload[0] + payload[1])
-        else:
-            texts.append("\n".join(m["content"] for m in payload))
+        texts.append(_text(CHECKS[scan.format](row)))
     _SAMPLE_TEXT[scan.path] = texts
     return texts
 
@@ -135,6 +151,13 @@ def overlong_rows(scan: DataScan, max_length: int, ratio: float) -> list[int]:
         if tokens > max_length:
             out.append(number)
     return out
+
+
+def prompt_filling_rows(scan: DataScan, max_length: int, ratio: float) -> list[int]:
+    """Preference rows whose prompt alone (estimated) fills max_length: no answer token would be
+    left after truncation, so the engine drops them (as TRL does)."""
+    return [number for number, size in scan.prompt_chars.items()
+            if math.ceil(size / ratio) + SPECIAL_TOKENS - 1 >= max_length]
 
 
 def named_rows(rows: list[int]) -> str:

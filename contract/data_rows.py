@@ -9,7 +9,13 @@ text           {"text"}                                    every token
 input_output   {"input", "output"}                         the output tokens (+ eos)
 chat           {"messages": [{"role", "content"}, ...]}    assistant turns (chat template)
 tokenized      {"input_ids", "labels"?}                    labels (default: input_ids)
+preference     {"prompt", "chosen", "rejected"}            chosen and rejected answers (pairs)
+unpaired       {"prompt", "completion", "label"}           the completion, desirable or not (KTO)
 =============  ==========================================  ===================================
+
+The two preference formats feed the preference objectives (engine.objectives, docs/preferences.md).
+Their text form holds strings; their chat form holds a list of messages as `prompt` and lists of
+assistant messages as `chosen` / `rejected` / `completion` (TRL's conversational form).
 
 JSON and JSON lines are parsed here with :mod:`json`, line by line, so a broken line is reported
 with its line number and every value keeps its exact type (Arrow would unify a column's types or
@@ -29,11 +35,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 IGNORE = -100
-FORMATS = ("text", "input_output", "chat", "tokenized")
+FORMATS = ("text", "input_output", "chat", "tokenized", "preference", "unpaired")
+PREFERENCE_FORMATS = ("preference", "unpaired")  # rows of pairs / judged answers, not of text
 # Detection order: a row with {"messages"} is chat even if it also has a "text" field, etc.
 FORMAT_KEYS: dict[str, tuple[str, ...]] = {
     "chat": ("messages",), "tokenized": ("input_ids",), "input_output": ("input", "output"),
-    "text": ("text",)}
+    "text": ("text",), "preference": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label")}
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
 SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 MAX_EXAMPLES = 20  # rows named verbatim per message or report; the counts cover every row
@@ -163,9 +171,68 @@ def check_tokenized(row: Any) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
+@dataclass(frozen=True)
+class PreferenceRow:
+    """A checked preference row: text (strings) or chat (`prompt` a list of messages, each
+    answer a list of assistant messages). `answers` holds (chosen, rejected) for a pair, the one
+    completion for an unpaired row; `label` is None for a pair, else whether it is desirable."""
+    prompt: str | list[dict]
+    answers: tuple
+    label: bool | None = None
+
+    @property
+    def chat(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+
+def _messages(value: Any, name: str, assistant_only: bool) -> list[dict]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise RowIssue("wrong type" if not isinstance(value, (list, tuple)) else "empty",
+                       f"{name!r} must be a non-empty list of {{role, content}} objects")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise RowIssue("wrong type", f"'{name}[{i}]' must be an object, not {type(message).__name__}")
+        role = _string(_field(message, "role"), f"{name}[{i}].role")
+        _string(_field(message, "content"), f"{name}[{i}].content", allow_empty=not assistant_only)
+        if assistant_only and role != "assistant":
+            raise RowIssue("wrong role", f"'{name}[{i}].role' must be 'assistant' (an answer), not {role!r}")
+    return list(value)
+
+
+def _prompt_and_answers(row: Any, keys: tuple[str, ...]) -> tuple[Any, tuple]:
+    """The prompt and the answers of `keys`, all text or all chat (never a mix)."""
+    prompt = _field(row, "prompt")
+    values = [_field(row, key) for key in keys]
+    if isinstance(prompt, str):
+        for key, value in zip(keys, values):
+            if not isinstance(value, str):
+                raise RowIssue("mixed forms", f"'prompt' is text but {key!r} is {type(value).__name__}; "
+                               "give every field as text, or prompt as messages and answers as "
+                               "lists of assistant messages")
+        return prompt, tuple(_string(v, k) for k, v in zip(keys, values))
+    return (_messages(prompt, "prompt", assistant_only=False),
+            tuple(_messages(v, k, assistant_only=True) for k, v in zip(keys, values)))
+
+
+def check_preference(row: Any) -> PreferenceRow:
+    prompt, (chosen, rejected) = _prompt_and_answers(row, ("chosen", "rejected"))
+    if chosen == rejected:
+        raise RowIssue("same answers", "'chosen' and 'rejected' are the same answer (nothing to prefer)")
+    return PreferenceRow(prompt, (chosen, rejected))
+
+
+def check_unpaired(row: Any) -> PreferenceRow:
+    prompt, answers = _prompt_and_answers(row, ("completion",))
+    label = _field(row, "label")
+    if not isinstance(label, bool):
+        raise RowIssue("wrong type", f"'label' must be true (a desirable completion) or false, "
+                       f"not {label!r}")
+    return PreferenceRow(prompt, answers, label)
+
+
 CHECKS: dict[str, Callable[[Any], Any]] = {
     "text": check_text, "input_output": check_input_output, "chat": check_chat,
-    "tokenized": check_tokenized}
+    "tokenized": check_tokenized, "preference": check_preference, "unpaired": check_unpaired}
 
 
 # -- reading files ------------------------------------------------------------------------------

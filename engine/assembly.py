@@ -34,7 +34,11 @@ from engine.early_stopping import EarlyStopping
 from engine.guard_hook import GuardCallback
 from engine.methods import method_of
 from engine.model import count_parameters
+from engine.objectives import check_data, objective_of
 from engine.parallel.layouts import layout_class
+from engine.rng import preserved_rng
+from engine.preference_step import (AdapterOffReference, copy_before_engine, disable_dropout, place_copy,
+                                    step_for, zero3_reference)
 from engine.steps import StepStrategy
 
 
@@ -67,6 +71,7 @@ def assemble(cfg: RunConfig, *, model=None, tokenizer=None, loss_fn: Callable | 
              evaluators=None, run_dir: str | None = None) -> Assembled:
     """Build a run's parts from its config; given parts (a user's model, tokenizer, datasets,
     optimizer ...) are used as they are. Every rank calls it (it joins the process group)."""
+    model_given = model is not None
     kind = layout_class(cfg.parallel)
     env = setup.init_distributed(lambda rank, world: kind.groups(cfg.parallel, rank, world))
     layout, method = kind(env), method_of(cfg)
@@ -76,6 +81,7 @@ def assemble(cfg: RunConfig, *, model=None, tokenizer=None, loss_fn: Callable | 
         setup.check_model_config(cfg)  # before the tokenizer: an unknown architecture is named
     tokenizer = tokenizer or setup.tokenizer_of(cfg)
     train, evaluation, eval_rows, reports = setup.datasets_of(cfg, tokenizer, train_dataset, eval_dataset)
+    check_data(cfg, reports)  # the objective and the rows' format agree (formats are known once read)
     data = Data(train, evaluation, eval_rows, reports, train_collate_fn, eval_collate_fn)
     state = TrainerState()
     ctx = RunContext(config=cfg, env=env, layout=layout, method=method, precision=precision,
@@ -83,6 +89,14 @@ def assemble(cfg: RunConfig, *, model=None, tokenizer=None, loss_fn: Callable | 
     state.total_steps = total_steps(cfg, micro_batches_per_epoch(ctx, data))
     ds_setup = setup.ds_setup_of(cfg, env, model, state.total_steps, precision)
     model = setup.model_of(cfg, ds_setup, precision, model)
+    objective = objective_of(cfg, env.dp_group, env.dp_size)
+    ref_copy = None
+    if objective is not None:
+        if loss_fn is not None:
+            raise ValueError(f"preference.objective: {objective.name} computes its own loss; pass no loss_fn")
+        disable_dropout(model)
+        if objective.needs_reference and not method.has_adapter:
+            ref_copy = copy_before_engine(model, cfg.parallel.zero_stage)
     model = method.prepare_model(model, cfg)
     whole = layout.whole_model_parameters(model)
     model = layout.prepare_model(model, cfg, loss_fn)
@@ -92,9 +106,35 @@ def assemble(cfg: RunConfig, *, model=None, tokenizer=None, loss_fn: Callable | 
     ctx.engine, ctx.optimizer, ctx.lr_scheduler = setup.engine_of(
         cfg, env, ds_setup, model, layout=layout, method=method, optimizer=optimizer,
         lr_scheduler=lr_scheduler, total_steps=state.total_steps)
-    return Assembled(ctx=ctx, data=data, ds_setup=ds_setup, step=method.step(layout),
+    reference = _reference(cfg, objective, ctx, ds_setup, precision, ref_copy, given_model=model_given)
+    return Assembled(ctx=ctx, data=data, ds_setup=ds_setup,
+                     step=step_for(objective, method.step(layout), reference),
                      checkpoints=CheckpointSchedule(),
                      evaluators=list(evaluators) if evaluators is not None else evaluator_layer.from_config(cfg))
+
+
+def _reference(cfg: RunConfig, objective, ctx: RunContext, ds_setup: DeepSpeedSetup, precision: str,
+               ref_copy, given_model: bool):
+    """The reference the objective compares with (engine.preference_step): the policy without
+    its adapter (PEFT), the frozen copy (full, ZeRO 0-2, tensor parallel), a partitioned copy
+    built like the policy (full, ZeRO-3); None when the objective needs none."""
+    if objective is None or not objective.needs_reference:
+        return None
+    if ctx.method.has_adapter:
+        return AdapterOffReference(ctx)
+    if ref_copy is not None:
+        return place_copy(ref_copy, ctx.engine)
+    if given_model:
+        raise ValueError(f"preference.objective: {objective.name} under ZeRO-3 builds its frozen reference "
+                         "from the config (model.path), but a model object was given; give none, or use "
+                         "a PEFT method (the reference is then the model without its adapter)")
+
+    def build():
+        with preserved_rng():  # building re-seeds: the training's random state must not move
+            model = setup.model_of(cfg, ds_setup, precision)
+        disable_dropout(model)
+        return model
+    return zero3_reference(build, ds_setup.config)
 
 
 def train_loader(ctx: RunContext, data: Data, epoch: int, start_batch: int = 0):

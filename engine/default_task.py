@@ -278,3 +278,52 @@ def exact_match(model, tokenizer, rows: list[dict], batch_size: int = 32,
     finally:
         model.train(was_training)
     return correct / len(rows)
+
+
+# -- the preference variant ---------------------------------------------------------------------
+
+# A plausible wrong answer for each instruction: what a model that half-learnt the task says.
+WRONG: dict[str, Callable[[str], str]] = {
+    "reverse": lambda w: w,                      # echoes the word
+    "sort": lambda w: w[::-1],                   # reverses instead of sorting
+    "upper": lambda w: w[:1].upper() + w[1:],    # capitalises the first letter only
+}
+
+
+def wrong_answer(operation: str, word: str) -> str:
+    """A plausible wrong answer to `operation` on `word`, never the right one."""
+    right, wrong = OPERATIONS[operation](word), WRONG[operation](word)
+    return wrong if wrong != right else right[1:] + right[:1] if len(set(right)) > 1 else right + right[-1]
+
+
+def preference_row(row: dict) -> dict:
+    """{"prompt", "chosen", "rejected"} of a default-task row: the right answer over a wrong one."""
+    operation, word = row["input"].rstrip(SEPARATOR).split(": ", 1)
+    return {"prompt": row["input"], "chosen": row["output"], "rejected": wrong_answer(operation, word)}
+
+
+def unpaired_rows(row: dict) -> list[dict]:
+    """Two KTO rows of a default-task row: the right answer (desirable) and a wrong one."""
+    pair = preference_row(row)
+    return [{"prompt": pair["prompt"], "completion": pair["chosen"], "label": True},
+            {"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}]
+
+
+def sources_for(assets: DefaultAssets, objective: str) -> tuple[Path, Path]:
+    """(train, held-out) files of the default task for `objective` (preference.objective): the
+    instruction rows for sft, their pairs for dpo / orpo / simpo, unpaired rows for kto. The
+    derived files are written next to the assets once (atomically, the same bytes everywhere)."""
+    if objective == "sft":
+        return assets.train_path, assets.eval_path
+    kind = "unpaired" if objective == "kto" else "preference"
+    derive: Callable[[dict], list[dict]] = unpaired_rows if kind == "unpaired" else (lambda r: [preference_row(r)])
+    out = []
+    for source in (assets.train_path, assets.eval_path):
+        target = source.with_name(f"{source.stem}.{kind}.jsonl")
+        if not target.exists():
+            rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line]
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            _write_jsonl(tmp, [d for r in rows for d in derive(r)])
+            os.replace(tmp, target)
+        out.append(target)
+    return out[0], out[1]

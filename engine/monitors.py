@@ -80,8 +80,16 @@ class SourcesMonitor(Monitor):
         return {"samples_per_source": mixture.take_counts()} if mixture is not None else {}
 
 
+class StepMetricsMonitor(Monitor):
+    """The step strategy's own numbers for the step, where it keeps some in `metrics` (a
+    preference objective's rewards and log-probabilities: engine.preference_step)."""
+
+    def measure(self, trainer, info):
+        return dict(getattr(trainer.train_fn, "metrics", None) or {})
+
+
 DEFAULT_MONITORS = (LossMonitor, LRMonitor, StepTimeMonitor, TokensPerSecondMonitor, MemoryMonitor,
-                    SourcesMonitor)
+                    SourcesMonitor, StepMetricsMonitor)
 
 
 class TensorBoardSink:

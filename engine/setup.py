@@ -137,8 +137,9 @@ def datasets_of(cfg: RunConfig, tokenizer, train_dataset, eval_dataset):
     reports = {}
     train_src, eval_src = cfg.data.train, cfg.data.eval
     if cfg.uses_default_task:
-        assets = _default_assets()
-        train_src, eval_src = str(assets.train_path), eval_src or str(assets.eval_path)
+        from engine.default_task import sources_for  # the objective's variant of the default task
+        train_path, eval_path = sources_for(_default_assets(), cfg.preference.objective)
+        train_src, eval_src = str(train_path), eval_src or str(eval_path)
     if train_dataset is None:
         train_dataset = training_sources(cfg, tokenizer, train_src, reports)
     if eval_dataset is None and eval_src:

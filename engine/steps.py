@@ -12,6 +12,9 @@ The run's method object picks the strategy (engine.methods): the fused LOMO / Ad
 (engine.lomo.FusedStep), or else the layout's, which is this engine step or the pipeline
 schedule (engine.parallel.pipeline.PipelineStep). A user's `train_fn` has the same signature
 and may call `step_window` and `trainer.compute_loss(batch, window=...)` to weigh as we do.
+
+A strategy may keep numbers of its last step in a `metrics` dict (the preference step's rewards,
+engine.preference_step); `engine.monitors.StepMetricsMonitor` puts them in the step's record.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from engine.data.formats import IGNORE
+from engine.data.preference import collate_pairs, collate_unpaired
 from engine.data.report import DataError
 
 
@@ -27,7 +28,8 @@ class PaddingCollator:
     """Samples -> {"input_ids", "attention_mask", "labels"} tensors, padded to the longest.
 
     Right padding for training (labels -100 on padding); left padding for generation, where the
-    samples may carry no labels. Packed rows (samples with "position_ids") get no attention
+    samples may carry no labels. Preference samples become pair or unpaired batches
+    (engine.data.preference: chosen rows then rejected rows; KTO's KL rows). Packed rows (samples with "position_ids") get no attention
     mask, so that transformers derives the per-sample mask from the positions; their padding is
     a tail of pad ids at position 0 with label -100, each pad token a one-token sequence of its own.
     """
@@ -43,6 +45,11 @@ class PaddingCollator:
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         if not samples:
             raise ValueError("cannot collate an empty batch")
+        # preference samples (engine.data.preference) make batches of their own shape
+        if "chosen_ids" in samples[0]:
+            return collate_pairs(samples, self.pad_id)
+        if "completion_ids" in samples[0]:
+            return collate_unpaired(samples, self.pad_id)
         ids = [_as_list(s["input_ids"]) for s in samples]
         width = max(len(x) for x in ids)
         packed = "position_ids" in samples[0]

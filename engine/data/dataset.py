@@ -7,7 +7,8 @@ from typing import Any, Iterable
 
 from torch.utils.data import Dataset
 
-from contract.data_rows import detect_rows_format
+from contract.data_rows import PREFERENCE_FORMATS, detect_rows_format
+from engine.data import preference
 from engine.data.formats import CHECKS, ENCODERS, FORMATS, IGNORE, RowIssue
 from engine.data.loading import NumberedRows, UnreadableRow, read_rows
 from engine.data.report import MAX_EXAMPLES, DataError, DataReport
@@ -47,13 +48,17 @@ def build_dataset(source: str | Path | Iterable[dict], tokenizer, format: str = 
         raise DataError(f"data: {name} has no rows")
     report = DataReport(name, max_length=max_length, rows_read=len(rows))
     report.format = format if format != "auto" else detect_rows_format(name, rows)
+    paired = report.format in PREFERENCE_FORMATS  # samples of pairs / judged answers (engine.data.preference)
     samples, kept_rows, overlong_rows = [], [], []
     for start in range(0, len(rows), CHUNK):
         for number, result in _encode_chunk(rows[start:start + CHUNK], report.format, tokenizer):
             if isinstance(result, RowIssue):
                 report.drop(number, result.reason, result.detail)
                 continue
-            sample = _limit(number, *result, max_length, overlong, report, overlong_rows)
+            if paired:
+                sample = preference.limit(number, result, max_length, overlong, report, overlong_rows)
+            else:
+                sample = _limit(number, *result, max_length, overlong, report, overlong_rows)
             if sample is not None:
                 samples.append(sample)
                 kept_rows.append(number)
@@ -65,6 +70,8 @@ def build_dataset(source: str | Path | Iterable[dict], tokenizer, format: str = 
     report.rows_kept = len(samples)
     if not samples:
         raise DataError(f"data: no usable row in {name} (format {report.format}).\n{report.summary()}")
+    if paired:
+        return preference.PreferenceDataset(samples, kept_rows), report  # type: ignore[return-value]
     return TokenizedDataset(samples, kept_rows), report
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from contract.data_rows import (CHECKS, FORMAT_KEYS, FORMATS, IGNORE, RowIssue, check_chat,  # noqa: F401
                                 check_input_output, check_text, check_tokenized, detect_format)
 from engine.data.chat import ChatIssue, encode_chat
+from engine.data.preference import encode_preference
 
 Encoded = tuple[list[int], list[int]]  # (input_ids, labels)
 
@@ -83,6 +84,7 @@ def encode_tokenized(tokenizer, rows: list[tuple[list[int], list[int]]]) -> list
     return out
 
 
-ENCODERS: dict[str, Callable[[Any, list], list[Encoded | RowIssue]]] = {
+# the preference formats encode to sample dicts of their own (engine.data.preference)
+ENCODERS: dict[str, Callable[[Any, list], list[Any]]] = {
     "text": encode_text, "input_output": encode_input_output, "chat": encode_chats,
-    "tokenized": encode_tokenized}
+    "tokenized": encode_tokenized, "preference": encode_preference, "unpaired": encode_preference}

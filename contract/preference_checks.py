@@ -1,0 +1,52 @@
+"""What the preference objectives cannot do, refused before launch (each problem names its field
+and why). The objectives themselves are engine.objectives; docs/preferences.md has the table."""
+
+from __future__ import annotations
+
+from contract.config_schema import FUSED_METHODS, OBJECTIVE_FORMATS, RunConfig
+
+
+def preference_problems(c: RunConfig) -> list[tuple[str, str]]:
+    """The combinations of `preference.objective` with a layout, method, batching or data format
+    that cannot work, and parameters out of their objective's range."""
+    pref = c.preference
+    if pref.objective == "sft":
+        return _unused_parameters(c)
+    problems: list[tuple[str, str]] = []
+    name = pref.objective
+    if c.parallel.pp_size > 1:
+        problems.append(("preference.objective", f"{name} compares the log-probabilities of whole answers "
+                         "(chosen with rejected, or with the reference), but the pipeline schedule computes "
+                         "a per-token loss in its last stage; use pp_size 1 (ZeRO or tensor parallel)"))
+    if c.method.name in FUSED_METHODS:
+        problems.append(("preference.objective", f"{c.method.name} updates each weight inside its backward "
+                         f"with the SFT loss of its fused step; {name} needs the engine step (full or a "
+                         "PEFT method)"))
+    if c.data.batching == "packing":
+        problems.append(("data.batching", f"{name} pads each pair (or answer) to its own row; packing "
+                         "would put several in one row. Use group_by_length or random"))
+    if name == "kto" and c.train.micro_batch_size < 2:
+        problems.append(("train.micro_batch_size", "kto estimates its reference point from each prompt "
+                         "paired with another row's completion in the micro-batch: it needs at least 2"))
+    if name in ("dpo", "simpo", "kto") and pref.beta <= 0:
+        problems.append(("preference.beta", f"{name} divides by beta (or scales its reward by it): "
+                         "it must be above 0"))
+    if pref.label_smoothing > 0 and not (name == "dpo" and pref.dpo_loss == "robust"):
+        problems.append(("preference.label_smoothing", "applies to the robust DPO loss only "
+                         "(objective dpo, dpo_loss robust); set it to 0"))
+    wanted = OBJECTIVE_FORMATS[name]
+    formats = [("data.format", c.data.format)] + [(f"data.sources[{i}].format", s.get("format", "auto"))
+                                                   for i, s in enumerate(c.data.sources)]
+    for key, fmt in formats:
+        if fmt not in ("auto", wanted):
+            problems.append((key, f"{name} trains on {wanted} rows "
+                             f"({'{prompt, chosen, rejected}' if wanted == 'preference' else '{prompt, completion, label}'})"
+                             f", not {fmt}"))
+    return problems
+
+
+def _unused_parameters(c: RunConfig) -> list[tuple[str, str]]:
+    if c.data.format in OBJECTIVE_FORMATS.values():
+        return [("data.format", f"{c.data.format} rows train a preference objective: set "
+                 "preference.objective (dpo, orpo, simpo for pairs; kto for unpaired rows)")]
+    return []

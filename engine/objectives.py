@@ -1,0 +1,233 @@
+"""The preference objectives: DPO (and its IPO, hinge and robust losses), ORPO, SimPO and KTO.
+
+One object per run, chosen once at assembly from `preference.objective` (`objective_of`); "sft"
+has none and the run keeps its step strategy. An objective turns the log-probabilities of a
+micro-batch's answers (the policy's, and the reference's where it needs one) into the loss of the
+micro-batch and its metrics. The step strategy that runs them is `engine.preference_step`.
+
+Conventions (TRL's defaults, which the parity tests hold us to; docs/preferences.md):
+
+* an answer's log-probability is the sum over its tokens (the answer only, eos included);
+  SimPO, ORPO and IPO use the per-token mean instead;
+* a micro-batch's loss is the mean over its pairs (KTO: over its rows); accumulation and the
+  data-parallel ranks average those means (TRL / the HF Trainer do the same);
+* rewards: DPO and KTO beta * (policy - reference) log-probability; SimPO beta * the mean
+  log-probability; ORPO lambda * the mean log-probability;
+* metrics are TRL's names: rewards/chosen, rewards/rejected, rewards/accuracies,
+  rewards/margins, logps/chosen, logps/rejected (KTO: no accuracies, plus kl; ORPO: plus
+  nll_loss, log_odds_ratio, log_odds_chosen). Each is a mean over every rank's rows of the
+  micro-batch, and a step's value is the mean over its micro-batches.
+
+Metrics are returned as (sum, count) pairs so that the step adds them over the data-parallel
+ranks in one all-reduce; `finish` derives the ones that need the totals (KTO's margin).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from contract.config_schema import OBJECTIVE_FORMATS, REFERENCE_OBJECTIVES, PreferenceConfig, RunConfig
+from contract.data_rows import IGNORE, DataError
+
+Sums = dict[str, tuple[torch.Tensor, torch.Tensor]]  # metric -> (sum over rows, rows counted)
+
+
+@dataclass
+class Scores:
+    """Per-row log-probabilities of a batch's answers: `sums` (N,), `tokens` (N,) answer tokens;
+    `token_logps` (N, T-1) of every next token and `attention` (N, T-1) where it is real
+    (ORPO's likelihood term is over the whole chosen sequence, prompt included)."""
+    sums: torch.Tensor
+    tokens: torch.Tensor
+    token_logps: torch.Tensor
+    attention: torch.Tensor
+
+    @property
+    def means(self) -> torch.Tensor:
+        return self.sums / self.tokens.clamp(min=1)
+
+    def halves(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen rows, rejected rows) of a pair batch."""
+        return values.chunk(2, dim=0)
+
+
+def scores_of(logits: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+              attention_mask: torch.Tensor) -> Scores:
+    """Log-probabilities of each row's next tokens under `logits` (N, T, V), in float32."""
+    logits = logits[:, -input_ids.size(1):]  # prompt tuning puts virtual positions in front
+    targets = input_ids[:, 1:]
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    answer = labels[:, 1:] != IGNORE
+    return Scores(sums=(logps * answer).sum(-1), tokens=answer.sum(-1), token_logps=logps,
+                  attention=attention_mask[:, 1:].bool())
+
+
+def _mean(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values = values.detach().float()
+    return values.sum(), torch.tensor(float(values.numel()))
+
+
+class Objective(Protocol):
+    name: str
+    needs_reference: bool   # the step computes the reference's scores (policy without adapter, or a frozen copy)
+    kl_rows: bool           # the batch has KL rows whose scores the loss needs (KTO)
+
+    def loss(self, policy: Scores, reference: Scores | None, batch: dict, extra: dict) -> tuple[torch.Tensor, Sums]: ...
+    def finish(self, values: dict[str, float]) -> dict[str, float]: ...
+
+
+def _pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps) -> Sums:
+    return {"rewards/chosen": _mean(chosen_rewards), "rewards/rejected": _mean(rejected_rewards),
+            "rewards/accuracies": _mean((chosen_rewards > rejected_rewards).float()),
+            "rewards/margins": _mean(chosen_rewards - rejected_rewards),
+            "logps/chosen": _mean(chosen_logps), "logps/rejected": _mean(rejected_logps)}
+
+
+class _Base:
+    needs_reference = False
+    kl_rows = False
+
+    def finish(self, values: dict[str, float]) -> dict[str, float]:
+        return values
+
+
+class DPO(_Base):
+    """Direct preference optimisation against the reference; `variant` sigmoid / ipo / hinge / robust."""
+    name, needs_reference = "dpo", True
+
+    def __init__(self, beta: float, variant: str = "sigmoid", label_smoothing: float = 0.0):
+        self.beta, self.variant, self.smoothing = beta, variant, label_smoothing
+
+    def loss(self, policy, reference, batch, extra):
+        assert reference is not None
+        chosen, rejected = policy.halves(policy.sums)
+        ref_chosen, ref_rejected = reference.halves(reference.sums)
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        delta = chosen_ratio - rejected_ratio
+        b = self.beta
+        if self.variant == "ipo":  # per answer token, so that beta means the same whatever the lengths
+            chosen_tokens, rejected_tokens = policy.halves(policy.tokens.clamp(min=1))
+            losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * b)) ** 2
+        elif self.variant == "hinge":
+            losses = torch.relu(1 - b * delta)
+        elif self.variant == "robust":
+            eps = self.smoothing
+            losses = (-(1 - eps) * F.logsigmoid(b * delta) + eps * F.logsigmoid(-b * delta)) / (1 - 2 * eps)
+        else:
+            losses = -F.logsigmoid(b * delta)
+        return losses.mean(), _pair_metrics(b * chosen_ratio, b * rejected_ratio, chosen, rejected)
+
+
+class SimPO(_Base):
+    """Reference-free: the mean log-probabilities' margin against a target margin gamma."""
+    name = "simpo"
+
+    def __init__(self, beta: float, gamma: float):
+        self.beta, self.gamma = beta, gamma
+
+    def loss(self, policy, reference, batch, extra):
+        chosen, rejected = policy.halves(policy.means)
+        losses = -F.logsigmoid(self.beta * (chosen - rejected) - self.gamma)
+        return losses.mean(), _pair_metrics(self.beta * chosen, self.beta * rejected, chosen, rejected)
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable on both sides of -log 2."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+class ORPO(_Base):
+    """Odds-ratio preference: the chosen sequences' negative log-likelihood (every real token,
+    prompt included, as TRL does) minus lambda times log sigmoid of the log odds ratio."""
+    name = "orpo"
+
+    def __init__(self, lam: float):
+        self.lam = lam
+
+    def loss(self, policy, reference, batch, extra):
+        chosen, rejected = policy.halves(policy.means)
+        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+        ratio = F.logsigmoid(log_odds)
+        chosen_logps, _ = policy.halves(policy.token_logps)
+        chosen_real, _ = policy.halves(policy.attention)
+        nll = -(chosen_logps * chosen_real).sum() / chosen_real.sum().clamp(min=1)
+        metrics = _pair_metrics(self.lam * chosen, self.lam * rejected, chosen, rejected)
+        metrics.update({"nll_loss": _mean(nll), "log_odds_ratio": _mean(ratio.mean()),
+                        "log_odds_chosen": _mean(log_odds.mean())})
+        return nll - self.lam * ratio.mean(), metrics
+
+
+class KTO(_Base):
+    """Kahneman-Tversky optimisation: each answer, desirable or not, against the reference point
+    kl (the batch's mismatched prompt / completion rows, policy against reference, over every
+    data-parallel rank, clamped at 0)."""
+    name, needs_reference, kl_rows = "kto", True, True
+
+    def __init__(self, beta: float, desirable_weight: float, undesirable_weight: float, dp_group=None,
+                 dp_size: int = 1):
+        self.beta, self.weights = beta, (desirable_weight, undesirable_weight)
+        self.dp_group, self.dp_size = dp_group, dp_size
+
+    def loss(self, policy, reference, batch, extra):
+        assert reference is not None
+        kl = (extra["policy_kl"].sums - extra["reference_kl"].sums).mean().detach()
+        if self.dp_size > 1:
+            dist.all_reduce(kl, group=self.dp_group)
+            kl = kl / self.dp_size
+        kl = kl.clamp(min=0)
+        desirable = batch["desirable"].bool()
+        ratio = policy.sums - reference.sums
+        b = self.beta
+        losses = torch.where(desirable, self.weights[0] * (1 - torch.sigmoid(b * (ratio - kl))),
+                             self.weights[1] * (1 - torch.sigmoid(b * (kl - ratio))))
+        rewards = (b * ratio).detach()
+        metrics: Sums = {"kl": (kl.float(), torch.tensor(1.0))}
+        for side, rows in (("chosen", desirable), ("rejected", ~desirable)):
+            n = torch.tensor(float(rows.sum()))
+            metrics[f"rewards/{side}"] = (rewards[rows].float().sum(), n)
+            metrics[f"logps/{side}"] = (policy.sums[rows].detach().float().sum(), n)
+        return losses.mean(), metrics
+
+    def finish(self, values: dict[str, float]) -> dict[str, float]:
+        if "rewards/chosen" in values and "rewards/rejected" in values:
+            values["rewards/margins"] = values["rewards/chosen"] - values["rewards/rejected"]
+        return values
+
+
+def objective_of(cfg: RunConfig, dp_group=None, dp_size: int = 1) -> Objective | None:
+    """The run's objective (None for sft: the run's own step strategy trains)."""
+    p: PreferenceConfig = cfg.preference
+    if p.objective == "dpo":
+        return DPO(p.beta, p.dpo_loss, p.label_smoothing)
+    if p.objective == "simpo":
+        return SimPO(p.beta, p.simpo_gamma)
+    if p.objective == "orpo":
+        return ORPO(p.orpo_lambda)
+    if p.objective == "kto":
+        return KTO(p.beta, p.kto_desirable_weight, p.kto_undesirable_weight, dp_group, dp_size)
+    return None
+
+
+def check_data(cfg: RunConfig, reports: dict) -> None:
+    """Refuse training data whose rows do not fit the objective (formats detected when read)."""
+    objective = cfg.preference.objective
+    wanted = OBJECTIVE_FORMATS.get(objective)
+    for name, report in reports.items():
+        if not name.startswith("train"):
+            continue
+        if wanted is None and report.format in OBJECTIVE_FORMATS.values():
+            raise DataError(f"data: {report.source} holds {report.format} rows, which train a preference "
+                            "objective; set preference.objective (dpo, orpo, simpo for pairs; kto for "
+                            "unpaired rows)")
+        if wanted is not None and report.format != wanted:
+            raise DataError(f"data: preference.objective {objective} trains on {wanted} rows, but "
+                            f"{report.source} holds {report.format} rows")
+
+
+def needs_reference(cfg: RunConfig) -> bool:
+    return cfg.preference.objective in REFERENCE_OBJECTIVES
