@@ -98,6 +98,7 @@ def preflight(cfg: RunConfig) -> PreflightReport:
         _chat_template(cfg, report)
     report.problems += _deepspeed(cfg, model, train, report)
     _monitor_packages(cfg, report)
+    _attention(cfg, report)
     report.problems = list(dict.fromkeys(report.problems))  # a finding said once
     return report
 
@@ -123,6 +124,21 @@ def _monitor_packages(cfg: RunConfig, report: PreflightReport) -> None:
     if cfg.logging.wandb != "off" and importlib.util.find_spec("wandb") is None:
         report.problems.append(("logging.wandb", f"{cfg.logging.wandb} needs the wandb package, which is not "
                                 "installed: pip install wandb, or set logging.wandb=off"))
+
+
+def _attention(cfg: RunConfig, report: PreflightReport) -> None:
+    """flash_attention_2 needs the flash_attn package on the ranks (missing, every rank would fail
+    while building the model) and half precision (its kernels take bf16 / fp16 only)."""
+    if cfg.model.attn_implementation != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        report.problems.append(("model.attn_implementation", "flash_attention_2 needs the flash_attn package, "
+                                "which is not installed: pip install flash-attn (a CUDA GPU), or set "
+                                "model.attn_implementation=sdpa"))
+    if cfg.train.precision == "fp32":
+        report.problems.append(("model.attn_implementation", "flash_attention_2 runs in bf16 or fp16 only, "
+                                "and train.precision is fp32: set train.precision=auto (bf16 on a GPU that "
+                                "has it), or model.attn_implementation=sdpa"))
 
 
 # -- the model folder ---------------------------------------------------------------------------

@@ -63,12 +63,34 @@ class TokensPerSecondMonitor(Monitor):
 
 
 class MemoryMonitor(Monitor):
-    """CUDA peak allocated memory where there is a GPU, otherwise this process's RSS (MiB)."""
+    """Rank 0's memory in MiB. On a GPU (torch.cuda, this rank's device): `mem_mb` and
+    `mem_peak_mb` the peak of allocated tensor memory, `mem_allocated_mb` what is allocated now,
+    `mem_reserved_mb` the peak the caching allocator has reserved (about what nvidia-smi shows
+    beyond the CUDA context). On CPU: `mem_mb` this process's resident set size now,
+    `mem_peak_mb` its peak (the kernel's high-water mark)."""
 
     def measure(self, trainer, info):
         if torch.cuda.is_available():
-            return {"mem_mb": torch.cuda.max_memory_allocated() / 2**20}
-        return {"mem_mb": psutil.Process(os.getpid()).memory_info().rss / 2**20}
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            return {"mem_mb": peak, "mem_peak_mb": peak,
+                    "mem_allocated_mb": torch.cuda.memory_allocated() / 2**20,
+                    "mem_reserved_mb": torch.cuda.max_memory_reserved() / 2**20}
+        rss = psutil.Process(os.getpid()).memory_info().rss / 2**20
+        return {"mem_mb": rss, "mem_peak_mb": max(rss, peak_rss_mb())}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size (VmHWM: reset by writing 5 to /proc/self/clear_refs,
+    which a benchmark does between two runs in one process); ru_maxrss where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class SourcesMonitor(Monitor):

@@ -32,7 +32,7 @@ from engine.rng import seed_everything
 
 
 def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) -> DistEnv:
-    """Join the launcher's process group (gloo on CPU, nccl on GPU), or make a one-rank group
+    """Join the launcher's process group (gloo on CPU, NCCL and gloo on GPUs: backend_for), or make a one-rank group
     when a script or notebook runs the Trainer without a launcher; then create the groups of
     the run's layout: `make_groups(rank, world_size)` (the layout object's; plain data
     parallelism by default)."""
@@ -41,7 +41,7 @@ def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) ->
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(rendezvous.free_port()))
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(torch.cuda.is_available())
         _remove_stale_shm_buffer()
         rendezvous.join_on_loopback(backend)  # one machine: nothing listens beyond loopback
         deepspeed.init_distributed(dist_backend=backend)
@@ -56,6 +56,14 @@ def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) ->
                    dp_group=layout.dp_group, device=device, tp_size=layout.tp_size,
                    tp_rank=layout.tp_rank, pp_size=layout.pp_size, stage=layout.stage,
                    topology=layout.topology)
+
+
+def backend_for(cuda: bool) -> str:
+    """The process group's backend: gloo on CPU; with GPUs, NCCL for CUDA tensors and gloo for
+    CPU tensors. The loop's small collectives (a step's loss and token counts, evaluation sums,
+    the guard's verdicts) reduce CPU tensors, which an NCCL-only group refuses ("no backend
+    type associated with device type cpu") as soon as there are two ranks."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
 def _remove_stale_shm_buffer() -> None:
