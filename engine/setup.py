@@ -32,30 +32,45 @@ from engine.rng import seed_everything
 
 
 def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) -> DistEnv:
-    """Join the launcher's process group (gloo on CPU, NCCL and gloo on GPUs: backend_for), or make a one-rank group
-    when a script or notebook runs the Trainer without a launcher; then create the groups of
+    """Join the launcher's process group (gloo on CPU, NCCL and gloo on GPUs: backend_for), or
+    make a one-rank group when a script or notebook runs the Trainer without a launcher (this
+    rank's GPU made current first: device_of); then create the groups of
     the run's layout: `make_groups(rank, world_size)` (the layout object's; plain data
     parallelism by default)."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(rendezvous.free_port()))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = device_of(local_rank)
     if not dist.is_initialized():
-        backend = backend_for(torch.cuda.is_available())
+        backend = backend_for(device.type == "cuda")
         _remove_stale_shm_buffer()
         rendezvous.join_on_loopback(backend)  # one machine: nothing listens beyond loopback
         deepspeed.init_distributed(dist_backend=backend)
         _unlink_shm_buffers()
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     layout = make_groups(rank, world)
     return DistEnv(rank, local_rank, world, dp_rank=layout.dp_rank, dp_size=layout.dp_size,
                    dp_group=layout.dp_group, device=device, tp_size=layout.tp_size,
                    tp_rank=layout.tp_rank, pp_size=layout.pp_size, stage=layout.stage,
                    topology=layout.topology)
+
+
+def device_of(local_rank: int) -> torch.device:
+    """This rank's device: GPU `local_rank` of those visible, made current before the process
+    group exists (NCCL binds its communicators to the current device); the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(f"parallel.nproc: local rank {local_rank} has no GPU of its own: {count} GPU"
+                           f"{'s' * (count != 1)} visible (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {count} "
+                           "ranks per machine")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def backend_for(cuda: bool) -> str:

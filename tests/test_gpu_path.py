@@ -17,6 +17,19 @@ def test_backend_is_gloo_on_cpu_and_nccl_with_gloo_for_cpu_tensors_on_gpus():
     assert backend_for(True) == "cpu:gloo,cuda:nccl"
 
 
+def test_a_rank_without_a_gpu_of_its_own_is_named(monkeypatch):
+    import pytest
+    import torch
+
+    from engine.setup import device_of
+    assert device_of(0) == torch.device("cpu")
+    # no GPU here: the two facts device_of reads are what a 1-GPU machine would say
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"parallel.nproc: local rank 1 has no GPU of its own: 1 GPU visible"):
+        device_of(1)
+
+
 def _attention_problems(*overrides: str) -> list[str]:
     report = preflight(load_config(overrides=["max_steps=2", *overrides]))
     return [m for k, m in report.problems if k == "model.attn_implementation"]
