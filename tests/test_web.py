@@ -103,6 +103,12 @@ def step(page) -> int:
     return int(re.search(r"step (\d+)", page.locator("#run-step").inner_text()).group(1))
 
 
+def chat_header_step(page) -> int | None:
+    """The step the Chat tab's header says the run is at ("Talking to run X -- running, step N")."""
+    found = re.search(r"running, step (\d+)", page.locator("#chat-about").inner_text())
+    return int(found.group(1)) if found else None
+
+
 def wait_until(predicate, timeout_s: float, what: str, interval: float = 0.5):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -179,8 +185,11 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["train"]["max_steps"] == RUN_STEPS and cfg["train"]["micro_batch_size"] == 16
 
-    # chat mid-training: streamed, tagged with the step it came from
+    # chat mid-training: the header follows the run while the Chat tab shows (the page's live
+    # feed); answers are streamed, tagged with the step they came from
     open_tab(page, "Chat")
+    shown = wait_until(lambda: chat_header_step(page), 60, "the Chat tab's header on the running run")
+    wait_until(lambda: (chat_header_step(page) or 0) > shown, 120, "the Chat tab's header to follow the run")
     page.locator("#chat-settings").click()
     set_number(page, "chat-temperature", "1")
     page.evaluate("""() => { window.chatTexts = [];

@@ -230,6 +230,9 @@ def test_the_live_feed_sends_only_what_the_page_lacks(tmp_path):
         assert "step 5 / 9" in later["status"] and "step 5 / 9" in later["header"]
         assert json.loads(later["plots"]["train-plot-loss"])["series"]["raw"] == {
             "reset": False, "points": [[4, -1.0], [5, -2.0]]}
+        # the Chat tab on screen wants the header only: no status line, no points
+        chat_only = feed(backend, {"run": run, "want": ["header"], "known": {"version": known["version"]}})
+        assert "step 5 / 9" in chat_only["header"] and "status" not in chat_only and chat_only["plots"] == {}
         # what a page sends cannot break it: an unknown run or a malformed ask gets a reason back
         assert "error" in feed(backend, {"run": str(tmp_path / "nowhere")})
         assert feed(backend, "not a dict")["error"] == "no run"

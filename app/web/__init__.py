@@ -16,7 +16,7 @@ from __future__ import annotations
 import gradio as gr
 from starlette.middleware import Middleware
 
-from app.web import api, chat, checkpoints, configure, runs, train
+from app.web import api, chat, checkpoints, configure, feed, runs, train
 from app.web.backend import Backend
 from app.web.early_script import EarlyScript
 from app.web.widgets import CSS
@@ -30,11 +30,12 @@ def build_app(backend: Backend) -> gr.Blocks:
         gr.Markdown(f"## {TITLE} · fine-tune a language model and talk to it while it trains",
                     elem_id="app-title")
         run_state = gr.State(None)  # the run folder this page shows
+        marker = feed.build(backend)  # the live feed, beside the tabs: it serves whichever shows
         with gr.Tabs(selected="configure", elem_id="tabs") as tabs:
             with gr.Tab("Configure", id="configure", elem_id="tab-configure"):
                 config_tab = configure.build(backend, run_state, tabs)
             with gr.Tab("Train", id="train", elem_id="tab-train"):
-                train.build(backend, run_state, tabs, config_tab, demo)
+                train.build(backend, run_state, tabs, config_tab, demo, marker)
             with gr.Tab("Chat", id="chat", elem_id="tab-chat") as chat_tab:
                 chat_refresh = chat.build(backend, run_state)
             with gr.Tab("Checkpoints", id="checkpoints", elem_id="tab-checkpoints") as ckpt_tab:

@@ -28,7 +28,7 @@ from app.embedded import early_note, expected_answer
 from app.session import SessionError
 from app.web.backend import Backend
 from app.web.backend.watch import Snapshot
-from app.web.widgets import readable
+from app.web.widgets import CHAT_CLASS, readable
 from contract.branches import BranchTree
 
 TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
@@ -38,12 +38,12 @@ LIVE = "Live model (the weights being trained)"
 def build(backend: Backend, run_state: gr.State) -> dict:
     about = gr.Markdown("", elem_id="chat-about")
     with gr.Row(equal_height=True):
-        live = gr.Chatbot(label=LIVE, height=420, elem_id="chat-live",
+        live = gr.Chatbot(label=LIVE, height=420, elem_id="chat-live", elem_classes=[CHAT_CLASS],
                           buttons=["copy"], placeholder="Ask the model something while it trains.",
                           feedback_options=None)
-        base = gr.Chatbot(label="Base model (adapter off)", height=420, elem_id="chat-base",
+        base = gr.Chatbot(label="Base model (adapter off)", height=420, elem_id="chat-base", elem_classes=[CHAT_CLASS],
                           visible=False, buttons=["copy"], feedback_options=None)
-        other = gr.Chatbot(label="Compared with", height=420, elem_id="chat-ckpt-answers",
+        other = gr.Chatbot(label="Compared with", height=420, elem_id="chat-ckpt-answers", elem_classes=[CHAT_CLASS],
                            visible=False, buttons=["copy"], feedback_options=None)
     with gr.Accordion("Compare: another run, or a checkpoint of any branch, answers the same question beside "
                       "the live model", open=False, elem_id="chat-ckpt-fold"):
@@ -154,8 +154,8 @@ def about_text(backend: Backend, path: str | None, with_note: bool = True) -> st
 
 def header(backend: Backend, snap: Snapshot) -> str:
     """"Talking to run NAME — running, step N / T." (and, for the embedded default, its held-out
-    exact match so far): the chat views' header, which the Train tab's tick keeps live beside
-    the plots."""
+    exact match so far): the chat views' header, which the page's live feed (feed.py) keeps
+    current on the Chat tab and beside the plots."""
     p = snap.progress
     text = f"Talking to run **{snap.info.name}** — {p.state}, step {p.step}{f' / {p.total}' if p.total else ''}."
     if not snap.info.alive:

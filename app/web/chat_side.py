@@ -1,7 +1,7 @@
 """The chat beside the plots (issue 15): a side panel of the Train tab that stays in view while
 the run trains. It is the Chat tab's chat, smaller: the same handler (`chat._respond`, through
-the shared session's streaming chat), the same header (`chat.header`), which the Train tab's
-tick keeps live ("running, step N"; nothing is polled for it apart from that tick), and, for
+the shared session's streaming chat), the same header (`chat.header`), which the page's live
+feed keeps current ("running, step N"; feed.py: nothing else is polled for it), and, for
 the embedded default, the note on its early answers with the answers it should come to give
 (app.embedded). Settings, comparing and Teach stay in the Chat tab."""
 
@@ -14,6 +14,7 @@ import gradio as gr
 from app.embedded import early_note
 from app.web import chat
 from app.web.backend import Backend
+from app.web.widgets import CHAT_CLASS
 
 MAX_NEW_TOKENS = 32  # the embedded default's answers are a word; the Chat tab has the slider
 
@@ -33,6 +34,7 @@ def build(backend: Backend, run_state: gr.State) -> SidePanel:
                              elem_id="side-chat-about")
         note = gr.Markdown("", elem_id="side-chat-note", visible=False)
         live = gr.Chatbot(label=chat.LIVE, height=330, elem_id="side-chat-live", buttons=["copy"],
+                          elem_classes=[CHAT_CLASS],
                           placeholder="Ask the model something while it trains: it answers from the weights "
                                       "of the next step.", feedback_options=None)
         with gr.Row(equal_height=True):

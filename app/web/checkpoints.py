@@ -12,15 +12,18 @@ import pandas as pd
 from app.session import SessionError
 from app.web import branches
 from app.web.backend import Backend
-from app.web.widgets import readable
+from app.web.widgets import TABLE_CLASS, readable
 
-COLUMNS = ["name", "kind", "step", "loss", "eval metrics", "size", "complete", "path"]
+# each column's share of the table's width (given, not measured from the cells: a measured path
+# column pushed the table past the page's edge and squeezed the headers into "ste p")
+COLUMNS = {"name": "11%", "kind": "8%", "step": "6%", "loss": "7%", "eval metrics": "20%", "size": "8%",
+           "complete": "9%", "path": "31%"}
 
 
 def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
     about = gr.Markdown("", elem_id="ckpt-about")
-    table = gr.Dataframe(pd.DataFrame(columns=COLUMNS), interactive=False, elem_id="ckpt-table",
-                         wrap=True, max_height=320)
+    table = gr.Dataframe(pd.DataFrame(columns=list(COLUMNS)), interactive=False, elem_id="ckpt-table",
+                         wrap=True, max_height=320, column_widths=list(COLUMNS.values()), elem_classes=[TABLE_CLASS])
     with gr.Row(equal_height=True):
         chosen = gr.Dropdown([], label="Checkpoint, model or adapter", scale=3, elem_id="ckpt-choice",
                              allow_custom_value=False)
@@ -59,7 +62,7 @@ def _listing(backend: Backend, path: str | None, about: gr.Markdown, table: gr.D
         path = backend.session.resolve(path)
         saved = backend.store.saved(path)
     except SessionError as e:
-        return {about: str(e), table: pd.DataFrame(columns=COLUMNS), chosen: gr.update(choices=[], value=None)}
+        return {about: str(e), table: pd.DataFrame(columns=list(COLUMNS)), chosen: gr.update(choices=[], value=None)}
     rows = []
     for item, metrics in saved:
         evals = ", ".join(f"{k[5:]} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/"))
@@ -76,7 +79,7 @@ def _listing(backend: Backend, path: str | None, about: gr.Markdown, table: gr.D
         text += (" *Resume a new run from it* needs a complete training checkpoint"
                  f"{' (the final model holds no trainer state)' if rows else ''}.")
     choices = [(f"{r[0]} ({r[1]}{', step ' + str(r[2]) if r[2] != '' else ''})", r[7]) for r in rows]
-    return {about: text, table: pd.DataFrame(rows, columns=COLUMNS),
+    return {about: text, table: pd.DataFrame(rows, columns=list(COLUMNS)),
             chosen: gr.update(choices=choices, value=choices[0][1] if choices else None)}
 
 

@@ -14,14 +14,16 @@ from app.session import SessionError
 from app.web.backend import Backend
 from app.web.backend.views import compare_series
 from app.web.plots import Plots, batch, live_plot, make_plots
-from app.web.widgets import duration, readable
+from app.web.widgets import TABLE_CLASS, duration, readable
 
-COLUMNS = ["run", "state", "step", "loss", "eval metrics", "started", "duration", "path"]
+# each column's share of the table's width (as the Checkpoints tab's: given, not measured)
+COLUMNS = {"run": "14%", "state": "11%", "step": "8%", "loss": "7%", "eval metrics": "18%", "started": "11%",
+           "duration": "8%", "path": "23%"}
 
 
 def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
-    table = gr.Dataframe(pd.DataFrame(columns=COLUMNS), interactive=False, elem_id="runs-table",
-                         wrap=True, max_height=360)
+    table = gr.Dataframe(pd.DataFrame(columns=list(COLUMNS)), interactive=False, elem_id="runs-table",
+                         wrap=True, max_height=360, column_widths=list(COLUMNS.values()), elem_classes=[TABLE_CLASS])
     with gr.Row(equal_height=True):
         chosen = gr.Dropdown([], label="Run", scale=3, elem_id="runs-choice")
         refresh_btn = gr.Button("Refresh", scale=1, elem_id="runs-refresh")
@@ -49,8 +51,11 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
     refresh = dict(fn=listing, inputs=run_state, outputs=[table, chosen, compared],
                    api_visibility="private", show_progress="hidden")
     refresh_btn.click(**refresh)
-    opened = [run_state, summary, *plots.components(), config]
-    open_btn.click(readable(lambda name: _open(backend, view, name)), inputs=chosen, outputs=opened,
+    shown = [summary, *plots.components(), config]
+    # the run picked (or preselected by the listing) shows at once; Open makes the page follow it
+    chosen.change(readable(lambda path: _show(backend, view, path)), inputs=chosen, outputs=shown,
+                  api_visibility="private", show_progress="hidden")
+    open_btn.click(readable(lambda name: _open(backend, view, name)), inputs=chosen, outputs=[run_state, *shown],
                    api_visibility="private")
     overlay.click(readable(lambda paths: _overlay(backend, paths, overlay_loss, overlay_eval)), inputs=compared,
                   outputs=[overlay_loss, overlay_eval], api_visibility="private")
@@ -84,13 +89,24 @@ def _listing(backend: Backend, view: RunsView, path: str | None) -> dict:
                      f"{loss:.4f}" if loss is not None else "", evals, started, duration(took), i.path])
     choices = [(f"{i.name} ({i.state})", i.path) for i in infos]
     selected = path if path in {c[1] for c in choices} else (choices[0][1] if choices else None)
-    return {view.table: pd.DataFrame(rows, columns=COLUMNS),
+    return {view.table: pd.DataFrame(rows, columns=list(COLUMNS)),
             view.chosen: gr.update(choices=choices, value=selected)}
 
 
 def _open(backend: Backend, view: RunsView, path: str | None) -> dict:
+    """The run shown, and the page's run from now on (the Train, Chat and Checkpoints tabs)."""
     if not path:
         raise gr.Error("Pick a run first.", print_exception=False)
+    shown = _show(backend, view, path)
+    shown[view.summary] += "\n\nThe Train, Chat and Checkpoints tabs now show this run."
+    return {view.run_state: backend.session.resolve(path), **shown}
+
+
+def _show(backend: Backend, view: RunsView, path: str | None) -> dict:
+    """The run's summary, plots and config (nothing when no run is picked)."""
+    if not path:
+        return {view.summary: "", view.config: "",
+                **{plot: batch({}, None, "", time.time_ns()) for plot in view.plots.by_name.values()}}
     snap = backend.watch.snapshot(path)
     series = backend.watch.view(snap.path).series()
     p, info = snap.progress, snap.info
@@ -99,12 +115,11 @@ def _open(backend: Backend, view: RunsView, path: str | None) -> dict:
             f"ran {duration(p.elapsed_s)}. {metrics}")
     if info.error:
         text += f"\n\n**Failed:** {info.error}"
-    text += "\n\nThe Train, Chat and Checkpoints tabs now show this run."
     try:
         config = backend.watch.config_text(snap.path)
     except SessionError as e:
         config = f"# {e}"
-    return {view.run_state: snap.path, view.summary: text, view.config: config,
+    return {view.summary: text, view.config: config,
             **{plot: batch(series.get(name, {}), None, snap.path, time.time_ns())
                for name, plot in view.plots.by_name.items()}}
 

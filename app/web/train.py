@@ -6,8 +6,8 @@ enabled follows the run's state through `contract.protocol.allowed_commands`; ev
 returns its outputs keyed by component.
 
 Two paths bring the run to the page. What changes every step (the status line, the plots' new
-points, the side chat's "running, step N") comes through the live feed (feed.py, feed.js), a
-plain call a second from the page. What changes rarely (the buttons, the banner, the log tail,
+points, the side chat's "running, step N") comes through the page's live feed (feed.py, feed.js),
+a plain call a second from the page. What changes rarely (the buttons, the banner, the log tail,
 which run the page shows) comes through "the look" (`refresh`), a Gradio event run when the page
 loads, when the page's run changes, and when the feed sees the run's state change."""
 
@@ -71,14 +71,12 @@ class TrainTab:
 
 
 def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: ConfigureTab,
-          page: gr.Blocks) -> TrainTab:
+          page: gr.Blocks, marker: gr.HTML) -> TrainTab:
     """The tab's layout and events. The page's load event does the first look and opens this
-    tab when a run is going, unless the user has picked a tab already (TICK_JS); the status
-    line carries the live feed (feed.js, its server function feed.feed)."""
+    tab when a run is going, unless the user has picked a tab already (TICK_JS); each look
+    writes the live feed's `marker` (feed.build: it sits beside the tabs, with the feed)."""
     banner = gr.HTML("", elem_id="train-banner", visible=False)
-    status = gr.HTML(status_html(None), elem_id="train-status", js_on_load=feed.JS,
-                     server_functions=[feed.feed_function(backend)])
-    marker = gr.HTML(feed.marker_html(None, None), elem_id=feed.MARKER_ID, visible="hidden")
+    status = gr.HTML(status_html(None), elem_id="train-status")
     look_button = gr.Button("look", elem_id=feed.LOOK_ID, visible="hidden")
     with gr.Row():
         start = gr.Button("Start", variant="primary", interactive=configure.start_buttons[0].interactive,

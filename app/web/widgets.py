@@ -46,7 +46,16 @@ CSS = """
 .own-note { color: #92400e; }
 .branch-live { font-weight: 600; }
 footer { display: none !important; }
+.lt-table th .header { word-break: normal !important; overflow-wrap: normal !important; white-space: nowrap !important; }
+.lt-table td .cell-wrap { white-space: normal !important; overflow-wrap: anywhere; }
+.lt-chat .bubble-wrap { border-top: 40px solid transparent !important; }
 """
+# Tables (TABLE_CLASS): a header never breaks inside a word, and a long cell (a path) wraps
+# anywhere instead of running off the table's right edge. Chats (CHAT_CLASS): the label floats
+# over the top of the scrolling messages, so the messages' window starts below it (a transparent
+# top border: the scrolled content stays inside the padding box, under no label).
+TABLE_CLASS = "lt-table"
+CHAT_CLASS = "lt-chat"
 
 
 def readable(fn: Callable) -> Callable:

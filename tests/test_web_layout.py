@@ -1,0 +1,95 @@
+"""What a new user sees of the web app's layout, measured in a real browser (Debian's Chromium)
+at 1440 px wide against the app's real entry point: the Runs and Checkpoints tables keep every
+header on one line and their long paths inside the table; the Runs tab shows its preselected run
+(plot and config) without Open; a chat's label floats over no message. No engine is started: the
+run folders are written as a finished run leaves them (its event log, config and checkpoints).
+
+The app, the browser and the page helpers are tests/test_web.py's."""
+
+from __future__ import annotations
+
+import time
+
+from contract.config import config_from_dict
+from contract.events import EventType
+from contract.presets import DEFAULT
+from contract.protocol import RunState
+from contract.run_folder import EventLog, RunFolder
+from test_web import SLOW, app, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
+
+NAME = "embedded-default-with-a-rather-long-run-name-20261204-203011"
+STEPS = 30
+
+# each header of the table on one line; the table inside its block; every cell's text inside its
+# cell (a path wraps instead of running off the edge)
+TABLE_JS = """(id) => {
+    const block = document.getElementById(id), table = block.querySelector('table');
+    const lines = el => { const r = document.createRange(); r.selectNodeContents(el);
+                          return new Set(Array.from(r.getClientRects()).map(c => Math.round(c.top))).size; };
+    const broken = Array.from(table.querySelectorAll('th .header')).filter(h => lines(h) > 1).map(h => h.innerText);
+    const cut = Array.from(table.querySelectorAll('td .cell-wrap')).filter(c => c.scrollWidth > c.clientWidth + 1)
+                     .map(c => c.innerText);
+    return {broken, cut, table: table.getBoundingClientRect().right, block: block.getBoundingClientRect().right};
+}"""
+
+
+def finished_run(runs) -> RunFolder:
+    """A finished run of the embedded default with a long name, two checkpoints (one incomplete)
+    and a final model, as the engine leaves them."""
+    folder = RunFolder(runs / NAME).create()
+    folder.config.write_text(config_from_dict({**DEFAULT, "train": {"max_steps": STEPS}}).to_yaml())
+    now = time.time()
+    log = EventLog(folder.events)
+    log.emit({"type": EventType.STATE.value, "state": RunState.STARTING.value, "time": now - 60})
+    log.emit({"type": EventType.SETUP.value, "total_steps": STEPS, "time": now - 55})
+    for s in range(1, STEPS + 1):
+        log.emit({"type": EventType.TRAIN.value, "step": s, "loss": 4.0 - s / 20, "lr": 1e-3, "time": now - 50 + s})
+    log.emit({"type": EventType.STATE.value, "state": RunState.FINISHED.value, "time": now})
+    log.close()
+    for name, complete in (("step-30", True), ("step-20", False)):
+        (folder.checkpoints / name).mkdir(parents=True)
+        (folder.checkpoints / name / "weights.bin").write_bytes(b"0" * 1024)
+        if complete:
+            (folder.checkpoints / name / "COMPLETE.json").write_text("{}")
+    folder.model.mkdir(exist_ok=True)
+    (folder.model / "config.json").write_text("{}")
+    return folder
+
+
+def table_fits(page, elem_id: str) -> None:
+    found = page.evaluate(TABLE_JS, elem_id)
+    assert found["broken"] == [], f"{elem_id}: headers broken over two lines: {found['broken']}"
+    assert found["cut"] == [], f"{elem_id}: cells cut off: {found['cut']}"
+    assert found["table"] <= found["block"] + 1, f"{elem_id}: the table runs past its block: {found}"
+
+
+def test_tables_fit_the_runs_tab_shows_its_run_and_no_label_hides_a_message(app, browser):
+    url, runs = app
+    folder = finished_run(runs)
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    page.goto(url)
+    page.locator("#tab-configure").wait_for(state="attached", timeout=SLOW)
+
+    # Runs: the preselected run is shown at once (its plot and config), without Open
+    open_tab(page, "Runs")
+    wait_until(lambda: NAME in page.locator("#runs-table").inner_text(), 60, "the run in the table")
+    assert page.locator("#runs-choice input").input_value().startswith(NAME)
+    wait_until(lambda: page.locator("#runs-plot-loss svg path").count(), 60, "the preselected run's loss plot")
+    # (the code box draws only the lines in view: the config's first section)
+    wait_until(lambda: "model:" in page.locator("#runs-config").inner_text(), 60, "the preselected run's config")
+    table_fits(page, "runs-table")
+
+    page.locator("#runs-open").click()
+    open_tab(page, "Checkpoints")
+    wait_until(lambda: str(folder.checkpoints / "step-30") in page.locator("#ckpt-table").inner_text(), 60,
+               "the checkpoints of the run")
+    table_fits(page, "ckpt-table")
+
+    # Chat: the label sits above the messages' window, not over the messages
+    open_tab(page, "Chat")
+    label = page.locator("#chat-live label").first
+    label.wait_for(timeout=60_000)
+    window = page.evaluate("""() => { const w = document.querySelector('#chat-live .bubble-wrap');
+        return w.getBoundingClientRect().top + w.clientTop; }""")
+    assert label.bounding_box()["y"] + label.bounding_box()["height"] <= window + 1
+    page.close()
