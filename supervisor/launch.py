@@ -8,6 +8,7 @@ nobody drains.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -76,15 +77,59 @@ def runs_on_other_machines(cfg: RunConfig) -> bool:
         parse_hostfile(Path(p.hostfile).read_text())[0])
 
 
-def write_remote_env(folder: RunFolder, run_env: dict[str, str]) -> Path:
-    """The run's environment for the ranks on other machines. pdsh carries only PYTHON*
-    variables there; DeepSpeed's launcher exports every KEY=VALUE line of the file DS_ENV_FILE
-    names (after the user's own ~/.deepspeed_env, kept here). PATH stays each machine's own."""
+def launch_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What would make a launch across the hostfile's machines go other than the config says,
+    as (field, message) problems to refuse it with: a machine given more `slots=` than
+    `parallel.nproc` (DeepSpeed would start only nproc ranks there, against the hostfile's word;
+    fewer slots than nproc are refused by the config's own check)."""
+    p = cfg.parallel
+    if not p.hostfile or not Path(p.hostfile).is_file():
+        return []
+    hosts, _ = parse_hostfile(Path(p.hostfile).read_text())
+    more = {h: n for h, n in hosts.items() if n > p.nproc}
+    if not more:
+        return []
+    given = ", ".join(f"{h} slots={n}" for h, n in more.items())
+    return [("parallel.nproc", f"parallel.nproc is {p.nproc} (ranks per machine), but the hostfile "
+             f"{p.hostfile} gives {given}: make every line's slots= equal nproc, or set nproc to "
+             "the slots (each machine runs nproc ranks)")]
+
+
+# What reaches the ranks on the other machines from the launching machine's environment: the
+# prefixes DeepSpeed's own runner forwards (deepspeed/launcher/runner.py EXPORT_ENVS, plus NCCL,
+# which its CUDA accelerator adds), and the network settings of torch.distributed's backends.
+FORWARDED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "GLOO_", "TP_SOCKET_IFNAME",
+                      "TORCH_NCCL_", "TORCH_GLOO_", "TORCH_DISTRIBUTED_DEBUG", "FI_")
+# Characters that a value cannot hold through DeepSpeed's `export KEY="VALUE";` over pdsh.
+_UNSAFE = re.compile(r'["`$\\\n]')
+
+
+def forwarded(env: dict[str, str]) -> dict[str, str]:
+    """The variables of `env` that go to the other machines (see FORWARDED_PREFIXES)."""
+    return {k: v for k, v in env.items() if k.startswith(FORWARDED_PREFIXES) and not _UNSAFE.search(v)}
+
+
+def threads_per_rank_on_each_host(nproc: int) -> str:
+    """OMP_NUM_THREADS as a shell expression each machine evaluates for itself: its own cores
+    shared by its `nproc` ranks (DeepSpeed exports it as `export OMP_NUM_THREADS="...";`)."""
+    return f"$(( $(nproc) / {nproc} > 1 ? $(nproc) / {nproc} : 1 ))"
+
+
+def write_remote_env(folder: RunFolder, run_env: dict[str, str], env: dict[str, str] | None = None,
+                     nproc: int = 1) -> Path:
+    """The run's environment for the ranks on other machines, in the file DS_ENV_FILE names,
+    whose KEY=VALUE lines DeepSpeed's launcher exports on every machine (pdsh carries no
+    environment): the user's own ~/.deepspeed_env (which DS_ENV_FILE replaces), the forwarded
+    variables of the launching environment `env`, then the run's own. PATH stays each
+    machine's own; OMP_NUM_THREADS, unless `run_env` sets it (the user did), comes from each
+    machine's own cores."""
     lines = []
     own = Path.home() / ".deepspeed_env"
     if own.is_file():
         lines += [ln for ln in own.read_text().splitlines() if "=" in ln]
-    lines += [f"{key}={value}" for key, value in run_env.items() if key != "PATH" and "\n" not in value]
+    values = {**forwarded(env or {}), **run_env}
+    values.setdefault("OMP_NUM_THREADS", threads_per_rank_on_each_host(nproc))
+    lines += [f"{key}={value}" for key, value in values.items() if key != "PATH" and "\n" not in value]
     path = folder.root / "deepspeed_env"
     path.write_text("".join(ln + "\n" for ln in lines))
     return path
@@ -112,13 +157,15 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
                "TOKENIZERS_PARALLELISM": "false",
                "LIVETUNE_RUN_DIR": str(folder.root)}
     # Each rank gets an equal share of the cores; oversubscribing threads slows gloo ranks badly.
-    run_env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc)))
+    user_threads = (extra_env or {}).get("OMP_NUM_THREADS", env.get("OMP_NUM_THREADS"))
+    run_env["OMP_NUM_THREADS"] = user_threads or str(max(1, (os.cpu_count() or 1) // cfg.parallel.nproc))
     run_env.update(extra_env or {})
     env.update(run_env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     check_launchable(cfg)
     if runs_on_other_machines(cfg):
-        env["DS_ENV_FILE"] = str(write_remote_env(folder, run_env))
+        remote_env = {k: v for k, v in run_env.items() if k != "OMP_NUM_THREADS" or user_threads}
+        env["DS_ENV_FILE"] = str(write_remote_env(folder, remote_env, env, cfg.parallel.nproc))
         hosts = list(parse_hostfile(Path(cfg.parallel.hostfile).read_text())[0])
         remote_stop.record(folder.root, hosts, env)  # how a stop reaches them (remote_stop says why)
     cmd = launch_command(cfg, folder)

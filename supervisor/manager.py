@@ -22,8 +22,10 @@ from typing import Callable
 
 from contract.config import RunConfig
 from contract.preflight import PreflightError, PreflightReport, fingerprint, preflight
-from supervisor.launch import make_run_folder, spawn
+from supervisor.launch import launch_problems, make_run_folder, spawn
 from contract.run_folder import EventLog, RunFolder
+from contract.protocol import RunState
+from contract.events import StateEvent
 
 from supervisor import procs
 from supervisor.handle import RunHandle
@@ -84,6 +86,9 @@ class RunManager:
             checked.problems = [*checked.problems, ("parallel.nodes", f"{cfg.parallel.nodes} nodes without a "
                                 "hostfile is for a Slurm job (submit --slurm); a run started here spans "
                                 "this machine, or the machines parallel.hostfile lists")]
+        if launch_problems(cfg):  # the hostfile against the config (supervisor.launch says why)
+            checked = copy.copy(checked)
+            checked.problems = [*checked.problems, *launch_problems(cfg)]
         if not checked.ok:
             raise RunRefused(checked)
         cfg = copy.deepcopy(cfg)
@@ -92,13 +97,13 @@ class RunManager:
             folder = make_run_folder(cfg)
             log = EventLog(folder.events)
             try:
-                log.emit({"type": "state", "state": "starting", "nproc": cfg.parallel.nproc,
-                          "method": cfg.method.name, "model": cfg.model.path or "default"})
+                log.emit(StateEvent(state=RunState.STARTING, nproc=cfg.parallel.nproc,
+                                    method=cfg.method.name, model=cfg.model.path or "default"))
                 try:
                     launched = spawn(cfg, folder, extra_env=env, die_with_parent=die_with_this_process)
                 except OSError as e:
-                    log.emit({"type": "state", "state": "failed", "source": "manager",
-                              "error": f"the launcher could not be started: {e}"})
+                    log.emit(StateEvent(state=RunState.FAILED, source="manager",
+                                        error=f"the launcher could not be started: {e}"))
                     raise RunError(f"run {folder.root.name}: the launcher could not be started: {e}") from e
             finally:
                 log.close()

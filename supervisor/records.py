@@ -91,21 +91,31 @@ def launcher_reported_failure(folder: RunFolder) -> tuple[int | None, int | None
     return None, None
 
 
+# Lines that explain no failure, left out of a failure's "last lines": torch's c10d store logs
+# this on every machine whose reverse DNS lookup of a peer fails (a host known by address only).
+HARMLESS = re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved")
+
+
+def _last_lines(path: Path, n: int) -> list[str]:
+    """The last `n` lines of a log that say something (HARMLESS lines left out)."""
+    return [ln for ln in tail_lines(path, 4 * n) if not HARMLESS.search(ln)][-n:]
+
+
 def log_tail(folder: RunFolder, rank: int | None, n: int) -> tuple[str, tuple[str, ...]]:
     """(log path, last lines) of one rank's log; for no rank, every rank's log (headed), or
     the launcher's when no rank wrote one."""
     if rank is not None:
         path = folder.rank_log(rank)
-        return str(path), tuple(tail_lines(path, n))
+        return str(path), tuple(_last_lines(path, n))
     logs = sorted(folder.logs.glob("rank*.log"))
     if not logs:
         path = folder.logs / "launcher.log"
-        return str(path), tuple(tail_lines(path, n))
+        return str(path), tuple(_last_lines(path, n))
     if len(logs) == 1:
-        return str(logs[0]), tuple(tail_lines(logs[0], n))
+        return str(logs[0]), tuple(_last_lines(logs[0], n))
     lines: list[str] = []
     for path in logs:
-        lines += [f"--- {path.name} ---", *tail_lines(path, n)]
+        lines += [f"--- {path.name} ---", *_last_lines(path, n)]
     return "", tuple(lines)
 
 

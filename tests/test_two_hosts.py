@@ -255,19 +255,29 @@ def web_app_view(runs: Path, run_dir: Path) -> dict:
         backend.close()
 
 
-def test_a_killed_remote_rank_is_reported_with_its_host(net, task, tmp_path, decoy):
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_a_killed_remote_rank_is_reported_with_its_host(net, task, tmp_path, decoy, monkeypatch):
     a, b = net.hosts
     runs = tmp_path / "runs"
     manager = RunManager(runs)
     reported = []
     seen = threading.Event()
     manager.start_monitor(on_failure=lambda f: (reported.append((time.monotonic(), f)), seen.set()))
+    # a variable of the launching shell that DeepSpeed's runner would not carry on a CPU machine
+    monkeypatch.setenv("NCCL_LIVETUNE_PROBE", "forwarded to every host")
     with in_host(a):
         handle = manager.start(two_host_config(net, runs, "killed", task, "max_steps=400"), env=host_env(net))
     try:
         wait_step(handle, 2)
         (rank1,) = [p for p in net.processes(b) if "-m engine.worker" in cmdline(p)
                     and str(handle.folder.root) in cmdline(p)]
+        remote = environ(rank1)  # the rank on host b, started there by pdsh over ssh
+        assert remote.get("NCCL_LIVETUNE_PROBE") == "forwarded to every host", sorted(remote)
+        assert remote.get("OMP_NUM_THREADS") == "1"  # the launching environment's own setting
         killed_at = time.monotonic()
         os.kill(rank1, 9)
         assert seen.wait(60), "the killed rank was not reported"
