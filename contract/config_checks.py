@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from contract.branches import names_branch, resume_problem
+from contract import capabilities
+from contract.capabilities import Feature, Layout, Method
 from contract.config_schema import EVALUATORS, FUSED_METHODS, DataConfig, RunConfig
 from contract.hub import is_hub_id
 
@@ -53,22 +55,13 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
         problems.append(("parallel.offload_optimizer", "needs zero_stage 1, 2 or 3"))
     if p.offload_param and p.zero_stage != 3:
         problems.append(("parallel.offload_param", "needs zero_stage 3"))
+    problems += capability_problems(c)
     if c.method.name in FUSED_METHODS:
-        if p.pp_size > 1:
-            problems.append(("method.name", f"{c.method.name} updates inside backward and cannot run "
-                             "with pipeline parallelism (parallel.pp_size > 1)"))
-        if t.grad_accum > 1:
-            problems.append(("train.grad_accum", f"{c.method.name} applies each gradient as soon as it "
-                             "is computed, so gradients cannot be accumulated; set grad_accum 1"))
         if isinstance(p.deepspeed, dict) and "optimizer" in p.deepspeed:
             problems.append(("parallel.deepspeed", f"{c.method.name} updates the weights itself; remove "
                              "the DeepSpeed \"optimizer\" section"))
         if p.offload_optimizer:
             problems.append(("parallel.offload_optimizer", f"{c.method.name} keeps no optimizer state to offload"))
-    if c.method.name in ("prompt_tuning", "p_tuning") and c.data.batching == "packing":
-        problems.append(("data.batching", f"{c.method.name} puts virtual tokens in front of each row and "
-                         "drops position_ids, which packed rows need to keep samples apart; use "
-                         "group_by_length or random"))
     if t.max_steps == 0 and t.epochs == 0:
         problems.append(("train.max_steps", "set max_steps or epochs above 0"))
     evaluates = c.eval.every_n_steps or c.eval.every_n_epochs
@@ -170,6 +163,25 @@ def source_name(source: dict, index: int) -> str:
     return Path(path).stem if isinstance(path, str) and path else f"source{index}"
 
 
+def _layout(c: RunConfig) -> Layout:
+    return Layout.of(c.parallel.tp_size, c.parallel.pp_size)
+
+
+def capability_problems(c: RunConfig) -> list[tuple[str, str]]:
+    """What the capability table (contract.capabilities) refuses of this run's layout, method
+    and the features its settings ask for."""
+    if c.method.name not in {m.value for m in Method}:
+        return []  # an unknown method is the schema's problem, named there
+    layout, method = _layout(c), c.method.name
+    asked = [Feature.TRAIN]
+    if c.train.grad_accum > 1:
+        asked.append(Feature.GRAD_ACCUM)
+    if c.data.batching == "packing":
+        asked.append(Feature.PACKING)
+    found = (capabilities.problem(layout, method, feature) for feature in asked)
+    return [p for p in found if p is not None]
+
+
 def guard_problems(c: RunConfig) -> list[tuple[str, str]]:
     """What the spike guard cannot do in this run: skipping needs the update to wait for the
     loss (the engine step, one micro-batch per step); rewind and pause act through the control plane."""
@@ -181,12 +193,9 @@ def guard_problems(c: RunConfig) -> list[tuple[str, str]]:
     for key, action in actions.items():
         if action != "skip":
             continue
-        if c.method.name in FUSED_METHODS:
-            problems.append((key, f"skip needs the update to wait for the guard, but {c.method.name} "
-                             "updates inside backward; choose rewind or pause"))
-        elif c.parallel.pp_size > 1:
-            problems.append((key, "skip needs the update to wait for the guard, but the pipeline schedule "
-                             "runs forward, backward and update in one call; choose rewind or pause"))
+        refused = capabilities.problem(_layout(c), c.method.name, Feature.GUARD_SKIP, field=key)
+        if refused:
+            problems.append(refused)
         elif c.train.grad_accum > 1:
             problems.append((key, "skip judges the loss before the backward, which needs train.grad_accum 1 "
                              "(earlier micro-batches would be accumulated already); choose rewind or pause"))

@@ -3,16 +3,21 @@
 events.jsonl is the durable record of a run: front ends rebuild plots and history from it, and
 subscribers of the control socket receive its lines as they are written (contract.protocol).
 Every event carries `type` and `time` (seconds since the epoch, added by the writer,
-contract.run_folder.EventLog); the rest of its fields are declared below, one TypedDict per
-type, so that writers and readers agree on names. They are plain dicts at run time; the types
-are for the reader and the type checker. A reader should ignore fields and types it does not
-know: later versions may add some.
+contract.run_folder.EventLog); the rest of its fields are declared below, one pydantic model per
+type, so that writers and readers agree on names and types. Writers build an event through its
+model (`TrainEvent(step=3, loss=2.1)`); the one writer (EventLog.emit) and the one reader
+(EventTail) check every event against its model (`check_event`), so a misspelt type or a field of
+the wrong type fails where it is written. Declared fields are optional (an event says what it
+knows); extra fields are allowed (monitors add metrics, later versions may add fields), and a
+reader ignores what it does not know.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal, TypedDict
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from contract.protocol import RunState
 
@@ -43,259 +48,350 @@ class EventType(str, Enum):
     SNAPSHOT = "snapshot"        # the training state kept in host memory, or one evicted
 
 
-class _Event(TypedDict):
-    type: str
-    time: float
+class CommandStatus(str, Enum):
+    """A control command's life in `command` events."""
+    QUEUED = "queued"
+    DONE = "done"
+    FAILED = "failed"
 
 
-class StateEvent(_Event, total=False):
+class Event(BaseModel):
+    """What every event has: its `type`, `time` (added by the writer) and, once the run has
+    branches, the `branch` it belongs to."""
+    model_config = ConfigDict(extra="allow", use_enum_values=True)
+    type: EventType
+    time: float | None = None
+    branch: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The event as the JSON object written to events.jsonl: the fields it was given, and
+        its type (non-finite numbers stay numbers: the log is read by Python's json)."""
+        return {"type": EventType(self.type).value, **self.model_dump(exclude_unset=True, exclude={"type"})}
+
+
+class StateEvent(Event):
     """`state`: one of RunState's values. `error` (failed), `source` ("manager" when the run
     manager, not the engine, recorded it), `rank` (the rank that failed), `stopped_by_user`,
     `nproc` / `method` / `model` (starting)."""
-    state: str
-    step: int
-    error: str
-    source: str
-    rank: int
-    stopped_by_user: bool
-    nproc: int
-    method: str
-    model: str
+    type: Literal[EventType.STATE] = EventType.STATE
+    state: RunState | None = None
+    step: int | None = None
+    error: str | None = None
+    source: str | None = None
+    rank: int | None = None
+    stopped_by_user: bool | None = None
+    nproc: int | None = None
+    method: str | None = None
+    model: str | None = None
+    slurm_job: str | None = None  # a Slurm run's job id (starting)
+    chat_only: bool | None = None  # a chat-only copy of a checkpoint or export
 
 
-class SetupEvent(_Event, total=False):
-    world_size: int
-    dp_size: int
-    precision: str
-    total_steps: int
-    parameters: int
-    trainable_parameters: int
-    train_samples: int
-    eval_samples: int
-    data: dict[str, Any]       # per split: the data report's summary
-    warnings: list[str]        # DeepSpeed config warnings
+class SetupEvent(Event):
+    type: Literal[EventType.SETUP] = EventType.SETUP
+    world_size: int | None = None
+    dp_size: int | None = None
+    precision: str | None = None
+    total_steps: int | None = None
+    parameters: int | None = None
+    trainable_parameters: int | None = None
+    train_samples: int | None = None
+    eval_samples: int | None = None
+    data: dict[str, Any] | None = None       # per split: the data report's summary
+    warnings: list[str] | None = None        # DeepSpeed config warnings
 
 
-class TrainEvent(_Event, total=False):
+class TrainEvent(Event):
     """One logged step. The monitors add the rest: loss, lr, step_time, tokens, tokens_per_s,
     mem_mb, samples_per_source ({source name: samples drawn since the last record, all ranks})
     (and any custom monitor's numbers)."""
-    step: int
-    epoch: int
-    total_steps: int
-    loss: float
-    lr: float
-    step_time: float
-    tokens: int
-    tokens_per_s: float
-    mem_mb: float
-    samples_per_source: dict[str, int]
+    type: Literal[EventType.TRAIN] = EventType.TRAIN
+    step: int | None = None
+    epoch: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    lr: float | None = None
+    step_time: float | None = None
+    tokens: int | None = None
+    tokens_per_s: float | None = None
+    mem_mb: float | None = None
+    samples_per_source: dict[str, int] | None = None
 
 
-class EvalEvent(_Event, total=False):
+class EvalEvent(Event):
     """Evaluation results, each metric as `eval/<name>` (eval/loss, eval/perplexity, ...)."""
-    step: int
-    epoch: int
+    type: Literal[EventType.EVAL] = EventType.EVAL
+    step: int | None = None
+    epoch: int | None = None
 
 
-class CommandEvent(_Event, total=False):
+class CommandEvent(Event):
     """A control command's life: `queued` (with its wire `args`), then `done` (with `result`
     and `seconds`) or `failed` (with `error`). `status` reads are not recorded."""
-    id: str
-    cmd: str
-    status: Literal["queued", "done", "failed"]
-    step: int
-    args: dict[str, Any]
-    result: dict[str, Any]
-    seconds: float
-    error: str
+    type: Literal[EventType.COMMAND] = EventType.COMMAND
+    id: str | None = None
+    cmd: str | None = None
+    status: CommandStatus | None = None
+    step: int | None = None
+    args: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
+    seconds: float | None = None
+    error: str | None = None
 
 
-class SetEvent(_Event, total=False):
+class SetEvent(Event):
     """The settings a `set` changed, with their values after and before. `step` is the last
     step done; the change applies from `applies_from_step` (step + 1), and `changes["lr"]` is
     the rate that step trains with, as the `train` records log each step's own rate."""
-    step: int
-    changes: dict[str, Any]
-    before: dict[str, Any]
-    applies_from_step: int
+    type: Literal[EventType.SET] = EventType.SET
+    step: int | None = None
+    changes: dict[str, Any] | None = None
+    before: dict[str, Any] | None = None
+    applies_from_step: int | None = None
 
 
-class ChatPageEvent(_Event, total=False):
-    url: str    # without the token (control.json has the full URL)
-    note: str
+class ChatPageEvent(Event):
+    type: Literal[EventType.CHAT_PAGE] = EventType.CHAT_PAGE
+    url: str | None = None    # without the token (control.json has the full URL)
+    note: str | None = None
 
 
-class CheckpointEvent(_Event, total=False):
-    step: int
-    epoch: int
-    path: str
-    saved_by: str
-    seconds: float
+class CheckpointEvent(Event):
+    type: Literal[EventType.CHECKPOINT] = EventType.CHECKPOINT
+    step: int | None = None
+    epoch: int | None = None
+    path: str | None = None
+    saved_by: str | None = None
+    seconds: float | None = None
 
 
-class CheckpointFailedEvent(_Event, total=False):
+class CheckpointFailedEvent(Event):
     """`checkpoint_failed`: nothing was published and the partial folder is gone. `error` names
     each failing rank; on a full disk (`disk_full`) `needed_bytes` (estimated from the previous
     checkpoint) and `free_bytes`, and `foreseen` when the save was not started at all."""
-    path: str
-    kind: str
-    error: str
-    disk_full: bool
-    needed_bytes: int | None
-    free_bytes: int | None
-    foreseen: bool
+    type: Literal[EventType.CHECKPOINT_FAILED] = EventType.CHECKPOINT_FAILED
+    path: str | None = None
+    kind: str | None = None
+    error: str | None = None
+    disk_full: bool | None = None
+    needed_bytes: int | None = None
+    free_bytes: int | None = None
+    foreseen: bool | None = None
 
 
-class ResumeEvent(_Event, total=False):
-    checkpoint: str
-    step: int
-    epoch: int
-    batch_in_epoch: int
-    config_changes: dict[str, Any]
-    seconds: float
+class ResumeEvent(Event):
+    type: Literal[EventType.RESUME] = EventType.RESUME
+    checkpoint: str | None = None
+    step: int | None = None
+    epoch: int | None = None
+    batch_in_epoch: int | None = None
+    config_changes: list[str] | None = None  # the dotted config keys that differ from the checkpoint's
+    seconds: float | None = None
 
 
-class ExportEvent(_Event, total=False):
-    kind: str   # "model" or "adapter"
-    path: str
-    step: int
-    seconds: float
+class ExportEvent(Event):
+    type: Literal[EventType.EXPORT] = EventType.EXPORT
+    kind: str | None = None   # "model" or "adapter"
+    path: str | None = None
+    step: int | None = None
+    seconds: float | None = None
 
 
-class RewindEvent(_Event, total=False):
+class _Restored(Event):
     """`rewind`: every rank loaded `target` (`source`: its checkpoint URL or "snapshot:<name>")
     in place. Training goes on from `step`; `abandoned` is [first, last] of the steps given up
     ([] when none), `from_step` the step before the rewind. `reason`: "user", or the guard's."""
-    target: str
-    source: str
-    step: int
-    from_step: int
-    abandoned: list[int]
-    branch: str
-    reason: str
-    epoch: int
-    batch_in_epoch: int
-    seconds: float
+    target: str | None = None
+    source: str | None = None
+    step: int | None = None
+    from_step: int | None = None
+    abandoned: list[int] | None = None
+    branch: str | None = None
+    reason: str | None = None
+    epoch: int | None = None
+    batch_in_epoch: int | None = None
+    seconds: float | None = None
 
 
-class BranchEvent(RewindEvent, total=False):
+class RewindEvent(_Restored):
+    type: Literal[EventType.REWIND] = EventType.REWIND
+
+
+class BranchEvent(_Restored):
     """`branch`: as a rewind, then the run goes on as branch `branch`, child of `parent`, forked
     at `step`; `changes`: the settings the branch command changed. Events after it without a
     `branch` field belong to this branch (contract.branches)."""
-    parent: str
-    changes: dict[str, Any]
+    type: Literal[EventType.BRANCH] = EventType.BRANCH
+    parent: str | None = None
+    changes: dict[str, Any] | None = None
 
 
-class SnapshotEvent(_Event, total=False):
+class SnapshotEvent(Event):
     """`snapshot`: `name` kept at `step` in host memory; `bytes` its size (every rank of this
     machine together), `kept` the names kept, `evicted` those dropped to make room, `total_bytes`
     what the kept ones take."""
-    name: str
-    step: int
-    branch: str
-    bytes: int
-    total_bytes: int
-    kept: list[str]
-    evicted: list[str]
-    seconds: float
+    type: Literal[EventType.SNAPSHOT] = EventType.SNAPSHOT
+    name: str | None = None
+    step: int | None = None
+    branch: str | None = None
+    bytes: int | None = None
+    total_bytes: int | None = None
+    kept: list[str] | None = None
+    evicted: list[str] | None = None
+    seconds: float | None = None
 
 
-class DataEvent(_Event, total=False):
+class DataEvent(Event):
     """`data`: `change` is add / weight / remove / forget; `source` the source after it (name,
     path, format, weight, kind, samples, seen, scheduled), `sources` all live ones; add reports
     `report`, `dropped` and `dropped_rows` (row numbers and why); weight `before`; forget `id`."""
-    step: int
-    change: Literal["add", "weight", "remove", "forget"]
-    source: dict[str, Any]
-    sources: list[dict[str, Any]]
-    applies_from_step: int
-    report: str
-    dropped: int
-    dropped_rows: list[str]
-    before: float
-    id: str
+    type: Literal[EventType.DATA] = EventType.DATA
+    step: int | None = None
+    change: Literal["add", "weight", "remove", "forget"] | None = None
+    source: dict[str, Any] | None = None
+    sources: list[dict[str, Any]] | None = None
+    applies_from_step: int | None = None
+    report: str | None = None
+    dropped: int | None = None
+    dropped_rows: list[str] | None = None
+    before: float | None = None
+    id: str | None = None
 
 
-class TeachEvent(_Event, total=False):
+class TeachEvent(Event):
     """`teach`: entry `id` (t1, t2 ...), `prompt` as the model saw it, `answer`, the greedy answer
     before (`old`), its rate (`per_step` samples in each of `steps` batches), `check_at_step`."""
-    step: int
-    id: str
-    prompt: str
-    answer: str
-    old: str
-    per_step: int
-    steps: int
-    check_at_step: int | None
+    type: Literal[EventType.TEACH] = EventType.TEACH
+    step: int | None = None
+    id: str | None = None
+    prompt: str | None = None
+    answer: str | None = None
+    old: str | None = None
+    per_step: int | None = None
+    steps: int | None = None
+    check_at_step: int | None = None
 
 
-class TeachCheckEvent(_Event, total=False):
+class TeachCheckEvent(Event):
     """`teach_check`: the prompt asked again `steps` steps after `taught_at_step`: `old` and `new`
     greedy answers, `learned` when the new one is the taught `answer`."""
-    step: int
-    id: str
-    prompt: str
-    answer: str
-    old: str
-    new: str
-    taught_at_step: int
-    steps: int
-    learned: bool
+    type: Literal[EventType.TEACH_CHECK] = EventType.TEACH_CHECK
+    step: int | None = None
+    id: str | None = None
+    prompt: str | None = None
+    answer: str | None = None
+    old: str | None = None
+    new: str | None = None
+    taught_at_step: int | None = None
+    steps: int | None = None
+    learned: bool | None = None
 
 
-class WarningEvent(_Event, total=False):
-    message: str
+class WarningEvent(Event):
+    type: Literal[EventType.WARNING] = EventType.WARNING
+    message: str | None = None
 
 
-class GuardEvent(_Event, total=False):
+class GuardEvent(Event):
     """`guard`: the spike guard judged step `step` bad. `trigger`: nonfinite_loss, loss_spike,
     grad_norm or nonfinite_grad_norm; `value` and `threshold` (non-finite numbers as strings);
     `action`: skip, rewind (then `target`, `target_step`, `lr_scale`; the `rewind` and `set`
     events follow), pause (a `state` paused follows) or none (reported only: `reason` says why);
     `reason` in words; `update_applied`: whether the step's update was applied before the guard
     judged it; `rewinds` / `max_rewinds` and `skips_in_a_row` after this action."""
-    step: int
-    trigger: str
-    action: str
-    reason: str
-    value: float | str | None
-    threshold: float | str | None
-    update_applied: bool
-    target: str
-    target_step: int
-    lr_scale: float
-    rewinds: int
-    max_rewinds: int
-    skips_in_a_row: int
+    type: Literal[EventType.GUARD] = EventType.GUARD
+    step: int | None = None
+    trigger: str | None = None
+    action: str | None = None
+    reason: str | None = None
+    value: float | str | None = None
+    threshold: float | str | None = None
+    update_applied: bool | None = None
+    target: str | None = None
+    target_step: int | None = None
+    lr_scale: float | None = None
+    rewinds: int | None = None
+    max_rewinds: int | None = None
+    skips_in_a_row: int | None = None
 
 
-class EarlyStopEvent(_Event, total=False):
+class EarlyStopEvent(Event):
     """`early_stop`: `metric` did not improve on `best` (by more than `threshold`) in `patience`
     evaluations in a row; the run ends after this step (the best checkpoint is loaded at the end
     when checkpoint.load_best_at_end)."""
-    step: int
-    metric: str
-    value: float
-    best: float
-    best_step: int
-    patience: int
-    threshold: float
+    type: Literal[EventType.EARLY_STOP] = EventType.EARLY_STOP
+    step: int | None = None
+    metric: str | None = None
+    value: float | None = None
+    best: float | None = None
+    best_step: int | None = None
+    patience: int | None = None
+    threshold: float | None = None
 
 
-COMMAND_STATUSES = ("queued", "done", "failed")
+COMMAND_STATUSES = tuple(s.value for s in CommandStatus)
+
+EVENT_MODELS: dict[str, type[Event]] = {
+    EventType(model.model_fields["type"].default).value: model
+    for model in (StateEvent, SetupEvent, TrainEvent, EvalEvent, CommandEvent, SetEvent, ChatPageEvent,
+                  CheckpointEvent, CheckpointFailedEvent, ResumeEvent, ExportEvent, RewindEvent,
+                  BranchEvent, SnapshotEvent, DataEvent, TeachEvent, TeachCheckEvent, WarningEvent,
+                  GuardEvent, EarlyStopEvent)}
 
 
-def state_event(state: RunState | str, **fields: Any) -> dict[str, Any]:
+class EventError(ValueError):
+    """An event that does not match its model: names the type and each field at fault."""
+
+
+def check_event(event: Event | dict[str, Any]) -> dict[str, Any]:
+    """The JSON object of `event` (a model, or a dict a writer built) after checking it against
+    the model of its type; EventError names what is wrong. An EventType without a model of its
+    own is checked as a plain Event."""
+    if isinstance(event, Event):
+        return event.record()
+    kind = event.get("type")
+    if kind not in _TYPE_VALUES:
+        raise EventError(f"event type {kind!r} is not one of contract.events.EventType")
+    model = EVENT_MODELS.get(EventType(kind).value, Event)
+    try:
+        model.model_validate(event)
+    except ValidationError as e:
+        raise EventError(f"{EventType(kind).value} event: " + "; ".join(
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+    return {**event, "type": EventType(kind).value}  # the enum member written as its value
+
+
+def parse_event(raw: dict[str, Any]) -> Event | None:
+    """A read event as its model, or None for one that does not match it. An event of a type
+    this version does not know is returned as a plain Event (readers ignore what they do not
+    know: later versions may add types)."""
+    if not isinstance(raw, dict):
+        return None
+    kind = raw.get("type")
+    if not isinstance(kind, str):
+        return None
+    model = EVENT_MODELS.get(kind, Event)
+    try:
+        if model is Event and kind not in _TYPE_VALUES:
+            return Event.model_construct(**raw)  # unknown type: kept as it is, unchecked
+        return model.model_validate(raw)
+    except ValidationError:
+        return None
+
+
+_TYPE_VALUES = frozenset(t.value for t in EventType)
+
+
+def state_event(state: RunState | str, **fields: Any) -> StateEvent:
     """A `state` event for `state` (checked against RunState), with `fields` (step, error, ...)."""
-    return {"type": EventType.STATE.value, "state": RunState(state).value, **fields}
+    return StateEvent(state=RunState(state), **fields)
 
 
 def run_state(events: Any, default: RunState | None = None) -> RunState | None:
     """The state the last `state` event among `events` names (None or `default` without one)."""
     state = default
     for event in events:
-        if event.get("type") == EventType.STATE.value and event.get("state") in _STATE_VALUES:
+        if event.get("type") == EventType.STATE and event.get("state") in _STATE_VALUES:
             state = RunState(event["state"])
     return state
 

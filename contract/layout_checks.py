@@ -25,20 +25,14 @@ _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
 
 def layout_problems(cfg: Any) -> list[tuple[str, str]]:
     """Problems of `cfg`'s tp / pp / multi-machine layout (a RunConfig; empty list when fine)."""
-    p, method = cfg.parallel, cfg.method.name
+    p = cfg.parallel
     problems: list[tuple[str, str]] = []
     if p.tp_size > 1 and p.pp_size > 1:
         problems.append(("parallel.pp_size", "tensor and pipeline parallelism cannot be combined here: "
                          "DeepSpeed's AutoTP swaps the engine's model-parallel unit for its own "
                          "data x tensor mesh over all ranks, which knows nothing of pipeline stages; "
                          "use tp_size or pp_size, not both"))
-    if method in ("lora", "prompt_tuning", "p_tuning") and (p.tp_size > 1 or p.pp_size > 1):
-        problems.append(("method.name", f"{method} (a PEFT adapter) is not supported with tensor or "
-                         "pipeline parallelism: the adapter's own layers would have to be split and "
-                         "staged with the layers they wrap; use method full, or tp_size 1 and pp_size 1"))
-    if method in ("lomo", "adalomo") and p.tp_size > 1:
-        problems.append(("method.name", f"{method} updates each whole gradient inside backward, which "
-                         "AutoTP's sharded layers do not give it; use tp_size 1"))
+    # which methods each layout trains: contract.capabilities (read by the config's own check)
     model = model_config(cfg)
     if model is not None:
         problems += _model_problems(model, p.tp_size, p.pp_size)

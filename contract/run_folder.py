@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from contract.branches import ROOT, checkpoints_dir
+from contract.events import Event, check_event, parse_event
 from contract.protocol import jsonable
 
 if TYPE_CHECKING:
@@ -87,7 +88,10 @@ class EventLog:
         # set once the run has branches: every event then names the branch it belongs to
         self.branch: str | None = None
 
-    def emit(self, event: dict[str, Any]) -> dict[str, Any]:
+    def emit(self, event: Event | dict[str, Any]) -> dict[str, Any]:
+        """Write `event` (a model of contract.events, or a dict checked against its type's model:
+        EventError when it does not match) and pass it to the listeners; returns what was written."""
+        event = check_event(event)
         event.setdefault("time", time.time())
         if self.branch is not None:
             event.setdefault("branch", self.branch)
@@ -179,9 +183,11 @@ class EventTail:
         out = []
         for n, raw in self.read(max_bytes=None):
             try:
-                out.append((n, json.loads(raw)))
+                event = json.loads(raw)
             except json.JSONDecodeError:  # keep the numbering; a broken line is just not returned
                 continue
+            if parse_event(event) is not None:  # an event that does not match its model is skipped alike
+                out.append((n, event))
         return out
 
     def poll(self) -> list[dict[str, Any]]:

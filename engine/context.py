@@ -15,6 +15,7 @@ from typing import Any, Callable, ContextManager, Protocol
 import torch
 from torch import nn
 
+from contract import capabilities
 from contract.config import RunConfig
 from contract.run_folder import EventLog, RunFolder
 from engine.losses import PER_MICRO_BATCH, Window
@@ -54,6 +55,7 @@ class Layout(Protocol):
     """What differs between data-parallel, tensor-parallel and pipeline runs (the objects are in
     engine.parallel.layouts; `run` is the RunContext)."""
     name: str
+    kind: capabilities.Layout  # its row in the capability table
     split: bool  # the engine holds a shard or a stage of the model, not all of it
 
     def prepare_model(self, model: nn.Module, cfg: RunConfig, loss_fn: Callable | None) -> nn.Module: ...
@@ -63,6 +65,7 @@ class Layout(Protocol):
     def compute_loss(self, run, batch: dict, forward: Callable, loss_fn: Callable | None,
                      window: Window = PER_MICRO_BATCH) -> torch.Tensor: ...
     def generate(self, run, prompts: list[str], **options) -> list[str]: ...
+    def logit_summary(self, run, inputs: dict, summarize: Callable, shape: tuple) -> torch.Tensor: ...
     def full_state_dict(self, run) -> dict[str, torch.Tensor] | None: ...
     def load_full_state_dict(self, run, state_dict: dict[str, torch.Tensor]) -> None: ...
     def save_model(self, run, path: str, max_shard_size: int | str) -> dict: ...

@@ -41,6 +41,8 @@ from typing import Any, ContextManager
 
 import torch
 
+from contract import capabilities
+from contract.capabilities import Feature
 from contract.config import FUSED_METHODS, PEFT_METHODS, RunConfig
 from engine import ds_config, lomo
 from engine.checkpoint import adapters
@@ -271,9 +273,9 @@ class FusedMethod(FullMethod):
         run.optimizer.max_grad_norm = float(value)
 
     def step(self, layout) -> StepStrategy:
-        if layout.name == "pipeline":
-            raise ValueError(f"method.name: {self.name} updates inside backward, which DeepSpeed's pipeline "
-                             "schedule does not allow; use pp_size 1")
+        refused = capabilities.problem(layout.kind, self.name, Feature.TRAIN)
+        if refused:  # the config check refuses it first; a Trainer built by hand meets it here
+            raise ValueError("{}: {}".format(*refused))
         return lomo.FusedStep(self.name)
 
 

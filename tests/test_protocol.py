@@ -187,14 +187,35 @@ def test_the_commands_allowed_in_each_state():
 
 
 def test_state_events_name_only_run_states():
-    assert state_event(RunState.PAUSED, step=3) == {"type": "state", "state": "paused", "step": 3}
-    assert state_event("running")["state"] == "running"
+    assert state_event(RunState.PAUSED, step=3).record() == {"type": "state", "state": "paused", "step": 3}
+    assert state_event("running").state == RunState.RUNNING
     with pytest.raises(ValueError):
         state_event("sleeping")
-    log = [state_event("starting"), {"type": "train", "step": 1}, state_event("running"),
+    log = [state_event("starting").record(), {"type": "train", "step": 1}, state_event("running").record(),
            {"type": "state", "state": "from-the-future"}]
     assert run_state(log) is RunState.RUNNING and run_state([]) is None
     assert EventType("checkpoint") is EventType.CHECKPOINT
+
+
+def test_events_are_checked_against_their_models_where_written_and_read(tmp_path):
+    from contract.events import EventError, TrainEvent, check_event, parse_event
+    from contract.run_folder import EventLog, read_events
+    log = EventLog(tmp_path / "events.jsonl")
+    log.emit(TrainEvent(step=1, loss=2.5, custom_metric=0.5))  # a monitor's own number rides along
+    log.emit({"type": EventType.EVAL, "step": 1, "eval/loss": 2.0})
+    for bad, names in (({"type": "trian", "step": 1}, "trian"),
+                       ({"type": "train", "step": "one"}, "train event: step"),
+                       ({"type": "state", "state": "sleeping"}, "state event: state")):
+        with pytest.raises(EventError, match=names):
+            log.emit(bad)
+    with open(tmp_path / "events.jsonl", "a") as f:  # a line no model matches is skipped by readers
+        f.write('{"type": "train", "step": "x"}\n{"type": "a_later_version", "x": 1}\n')
+    log.close()
+    read = list(read_events(tmp_path / "events.jsonl"))
+    assert [e["type"] for e in read] == ["train", "eval", "a_later_version"]
+    assert read[0]["custom_metric"] == 0.5 and "time" in read[0]
+    assert check_event(TrainEvent(step=2))["type"] == "train"
+    assert parse_event({"type": "state", "state": "running"}).state == RunState.RUNNING
 
 
 # -- the event log's one tailer --------------------------------------------------------------------

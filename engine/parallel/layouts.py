@@ -10,6 +10,7 @@ A layout carries every operation in which layouts differ, so no code elsewhere a
     step()                               the step strategy (engine step, pipeline schedule)
     compute_loss(run, batch, forward, loss_fn, window)   the loss of one batch (pipeline: stage to stage)
     generate(run, prompts, **options)    generation with the live weights (collective)
+    logit_summary(run, inputs, summarize, shape)   token log-probabilities (engine.scoring; collective)
     full_state_dict(run)                 whole-model weights, Hugging Face names, on rank 0
     load_full_state_dict(run, state)     whole-model weights into this rank's share
     save_model(run, path, max_shard_size) / load_model(run, path)   Hugging Face folders
@@ -37,9 +38,11 @@ from engine.context import DistEnv, Layout, RunContext
 from engine.generation import hf_generate
 from engine.losses import PER_MICRO_BATCH, Window, model_loss
 from engine.model import count_parameters
+from contract import capabilities
 from engine.parallel import groups as process_groups
 from engine.parallel import pipeline, tp, weights
 from engine.pipeline_generate import pipeline_generate
+from engine.scoring import Summarize, forward_summary, pipeline_summary
 from engine.steps import EngineStep, StepStrategy
 
 
@@ -47,6 +50,7 @@ class DataParallel:
     """Every rank holds the whole model (ZeRO 1-3 partition its states, and under stage 3 its
     weights, which DeepSpeed gathers layer by layer)."""
     name, split = "data-parallel", False
+    kind = capabilities.Layout.DATA  # its row in the capability table (contract.capabilities)
 
     @staticmethod
     def groups(parallel: ParallelConfig, rank: int, world_size: int) -> process_groups.Groups:
@@ -70,6 +74,9 @@ class DataParallel:
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
+
+    def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
+        return forward_summary(run, inputs, summarize)  # engine.scoring
 
     def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         if self.env.rank != 0:
@@ -136,6 +143,7 @@ class _Split:
 class TensorParallel(_Split):
     """DeepSpeed AutoTP: each tensor group shares a sharded model (engine.parallel.tp)."""
     name = "tensor-parallel"
+    kind = capabilities.Layout.TENSOR
 
     @staticmethod
     def groups(parallel: ParallelConfig, rank: int, world_size: int) -> process_groups.Groups:
@@ -160,6 +168,9 @@ class TensorParallel(_Split):
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
 
+    def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
+        return forward_summary(run, inputs, summarize)  # engine.scoring
+
     def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         engine = run.engine
         state = tp.full_state_dict(engine)
@@ -176,6 +187,7 @@ class TensorParallel(_Split):
 class Pipeline(_Split):
     """A DeepSpeed PipelineModule: each rank runs one stage of the layers (engine.parallel.pipeline)."""
     name = "pipeline"
+    kind = capabilities.Layout.PIPELINE
 
     @staticmethod
     def groups(parallel: ParallelConfig, rank: int, world_size: int) -> process_groups.Groups:
@@ -202,6 +214,9 @@ class Pipeline(_Split):
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return pipeline_generate(run, prompts, **options)
+
+    def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
+        return pipeline_summary(run, inputs, summarize, shape)  # engine.scoring
 
     def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         return weights.gather_stages(run.engine.module, self.env)
