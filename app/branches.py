@@ -20,6 +20,8 @@ from typing import Any, Iterable
 
 from contract.branches import ROOT, BranchTree, attributed, checkpoints_dir
 from contract.run_folder import RunFolder, read_events
+from contract.protocol import RunState
+from contract.events import EventType
 
 Point = tuple[int, float]
 ABANDONED = "abandoned"
@@ -79,12 +81,12 @@ def snapshot_targets(events: Iterable[dict]) -> list[Target]:
     ended = False
     for event in events:
         kind = event.get("type")
-        if kind == "snapshot" and isinstance(event.get("name"), str):
+        if kind == EventType.SNAPSHOT and isinstance(event.get("name"), str):
             taken[event["name"]] = event
             kept = [n for n in event.get("kept", [event["name"]]) if isinstance(n, str)]
-        elif kind == "state" and event.get("state") in ("finished", "failed"):
+        elif kind == EventType.STATE and event.get("state") in (RunState.FINISHED, RunState.FAILED):
             ended = True
-        elif kind == "state" and event.get("state") == "starting":
+        elif kind == EventType.STATE and event.get("state") == RunState.STARTING:
             ended, kept = False, []  # a resumed run starts with no snapshot
     if ended:
         return []
@@ -107,7 +109,7 @@ class _Fold:
 
     def take(self, branch: str, event: dict) -> None:
         kind, step = event.get("type"), event.get("step")
-        if kind == "branch" and isinstance(step, int):
+        if kind == EventType.BRANCH and isinstance(step, int):
             self.rewinds.append(event)
             parent = event.get("parent")
             # the new branch's lines start where it forked: the parent's point at that step
@@ -115,12 +117,12 @@ class _Fold:
                 at = [p for p in points if p[0] == step]
                 if at:
                     self.live.setdefault(branch, {}).setdefault(name, []).append(at[-1])
-        elif kind == "rewind" and isinstance(step, int):
+        elif kind == EventType.REWIND and isinstance(step, int):
             self.rewinds.append(event)
             self._abandon(branch, step)
-        elif kind == "train" and isinstance(step, int):
+        elif kind == EventType.TRAIN and isinstance(step, int):
             self._point(branch, step, {"loss": event.get("loss"), "lr": event.get("lr")})
-        elif kind == "eval" and isinstance(step, int):
+        elif kind == EventType.EVAL and isinstance(step, int):
             self._point(branch, step, {f"eval {k[5:]}": v for k, v in event.items() if k.startswith("eval/")})
 
     def _point(self, branch: str, step: int, values: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from contract.config import SHORTCUTS, ConfigError, RunConfig
 from contract.preflight import PreflightError, PreflightReport, preflight
 from contract.protocol import RunState, Stop
 from contract.run_folder import EventTail
+from contract.events import EventType
 from supervisor import Failure, RunError, RunHandle, RunManager, RunRefused, remote_stop
 from supervisor.procs import signal_group
 
@@ -273,7 +274,7 @@ def _current_run_events(tail: EventTail) -> Callable[[], Iterator[dict]]:
         if first:
             first = False
             starts = [i for i, e in enumerate(batch)
-                      if e.get("type") == "state" and e.get("state") == RunState.STARTING]
+                      if e.get("type") == EventType.STATE and e.get("state") == RunState.STARTING]
             batch = batch[starts[-1]:] if starts else batch
         return iter(batch)
     return poll
@@ -289,11 +290,11 @@ class _Shown:
 
     def event(self, event: dict) -> None:
         kind, p = event.get("type"), self.progress
-        if kind == "setup":
+        if kind == EventType.SETUP:
             p.update(self.task, description="training", total=event.get("total_steps"))
             for w in event.get("warnings", []):
                 say(f"warning: {w}", "yellow")
-        elif kind == "train":
+        elif kind == EventType.TRAIN:
             self.metrics.update(loss=f"loss {event.get('loss', float('nan')):.4f}",
                                 lr=f"lr {event.get('lr', float('nan')):.2e}",
                                 tps=f"{event.get('tokens_per_s', 0):.0f} tok/s")
@@ -301,16 +302,16 @@ class _Shown:
                      description=f"epoch {event.get('epoch', 0)}")
             if self.plain:
                 say(f"step {event.get('step')}/{event.get('total_steps')} {self.metrics['loss']}")
-        elif kind == "eval":
+        elif kind == EventType.EVAL:
             shown = {k: v for k, v in event.items() if k.startswith("eval/")}
             text = "  ".join(f"{k[5:]} {v:.4g}" for k, v in shown.items())
             self.metrics["eval"] = text
             say(f"step {event.get('step')} eval: {text}")
-        elif kind == "warning":
+        elif kind == EventType.WARNING:
             say(f"warning: {event.get('message', '')}", "yellow")
-        elif kind == "checkpoint_failed":
+        elif kind == EventType.CHECKPOINT_FAILED:
             say(f"checkpoint failed ({event.get('kind', 'save')}): {event.get('error', '')}", "red")
-        elif kind == "state" and event.get("state") in (RunState.STOPPING, RunState.PAUSED):
+        elif kind == EventType.STATE and event.get("state") in (RunState.STOPPING, RunState.PAUSED):
             say(f"{event['state']} at step {event.get('step', '?')}", "yellow")
         p.update(self.task, metrics="  ".join(self.metrics.values()))
 
@@ -351,7 +352,8 @@ def stop(argv: list[str]) -> int:
         say(str(e), "red")
         return 2
     info = handle.stop(save=save, timeout=STOP_TIMEOUT_S)
-    say(f"{info.name}: {info.state} at step {info.step}" + (f" ({info.error})" if info.error else ""))
+    why = info.error or info.reason
+    say(f"{info.name}: {info.state} at step {info.step}" + (f" ({why})" if why else ""))
     return 0 if info.state == RunState.FINISHED else 1
 
 

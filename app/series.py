@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from contract.protocol import RunState
+from contract.events import CommandStatus, EventType
 from supervisor.summary import RunSummary
 
 Point = tuple[int, float]
@@ -45,13 +46,13 @@ class RunHistory:
         self.summary.update(events)
         for event in events:
             kind = event.get("type")
-            if kind == "train":
+            if kind == EventType.TRAIN:
                 self._on_train(event)
-            elif kind == "eval":
+            elif kind == EventType.EVAL:
                 self._on_eval(event)
-            elif kind == "set":
+            elif kind == EventType.SET:
                 self.settings.append({"step": event.get("step"), **event.get("changes", {})})
-            elif kind == "command" and event.get("status") in ("done", "failed"):
+            elif kind == EventType.COMMAND and event.get("status") in (CommandStatus.DONE, CommandStatus.FAILED):
                 self.commands.append(event)
         self.version += len(events)
         return len(events)

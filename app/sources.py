@@ -20,6 +20,7 @@ import yaml
 
 from contract.inbox import inbox_path, read_inbox
 from contract.run_folder import RunFolder, read_events
+from contract.events import EventType
 
 Point = tuple[int, float]
 DEFAULT_SOURCE = "train"  # the one-source shorthand's name (data.train, or the embedded task)
@@ -45,14 +46,14 @@ def data_view(folder: RunFolder, events: Iterable[dict] | None = None,
     kept: dict[str, list[dict]] = {}
     for event in events:
         kind, step = event.get("type"), event.get("step")
-        if kind == "data" and isinstance(event.get("sources"), list):
+        if kind == EventType.DATA and isinstance(event.get("sources"), list):
             sources = [dict(s) for s in event["sources"] if isinstance(s, dict)]
-        elif kind in ("checkpoint", "snapshot"):
-            kept[_key(event.get("path") if kind == "checkpoint" else "snapshot:" + str(event.get("name")))] = \
+        elif kind in (EventType.CHECKPOINT, EventType.SNAPSHOT):
+            kept[_key(event.get("path") if kind == EventType.CHECKPOINT else "snapshot:" + str(event.get("name")))] = \
                 [dict(s) for s in sources]
-        elif kind in ("rewind", "branch") and _key(event.get("source")) in kept:
+        elif kind in (EventType.REWIND, EventType.BRANCH) and _key(event.get("source")) in kept:
             sources = [dict(s) for s in kept[_key(event.get("source"))]]
-        elif kind == "train" and isinstance(step, int) and isinstance(event.get("samples_per_source"), dict):
+        elif kind == EventType.TRAIN and isinstance(step, int) and isinstance(event.get("samples_per_source"), dict):
             for name, n in event["samples_per_source"].items():
                 if isinstance(n, (int, float)):
                     points = seen.setdefault(name, [])
@@ -62,7 +63,7 @@ def data_view(folder: RunFolder, events: Iterable[dict] | None = None,
                         totals[name] = points[-1][1] if points else 0.0
                     totals[name] = totals.get(name, 0.0) + n
                     points.append((step, totals[name]))
-        elif kind == "teach_check" and isinstance(event.get("id"), str):
+        elif kind == EventType.TEACH_CHECK and isinstance(event.get("id"), str):
             checks[event["id"]] = event
     if live_sources:
         sources = [dict(s) for s in live_sources if isinstance(s, dict)]

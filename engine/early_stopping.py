@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from engine.callbacks import Callback
+from contract.events import EarlyStopEvent, WarningEvent
 
 
 class EarlyStopping(Callback):
@@ -49,8 +50,8 @@ class EarlyStopping(Callback):
     def on_evaluate_end(self, trainer, results: dict[str, float]) -> None:
         value = results.get(self.metric[len("eval/"):])
         if value is None:
-            trainer.emit({"type": "warning", "message": f"early stopping watches {self.metric}, which "
-                          f"this evaluation did not report (it reported: {', '.join(sorted(results))})"})
+            trainer.emit(WarningEvent(message=f"early stopping watches {self.metric}, which "
+                                      f"this evaluation did not report (it reported: {', '.join(sorted(results))})"))
             return
         step = trainer.state.global_step
         if self.improves(float(value)):
@@ -59,9 +60,9 @@ class EarlyStopping(Callback):
         self.without_improvement += 1
         if self.without_improvement >= self.patience and not trainer.should_stop:
             trainer.should_stop = True
-            trainer.emit({"type": "early_stop", "step": step, "metric": self.metric, "value": float(value),
-                          "best": self.best, "best_step": self.best_step, "patience": self.patience,
-                          "threshold": self.threshold})
+            trainer.emit(EarlyStopEvent(step=step, metric=self.metric, value=float(value),
+                                        best=self.best, best_step=self.best_step, patience=self.patience,
+                                        threshold=self.threshold))
 
     def on_save_checkpoint(self, trainer) -> Any:
         return {"best": self.best, "best_step": self.best_step, "without_improvement": self.without_improvement}

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from contract.config import GuardConfig, RunConfig
 from contract.protocol import RunState, Set
+from contract.events import WarningEvent
 from engine.callbacks import Callback
 from engine.checkpoint import rewind as rewinding
 from engine.control.handlers import CommandRefused, set_values
@@ -158,7 +159,7 @@ class GuardCallback(Callback):
         try:
             rewinding.take_snapshot(trainer, f"guard-{step}")
         except rewinding.RewindError as e:
-            trainer.emit({"type": "warning", "message": f"guard: no snapshot at step {step}: {e}"})
+            trainer.emit(WarningEvent(message=f"guard: no snapshot at step {step}: {e}"))
 
     # -- the actions ----------------------------------------------------------------------------
     def _feasible(self, trainer, verdict: Verdict, applied: bool) -> Verdict:
@@ -198,13 +199,13 @@ class GuardCallback(Callback):
         try:
             rewinding.rewind_in_place(trainer, target, reason=f"guard: {verdict.trigger}")
         except rewinding.RewindError as e:
-            trainer.emit({"type": "warning", "message": f"guard: rewind to {target} refused: {e}"})
+            trainer.emit(WarningEvent(message=f"guard: rewind to {target} refused: {e}"))
             return False
         control = trainer.control
         try:  # the control plane's own `set`: recorded as a `set` event and in later checkpoints
             set_values(control, Set(lr_scale=control.settings.lr_scale * self.cfg.lr_scale), NO_REPLY)
         except CommandRefused as e:
-            trainer.emit({"type": "warning", "message": f"guard: the learning rate was not scaled: {e}"})
+            trainer.emit(WarningEvent(message=f"guard: the learning rate was not scaled: {e}"))
         return True
 
     def _target(self, trainer, step: int) -> tuple[str, int] | None:

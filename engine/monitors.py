@@ -17,6 +17,7 @@ import torch
 
 from contract.protocol import RunState
 from contract.run_folder import EventLog
+from contract.events import EventType
 
 FINAL_STATES = tuple(s.value for s in RunState if s.final)
 
@@ -123,7 +124,7 @@ class TensorBoardSink:
 
     def __call__(self, event: dict) -> None:
         kind = event.get("type")
-        if kind not in ("train", "eval"):
+        if kind not in (EventType.TRAIN, EventType.EVAL):
             return
         for key, value in event.items():
             if key in ("type", "step", "epoch", "time") or not isinstance(value, (int, float)):
@@ -156,7 +157,7 @@ class CsvSink:
 
     def __call__(self, event: dict) -> None:
         kind = event.get("type")
-        if kind not in ("train", "eval"):
+        if kind not in (EventType.TRAIN, EventType.EVAL):
             return
         row = {"step": event.get("step", 0), "epoch": event.get("epoch", ""), "time": event.get("time", ""),
                **{k: v for k, v in event.items() if k not in ("type", "step", "epoch", "time")
@@ -193,9 +194,9 @@ class WandbSink:
 
     def __call__(self, event: dict) -> None:
         kind = event.get("type")
-        if kind in ("train", "eval"):
+        if kind in (EventType.TRAIN, EventType.EVAL):
             self.run.log({"global_step": int(event.get("step", 0)), **_scalars(event)})
-        elif kind == "state" and event.get("state") in FINAL_STATES:
+        elif kind == EventType.STATE and event.get("state") in FINAL_STATES:
             self.close()
 
     def close(self) -> None:

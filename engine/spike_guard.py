@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from contract.config import GuardConfig
+from contract.events import EventType
 
 MAD_TO_STD = 1.4826  # the median absolute deviation of normal noise times this is its standard deviation
 OK = "ok"
@@ -63,7 +64,7 @@ class Verdict:
 
     def event(self, step: int, **extra) -> dict:
         """The `guard` event of this verdict (contract.events.GuardEvent)."""
-        return {"type": "guard", "step": step, "trigger": self.trigger, "action": self.action,
+        return {"type": EventType.GUARD, "step": step, "trigger": self.trigger, "action": self.action,
                 "reason": self.reason, "value": _plain(self.value), "threshold": _plain(self.threshold),
                 **extra}
 

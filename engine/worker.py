@@ -15,6 +15,8 @@ from pathlib import Path
 
 from contract.config import load_config
 from contract.run_folder import EventLog, RunFolder
+from contract.protocol import RunState
+from contract.events import StateEvent
 
 
 def _redirect_output(folder: RunFolder, rank: int) -> None:
@@ -43,8 +45,8 @@ def run(run_dir: Path) -> int:
         traceback.print_exc()
         if int(os.environ.get("RANK", "0")) == 0:
             log = trainer.events if trainer is not None and trainer.events else EventLog(folder.events)
-            log.emit({"type": "state", "state": "failed", "error": message,
-                      "rank": int(os.environ.get("RANK", "0"))})
+            log.emit(StateEvent(state=RunState.FAILED, error=message,
+                                rank=int(os.environ.get("RANK", "0"))))
         return 1
     finally:
         if trainer is not None:

@@ -19,6 +19,7 @@ from app.notebook.api import Run
 from app.session import allowed
 from app.sources import data_view, number
 from contract.run_folder import RunFolder
+from contract.protocol import RunState
 
 Send = Callable[[str, Callable[[Run], Any]], "Future | None"]
 
@@ -127,7 +128,7 @@ class DataControls:
             self.enable(None)
             return
         live = None
-        if run.info().alive and run.info().state in ("running", "paused"):
+        if run.info().alive and run.info().state in (RunState.RUNNING, RunState.PAUSED):
             try:
                 live = run.status().get("sources")
             except Exception:  # noqa: BLE001 - the event log's account is shown instead

@@ -20,6 +20,7 @@ from app.sources import DataView, data_view, number
 from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from contract.run_folder import RunFolder
+from contract.protocol import RunState
 
 SOURCE_COLUMNS = ["source", "weight", "samples drawn", "format", "path"]
 INBOX_COLUMNS = ["id", "prompt", "wanted answer", "taught at step", "answer before", "answer after",
@@ -124,7 +125,7 @@ def live_sources(backend: Backend, path: str) -> list[dict] | None:
     """The sources as the running run says now (a rewind takes them back with the data position);
     None when it cannot say (not running, or no answer at once)."""
     info = backend.session.info(path)
-    if not info.alive or info.state not in ("running", "paused"):
+    if not info.alive or info.state not in (RunState.RUNNING, RunState.PAUSED):
         return None
     try:
         found = backend.session.client(path, timeout=2.0).status().get("sources")

@@ -27,6 +27,7 @@ from engine.context import RunContext
 from engine import ds_config
 from engine.checkpoint import atomic, models
 from engine.checkpoint.atomic import CheckpointError, Comm
+from contract.events import ExportEvent
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -82,7 +83,7 @@ def save_peft(run: RunContext, path: str, selected_adapters: list[str] | None = 
                     run.tokenizer.save_pretrained(str(w.local))
     info = {"adapters": names, "bytes": sum(p.numel() * p.element_size() for p in params),
             "seconds": time.perf_counter() - started}
-    run.emit({"type": "export", "kind": "adapter", "path": str(path), "step": run.state.global_step, **info})
+    run.emit(ExportEvent(kind="adapter", path=str(path), step=run.state.global_step, **info))
     return info
 
 

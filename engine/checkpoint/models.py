@@ -40,6 +40,7 @@ from engine import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.atomic import CheckpointError, Comm
 from engine.checkpoint.stream_safetensors import StreamedSafetensors
+from contract.events import ExportEvent
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -183,7 +184,7 @@ def save_hf(run: RunContext, path: str, hf_model: torch.nn.Module, entries: list
         if comm.rank == 0:
             write_model_files(w.local, hf_model, run.tokenizer, dtype)
     info["seconds"] = time.perf_counter() - started
-    run.emit({"type": "export", "kind": kind, "path": str(path), "step": run.state.global_step, **info})
+    run.emit(ExportEvent(kind=kind, path=str(path), step=run.state.global_step, **info))
     return info
 
 

@@ -38,6 +38,7 @@ import math
 from typing import Any
 
 from contract.branches import BranchTree
+from contract.events import EventType, WarningEvent
 from engine.checkpoint import atomic, state
 
 SCHEDULE = "schedule"
@@ -164,7 +165,7 @@ class CheckpointSchedule:
             for name in doomed:
                 atomic.remove(collection.child(name))
             if doomed:
-                trainer.emit({"type": "checkpoint_deleted", "step": trainer.state.global_step, "names": doomed,
+                trainer.emit({"type": EventType.CHECKPOINT_DELETED, "step": trainer.state.global_step, "names": doomed,
                               "reason": "disk full: deleted before the save, as the keep rules would after it"})
         return bool(atomic.Comm.current().broadcast(bool(doomed)))
 
@@ -178,7 +179,7 @@ class CheckpointSchedule:
         for name in doomed:
             atomic.remove(atomic.location(collection).child(name))
         if doomed:
-            trainer.emit({"type": "checkpoint_deleted", "step": trainer.state.global_step, "names": doomed})
+            trainer.emit({"type": EventType.CHECKPOINT_DELETED, "step": trainer.state.global_step, "names": doomed})
         return doomed
 
 
@@ -192,9 +193,9 @@ def load_best(trainer) -> None:
     c = trainer.config.checkpoint
     best = best_checkpoint(atomic.list_checkpoints(str(trainer.folder.checkpoints)), c.monitor, c.mode)
     if best is None:
-        trainer.emit({"type": "warning", "message": f"load_best_at_end: no checkpoint has a "
-                      f"value of {c.monitor}; the final weights are kept"})
+        trainer.emit(WarningEvent(message=f"load_best_at_end: no checkpoint has a "
+                                  f"value of {c.monitor}; the final weights are kept"))
         return
     state.load_weights(trainer, best["url"])
-    trainer.emit({"type": "best_model", "path": best["url"], "step": best["step"],
+    trainer.emit({"type": EventType.BEST_MODEL, "path": best["url"], "step": best["step"],
                   "monitor": c.monitor, "value": metric_of(best["metrics"], c.monitor)})

@@ -19,6 +19,7 @@ import pandas as pd
 from app.series import RunHistory
 from contract.protocol import RunState
 from contract.run_folder import EventTail, RunFolder, tail_lines
+from contract.events import EventType
 
 # the most points a series sends to the browser; longer runs are thinned evenly (last kept)
 MAX_POINTS = 400
@@ -154,7 +155,7 @@ def compare_series(views: dict[str, RunView]) -> dict[str, dict[str, Series]]:
         view.poll()
         series = view.series()
         for kind, points in series["loss"].items():
-            loss[f"{'eval loss' if kind == 'eval' else 'loss'} · {name}"] = points
+            loss[f"{'eval loss' if kind == EventType.EVAL else 'loss'} · {name}"] = points
         for metric, points in series["eval"].items():
             evals[f"{metric} · {name}"] = points
     return {"compare_loss": loss, "compare_eval": evals}
