@@ -150,6 +150,8 @@ class Trainer:
         if live_settings(self).save_at_end(cfg):
             self.save_model(str(self.folder.model))
         self.emit({"type": "state", "state": "finished", "step": state.global_step})
+        if self.control is not None:  # as a launched run ends: no control socket, no control.json left
+            self.control.close()
 
     def _done(self) -> bool:
         return self.should_stop or self.state.global_step >= self.state.total_steps
@@ -335,8 +337,15 @@ class Trainer:
                    "warnings": self.ds_setup.warnings, "loss_average": self.config.train.loss_average,
                    **({"lora_targets": self.method.lora_targets} if self.method.lora_targets else {})})
 
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
-        """End the control plane (answering what is still queued) and close the event log."""
+        """End the control plane (answering what is still queued) and close the event log (again
+        harmless; `with Trainer(...) as t:` calls it at the block's end)."""
         if self.control is not None:
             self.control.close()
         if self.snapshots is not None:

@@ -88,12 +88,17 @@ def test_a_local_folder_of_the_same_name_wins(tmp_path, monkeypatch):
     assert not hub.is_hub_id("./acme/x") and not hub.is_hub_id("/abs/x") and not hub.is_hub_id("a/b/c")
 
 
+# a script as a user writes it; it also shows that the end of train() cleans up as a launched
+# run does (no control.json left with its token and a dead port), and `with` closes the rest
 SCRIPT = """
 import sys
 from contract.config import load_config
 from engine import Trainer
-t = Trainer(config=load_config(overrides=sys.argv[1:]))
-t.train()
+with Trainer(config=load_config(overrides=sys.argv[1:])) as t:
+    print("control.json during the run:", t.folder.control.exists())
+    t.train()
+    print("control.json after train():", t.folder.control.exists())
+print("event log closed after the with block:", t.events is None)
 """
 
 
@@ -106,11 +111,15 @@ def test_a_run_trains_a_model_named_by_its_hub_id_offline(tmp_path, tiny_tokeniz
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     args = [f"model.path={REPO_ID}", f"data.train={task['train']}", f"output_dir={tmp_path / 'runs'}",
             "run_name=hub", "max_steps=3", "batch_size=4", "data.max_length=32", "precision=fp32",
-            "logging.tensorboard=false", "control.enabled=false", "eval.at_end=false",
+            "logging.tensorboard=false", "eval.at_end=false",
             "checkpoint.save_at_end=false"]
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for said in ("control.json during the run: True", "control.json after train(): False",
+                 "event log closed after the with block: True"):
+        assert said in proc.stdout, proc.stdout[-3000:]
+    assert not (tmp_path / "runs" / "hub" / "control.json").exists()
     events = [json.loads(line) for line in (tmp_path / "runs" / "hub" / "events.jsonl").read_text().splitlines()]
     setup = next(e for e in events if e["type"] == "setup")
     assert setup["parameters"] == sum(p.numel() for p in _cached_model(cache).parameters())
