@@ -97,12 +97,10 @@ def test_live_run_under_hostile_clients(tmp_path, task):
         time.sleep(0.1)
     assert client.status()["control"]["connections"] == 5  # the viewers are still connected
     stopped = client.stop(save=False)
-    answered = time.monotonic()
-    while run.folder.control.exists() and time.monotonic() - answered < 60:
-        time.sleep(0.02)
-    server_closed = time.monotonic() - answered  # the run's last boundary, then the server's close
-    assert wait_exit(run, timeout=60) == 0, logs_of(run)
-    assert server_closed < 10.0, server_closed
+    # the stuck viewers hold nothing up: the server closes and the run exits (a hang would run
+    # into wait_exit's timeout; how fast is bench/bench_control_limits.py's business)
+    assert wait_exit(run, timeout=120) == 0, logs_of(run)
+    assert not run.folder.control.exists()
     for sock in viewers:
         sock.close()
     client.close()

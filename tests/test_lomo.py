@@ -137,7 +137,9 @@ def test_one_forward_and_one_or_two_backwards_without_zero3(clip):
     seen = []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+    before = snapshot(model)
     opt.fused_step(forward)
+    assert not same(before, snapshot(model))      # the one pass did update the weights
     n = sum(1 for _ in model.parameters())
     assert len(forwards) == 1                      # the update pass reuses the retained graph
     assert len(seen) == n * (2 if clip else 1)     # measuring is a second backward, only with clipping
@@ -255,9 +257,10 @@ def test_a_live_grad_clip_change_reaches_the_fused_update(name):
 
 @pytest.mark.parametrize("rule", [LomoRule(), AdaLomoRule()], ids=["lomo", "adalomo"])
 def test_gradient_checkpointing_gives_the_same_update(rule):
-    results = []
+    results, initial = [], None
     for checkpointing in (False, True):
         model = tiny_model()
+        initial = snapshot(model)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -267,3 +270,5 @@ def test_gradient_checkpointing_gives_the_same_update(rule):
             opt.fused_step(lambda: model(**b, use_cache=False).loss)
         results.append(snapshot(model))
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*results))
+    moved = max(float((a - b).abs().max()) for a, b in zip(results[1], initial))
+    assert moved > 1e-4, moved  # the same update, and a real one

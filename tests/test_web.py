@@ -86,6 +86,24 @@ def browser():
         b.close()
 
 
+def schedule_factors(cfg: dict, n: int) -> list[float]:
+    """The run's learning-rate schedule as factors of its base rate after 0, 1, ... n - 1
+    updates: the engine's own scheduler (transformers.get_scheduler) built from its config."""
+    import torch
+    from transformers import get_scheduler
+    optim, total = cfg["optim"], cfg["train"]["max_steps"]
+    warmup = optim["warmup_steps"] or int(optim["warmup_ratio"] * total)
+    names = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_scheduler(names[optim["scheduler"]], opt, num_warmup_steps=warmup, num_training_steps=total)
+    factors = []
+    for _ in range(n + 1):
+        factors.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return factors
+
+
 # -- page helpers ---------------------------------------------------------------------------------
 
 def loss_points(page) -> int:
@@ -280,19 +298,19 @@ def test_gradio_client_start_chat_set_stop(app):
                "two steps after the change")
     events = [json.loads(line) for line in (runs / "api-run" / "events.jsonl").read_text().splitlines()]
     lrs = {e["step"]: e["lr"] for e in events if e["type"] == "train"}
-    # each train record logs the rate its step trained with: the step after the change trains
-    # with 6e-3; the schedule goes on from there, one step later 6e-3 times the schedule's own
-    # step-to-step ratio there (the unchanged schedule's rates of steps set_at+1 and set_at+2,
-    # extrapolated linearly from the two steps before the change: exact during the warmup)
-    a, b = lrs[set_at], lrs[set_at - 1]
-    unchanged_next = 2 * a - b
-    ratio = (3 * a - 2 * b) / unchanged_next
-    assert lrs[set_at + 1] == pytest.approx(6e-3, rel=1e-6)
-    assert lrs[set_at + 1] != pytest.approx(unchanged_next, rel=0.05)
-    assert lrs[set_at + 2] == pytest.approx(6e-3 * ratio, rel=0.05)
+    # each train record logs the rate its step trained with: step k trains with the schedule's
+    # factor after k - 1 updates (checked on the steps before the change); the step after the
+    # change trains with 6e-3, and the schedule goes on from there scaled by the same factor
+    read_at = status["step"]
+    cfg = yaml.safe_load((runs / "api-run" / "config.yaml").read_text())
+    factor = schedule_factors(cfg, max(max(lrs), read_at) + 2)
+    base = cfg["optim"]["lr"]
+    assert all(lrs[k] == pytest.approx(base * factor[k - 1], rel=1e-6) for k in range(1, set_at + 1) if k in lrs)
+    for k in (set_at + 1, set_at + 2):
+        assert lrs[k] == pytest.approx(6e-3 * factor[k - 1] / factor[set_at], rel=1e-6)
     # the status read just after the change shows the new value, moved on by the schedule for
     # any steps the run took in between (it does not stop to wait for the reader)
-    assert status["settings"]["lr"] == pytest.approx(6e-3 * ratio ** (status["step"] - set_at), rel=0.1)
+    assert status["settings"]["lr"] == pytest.approx(6e-3 * factor[read_at] / factor[set_at], rel=1e-6)
 
     # the branch and data endpoints (issues 12, 13): the contract's commands by name
     snap = client.predict(run="api-run", name="api", api_name="/snapshot")
@@ -364,8 +382,11 @@ def test_an_idle_page_asks_for_about_a_frame_a_second_not_sixty(app, browser):
     page.locator("#tab-configure").wait_for(state="attached", timeout=SLOW)
     open_tab(page, "Configure")  # no live plots there: only Gradio's own frames are counted
     time.sleep(10)  # the page's start-up transitions ask for frames of their own, for a while
-    before = page.evaluate("() => window.framesAsked")
+    # a rate, timed by the page's own clock: a busy machine that stretches the window asks for
+    # fewer frames per second, never more
+    before = page.evaluate("() => [window.framesAsked, performance.now()]")
     time.sleep(3)
-    asked = page.evaluate("() => window.framesAsked") - before
+    after = page.evaluate("() => [window.framesAsked, performance.now()]")
     context.close()
-    assert asked <= 20, f"{asked} animation frames asked for in 3 s by an idle page (60 a second unthrottled)"
+    per_second = (after[0] - before[0]) / ((after[1] - before[1]) / 1000)
+    assert per_second <= 5, f"{per_second:.1f} animation frames a second asked for by an idle page (60 unthrottled)"
