@@ -1,4 +1,4 @@
-"""A run's branches as the front ends show them (issue 12): the tree, what can be rewound to
+"""A run's branches as the front ends show them: the tree, what can be rewound to
 (every branch's checkpoints, the snapshots in memory), and the loss / lr / evaluation series of
 every branch on one step axis, with the steps a rewind abandoned kept apart so a plot can grey
 or dash them. Read from the run folder alone (branches.json, events.jsonl, the checkpoint

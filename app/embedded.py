@@ -1,4 +1,4 @@
-"""What a chat view tells a person talking to the embedded default while it trains (issue 15).
+"""What a chat view tells a person talking to the embedded default while it trains.
 
 The embedded default is a tiny model learning `reverse: hello` -> `olleh` from scratch: for its
 first ~100-200 steps its greedy answers are empty (the end-of-answer token is the most frequent

@@ -204,7 +204,7 @@ class Form:
         return out
 
     def for_own_model(self, values: Mapping[str, Any], preset: str = DEFAULT_PRESET) -> dict[str, Any]:
-        """The values a run with the user's own model or data starts from (issue 16): the
+        """The values a run with the user's own model or data starts from: the
         embedded default preset's values that were not changed on the form go back to the
         schema's defaults, and data.max_length (unless changed) becomes the model's context
         capped at contract.model_facts.CONTEXT_CAP. Values without an own model or data (or

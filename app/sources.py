@@ -1,4 +1,4 @@
-"""A run's training data as the front ends show it (issue 13): its sources with their weights,
+"""A run's training data as the front ends show it: its sources with their weights,
 the samples drawn from each (per step, and in total), and the inbox of answers taught from the
 chat with the engine's check of each (the answer before and after). Read from the run folder
 alone (config.yaml, events.jsonl, inbox.jsonl), so it works for a run that has ended too.

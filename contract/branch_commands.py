@@ -1,4 +1,4 @@
-"""The commands that move a run within its branch tree (issue 12): rewind, branch, snapshot and the
+"""The commands that move a run within its branch tree: rewind, branch, snapshot and the
 tree itself. Import them through contract.protocol."""
 
 from __future__ import annotations

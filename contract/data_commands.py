@@ -1,4 +1,4 @@
-"""The data commands (issue 13): the run's sources and the inbox of taught answers. Import them
+"""The data commands: the run's sources and the inbox of taught answers. Import them
 through contract.protocol."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A chat-only run (`control.chat_only`): the engine holds a model for chat and trains nothing.
 
 This is how a finished run, a training checkpoint or an exported model is chatted with when no
-run is live (issue 15), and how a branch's checkpoint answers beside the live run (issue 12).
+run is live, and how a branch's checkpoint answers beside the live run.
 It is an ordinary run, built by the same assembly in the same layout (one rank for a model
 folder; the checkpoint's own layout for a training checkpoint, which `resume` restores), so
 generation goes through the same collective handler as chat with a training run. It waits

@@ -1,4 +1,4 @@
-"""Early stopping: end training when evaluations stop improving (issue 15).
+"""Early stopping: end training when evaluations stop improving.
 
 A callback, composed into every run whose config asks for it (`eval.early_stopping_patience`
 above 0): after each evaluation it compares `checkpoint.monitor` (the metric the best

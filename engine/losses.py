@@ -15,7 +15,7 @@ weighted by its own label tokens / N. DeepSpeed then averages gradients over the
 ranks (and, unless told otherwise, divides by the accumulation steps), so the step strategy
 multiplies each micro-batch loss by `Window.scale` to undo exactly that.
 
-"micro_batch" keeps the objective before issue 16: each micro-batch's mean loss, averaged
+"micro_batch" keeps the older objective: each micro-batch's mean loss, averaged
 over the micro-batches and the ranks (every micro-batch weighs the same, whatever its tokens).
 """
 

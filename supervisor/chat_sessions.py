@@ -1,4 +1,4 @@
-"""Chat with what a run left behind, with no live run (issue 15; issue 12's side-by-side chat).
+"""Chat with what a run left behind, with no live run.
 
 `chat_config(source)` makes the config of a chat-only run (`control.chat_only`, engine.chat_only)
 for:

@@ -1,4 +1,4 @@
-"""The architecture matrix (issue 16 §4): GPT-2 (Conv1D layers), Qwen2 (attention biases), Mistral
+"""The architecture matrix: GPT-2 (Conv1D layers), Qwen2 (attention biases), Mistral
 (sliding window), Phi-3 (fused qkv and gate_up projections), GPT-NeoX, OPT, Gemma and Llama, each
 built tiny from its config (hidden 32, 2 layers, no hub), trained by our Trainer on one process
 with full fine-tuning and with LoRA (16 steps each: two passes over the rows, the second's loss

@@ -1,4 +1,4 @@
-"""Chat with what a run left behind, with no live run (issue 15): the config a chat-only run gets
+"""Chat with what a run left behind, with no live run: the config a chat-only run gets
 for each kind of source, and a real one: a finished run's checkpoint held in the engine answers
 exactly what its final model answers in transformers; `resume` is refused, `stop` ends it."""
 

@@ -1,4 +1,4 @@
-"""A full disk and a failed save, on a small tmpfs mounted by each test (issue 17, "A full disk").
+"""A full disk and a failed save, on a small tmpfs mounted by each test.
 
 In one process (atomic.writing itself): a save that fills the disk in the middle fails as
 DiskFullError naming the folder, the space needed and free, leaves no partial folder and marks

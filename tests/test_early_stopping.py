@@ -1,4 +1,4 @@
-"""Early stopping (issue 15): the rule on its own, and a real 1-rank run that ends early with an
+"""Early stopping: the rule on its own, and a real 1-rank run that ends early with an
 `early_stop` event; a run resumed from a checkpoint before the stop ends at the same step (the
 count of evaluations without improvement is part of the training checkpoint)."""
 

@@ -1,5 +1,5 @@
 """Golden losses: a short fp32 run of the embedded default, through the real entry point, must give
-the very loss at every step that the code gave before the redesign (issue 11).
+the very loss at every step that the code gave before the redesign.
 
 The run is the one a user gets from `./launch.sh train` with the embedded default preset, made
 short: the worker (`python -m engine.worker --run-dir RUN`) under DeepSpeed's launcher, reading
@@ -14,8 +14,8 @@ They are compared with ==: fp32 on CPU with a fixed seed, thread count and data 
 deterministic (two recordings in a row gave the same bits, 1 rank and 2 ranks), so any
 difference means the computation changed (the model, its init, the data order, the loss, the
 optimizer or the schedule). Change the numbers only for a deliberate change of the training
-maths, and say so in the commit. (Done once: the 2-rank numbers for the token-weighted objective,
-issue 16; the old ones stay as the golden of train.loss_average=micro_batch.)
+maths, and say so in the commit. (Done once: the 2-rank numbers for the token-weighted objective;
+the old ones stay as the golden of train.loss_average=micro_batch.)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ GOLDEN_1_RANK: list[float] = [
     4.000974178314209, 3.9026613235473633, 3.7495338916778564, 3.604919672012329,
     3.6788547039031982, 3.6079399585723877, 3.544457197189331, 3.4653611183166504,
     3.4425861835479736, 3.6172454357147217, 3.363109588623047, 3.434185743331909]
-# Re-recorded on 2026-12-03 (issue 16 §1) when the token-weighted objective became the default:
+# Re-recorded on 2026-12-03 when the token-weighted objective became the default:
 # with 2 ranks the step's loss now weighs each rank's micro-batch by its label tokens (the sum of
 # the token losses over both ranks / their count) instead of averaging the two ranks' means. The
 # 1-rank run (one micro-batch per step) is the same objective either way and kept its numbers.

@@ -1,4 +1,4 @@
-"""A model named by its hub ID (issue 15): read from a Hugging Face cache the test writes in the
+"""A model named by its hub ID: read from a Hugging Face cache the test writes in the
 hub's own layout, with HF_HUB_OFFLINE=1; an ID the cache lacks is refused before any rank
 starts, saying it is not in the cache; a local folder of the same name wins."""
 

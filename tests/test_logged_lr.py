@@ -1,4 +1,4 @@
-"""The learning rate in each `train` record is the one that step trained with (issue 16, part 2).
+"""The learning rate in each `train` record is the one that step trained with.
 
 The scheduler advances inside every step strategy (DeepSpeed's engine step, the fused LOMO step,
 the pipeline step), so a rate read after the step is the next step's. The trainer reads it before

@@ -1,4 +1,4 @@
-"""Monitor back ends beside events.jsonl (issue 15): CSV files and Weights & Biases offline, each
+"""Monitor back ends beside events.jsonl: CSV files and Weights & Biases offline, each
 chosen in the config and tested by reading what it wrote, against the run's own events."""
 
 import csv

@@ -1,9 +1,9 @@
-"""The pre-flight check (contract.preflight): every bad input of issue 16's table is found before
+"""The pre-flight check (contract.preflight): every bad input a user can give is found before
 any rank starts, named by field, file and row; the terminal exits 2 with that message and no
 traceback; the supervisor refuses the same run without making a run folder. Tensor parallelism is
 judged through the architecture's own names (GPT-2's n_head) and refused for GPT-2 (AutoTP excludes
 it) and Phi-3 (AutoTP cannot split its tp_plan). A command line naming the user's own model and data does not inherit the
-embedded default's preset (issue 16 section 5). No ranks are started here."""
+embedded default's preset. No ranks are started here."""
 
 from __future__ import annotations
 

@@ -238,7 +238,7 @@ def test_a_frozen_rank_is_reported_as_a_hang_and_stopped(tmp_path, env):
 
 def test_a_run_whose_model_config_is_broken_is_refused_before_start(tmp_path, env):
     """A config.json cut off half-way is found by the pre-flight check (contract.preflight):
-    no rank starts, no run folder is made, and the reason names the file (issue 16)."""
+    no rank starts, no run folder is made, and the reason names the file."""
     model = tmp_path / "broken-model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama", "hidden_size": ')  # cut off

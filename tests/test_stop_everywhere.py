@@ -1,4 +1,4 @@
-"""Stop means the same in every front end (issue 11): the web app's Stop button, the notebook's
+"""Stop means the same in every front end: the web app's Stop button, the notebook's
 `Run.stop()`, `RunClient.stop()` in a script and Ctrl-C on `./launch.sh train` (`python -m
 app.cli train`), each with nothing more said, take the contract's default (`Stop().save`) and
 leave the same outcome: a stop recorded once, a complete checkpoint at the step the run stopped

@@ -1,4 +1,4 @@
-"""The shape of the code (issue 11): which package may import which, no import cycles, and a
+"""The shape of the code: which package may import which, no import cycles, and a
 type checker on the torch-free packages.
 
 Every `import` and `from ... import` anywhere in a file counts: at the top, inside functions

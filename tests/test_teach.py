@@ -1,6 +1,6 @@
 """Teach from the chat and live data sources, on the embedded default model and task under ZeRO-3
 on 2 ranks, through the real entry point; then an exact resume after all of it. One launch plus
-one resumed launch (CI time): every check of issue 13 that needs a running engine is here.
+one resumed launch (CI time): every check of the data commands that needs a running engine is here.
 
 The run trains the default task (a 3,000-row slice of it, quick to tokenize on each rank) to
 step TEACH_AT, pauses and measures the held-out exact match, then, while paused:

@@ -1,4 +1,4 @@
-"""A Trainer built from a config in a plain script is the same run as a launched one (issue 11):
+"""A Trainer built from a config in a plain script is the same run as a launched one:
 on 2 ranks, `Trainer(config=cfg).train()` writes the config's scheduled checkpoints, answers a
 chat through control.json (supervisor.client.RunClient from this process), saves the final
 model, and a second script with `resume=latest` goes on from the newest checkpoint."""

@@ -312,7 +312,7 @@ def test_gradio_client_start_chat_set_stop(app):
     # any steps the run took in between (it does not stop to wait for the reader)
     assert status["settings"]["lr"] == pytest.approx(6e-3 * factor[read_at] / factor[set_at], rel=1e-6)
 
-    # the branch and data endpoints (issues 12, 13): the contract's commands by name
+    # the branch and data endpoints: the contract's commands by name
     snap = client.predict(run="api-run", name="api", api_name="/snapshot")
     assert snap["name"] == "api" and snap["bytes"] > 0
     tree = client.predict(run="api-run", api_name="/branches")

@@ -125,7 +125,7 @@ def test_the_summary_shows_the_preflight_warnings_and_where_each_value_comes_fro
     data = _rows_file(tmp_path / "train.jsonl", rows)
     values = _form_values(backend, **{"data.train": data, "data.format": "input_output"})
     # the embedded default's preset with the user's own data: its evaluation schedule is refused
-    # (issue 16 §5); the page says where each value comes from and offers the terminal's fit
+    #; the page says where each value comes from and offers the terminal's fit
     assert "eval.every_n_steps" in dict(form.check(values).problems)
     origin, fits = configure.provenance(form, values, DEFAULT_PRESET)
     assert "set on this form</b>: data.train=" in origin and "data.format=input_output" in origin

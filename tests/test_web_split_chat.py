@@ -1,4 +1,4 @@
-"""The chat beside the plots and compare mode (issue 15), in a real browser (Debian's Chromium)
+"""The chat beside the plots and compare mode, in a real browser (Debian's Chromium)
 against the app's real entry point, with two real runs of the embedded default: the Train tab's
 side panel answers while the run trains and its "running, step N" header moves on; the embedded
 default's note (early answers, the answers it learns to give, the exact match) is shown; the

@@ -226,7 +226,7 @@ class Run:
     def status(self) -> dict:
         return self._send(Status())
 
-    # -- data (issue 13): sources and the inbox; the client's methods, errors as SessionError ----------
+    # -- data: sources and the inbox; the client's methods, errors as SessionError ----------
     def _data(self, build: Any) -> dict:
         try:
             command = build()

@@ -4,7 +4,7 @@
 tab does (the model's chat template; the last message as raw text when it has none); `prompt`
 mode sends the text as it is. The answer comes from a background thread, so the kernel stays
 free while the model writes. Teach: write the answer you wanted to the last question and press
-Teach (issue 13): the pair goes into the run's inbox and the next batches.
+Teach: the pair goes into the run's inbox and the next batches.
 """
 
 from __future__ import annotations

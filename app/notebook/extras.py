@@ -1,4 +1,4 @@
-"""The run panel's branch and data controls (issues 12 and 13), as in the web app: the branch
+"""The run panel's branch and data controls, as in the web app: the branch
 tree, Rewind / Branch from any branch's checkpoint or a kept snapshot, Snapshot now; the
 training sources with their weights and samples drawn, a weight set live, a source added or
 removed, the inbox of taught answers with Remove. They read the run folder (`app.branches`,

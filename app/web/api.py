@@ -1,8 +1,8 @@
 """The named Gradio API endpoints, for `gradio_client` scripts (documented in the README):
 
     /start   /stop   /pause   /resume   /set   /save   /evaluate   /chat   /status   /runs
-    /rewind  /branch /snapshot /branches                     (issue 12: the run's branch tree)
-    /add_source  /set_weight  /remove_source  /teach  /inbox  /forget   (issue 13: its data)
+    /rewind  /branch /snapshot /branches                    
+    /add_source  /set_weight  /remove_source  /teach  /inbox  /forget  
 
 (A "path" in a run's answer is called "file" here, as the run info's is "folder".)
 

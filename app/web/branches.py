@@ -1,4 +1,4 @@
-"""The Checkpoints tab's branches section (issue 12): the run's branch tree; Rewind and Branch
+"""The Checkpoints tab's branches section: the run's branch tree; Rewind and Branch
 beside the list of every branch's checkpoints and the snapshots in memory; Snapshot now; the
 loss, learning-rate and evaluation plots of every branch on one step axis, the steps a rewind
 abandoned greyed and dashed. Read from the run folder (`app.branches`); the commands go through

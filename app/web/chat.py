@@ -6,10 +6,10 @@ the answers it learns to give and its held-out exact match (app.embedded), and a
 of those questions is tagged with the expected answer. The same handler and header serve the
 Train tab's chat beside the plots (chat_side).
 
-Compare (issues 12, 15): another run, or any branch's checkpoint, answers the same question in a
+Compare: another run, or any branch's checkpoint, answers the same question in a
 column beside the live model, each answer labelled with where it came from: a live run with its
 own live weights; a checkpoint or a run that has ended from a chat-only copy (`Session.chat_with`:
-its own processes, stopped with "End it"). Teach (issue 13): pick any answer of the chat, write
+its own processes, stopped with "End it"). Teach: pick any answer of the chat, write
 the answer you wanted, press Teach: the pair goes into the run's inbox and into the next batches
 (the inbox is on the Train tab's data panel, with the engine's check of the answer before and
 after)."""

@@ -1,4 +1,4 @@
-"""The chat beside the plots (issue 15): a side panel of the Train tab that stays in view while
+"""The chat beside the plots: a side panel of the Train tab that stays in view while
 the run trains. It is the Chat tab's chat, smaller: the same handler (`chat._respond`, through
 the shared session's streaming chat), the same header (`chat.header`), which the page's live
 feed keeps current ("running, step N"; feed.py: nothing else is polled for it), and, for

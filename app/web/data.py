@@ -1,4 +1,4 @@
-"""The Train tab's data panel (issue 13): the run's sources with their weights and the samples
+"""The Train tab's data panel: the run's sources with their weights and the samples
 drawn from each (a table and a plot), a weight changed live, a source added or removed at the
 next step boundary, and the inbox of answers taught from the Chat tab (with the engine's check:
 the answer before and after), where an entry can be removed. Read from the run folder

@@ -108,7 +108,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
         side = chat_side.build(backend, run_state)  # the chat beside the plots; its header follows the tick
     side_shown.change(lambda on: gr.Column(visible=on), inputs=side_shown, outputs=side.column, queue=False,
                       api_visibility="private", show_progress="hidden")
-    data.build(backend, run_state)  # sources, weights, samples drawn, the inbox (issue 13)
+    data.build(backend, run_state)  # sources, weights, samples drawn, the inbox
     with gr.Accordion("Log tail (rank 0)", open=False):
         log = gr.Code("", language="shell", lines=14, interactive=False, elem_id="train-log")
     seen = gr.State(None)  # what this page was sent (see refresh)

@@ -174,7 +174,7 @@ def warnings_html(warnings: list[str], loud: list[str]) -> str:
 
 def provenance_html(by_source: dict[str, list[str]], fitted: list[str]) -> str:
     """Where the form's values come from: {source title: ["key=value", ...]} in order; `fitted`:
-    the preset values a run with the user's own model or data would not take (issue 16)."""
+    the preset values a run with the user's own model or data would not take."""
     lines = [f"<li><b>{html.escape(title, quote=False)}</b>: {html.escape(', '.join(items), quote=False)}</li>"
              for title, items in by_source.items() if items]
     lines.append("<li>every other field: the schema's default</li>")

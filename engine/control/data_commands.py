@@ -1,4 +1,4 @@
-"""The data commands (issue 13), run at a step boundary by every rank in the same order.
+"""The data commands, run at a step boundary by every rank in the same order.
 
 add_source / set_weight / remove_source change the run's mixture (engine.data.mixture); teach
 appends a (prompt as the model saw it, answer) pair to the run's inbox (contract.inbox, written
