@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -288,7 +289,11 @@ def hf_child(a) -> None:
             torch.cuda.reset_peak_memory_stats()
         else:
             reset_peak_rss()
-        print("RESULT " + json.dumps(hf_case(a, case.removeprefix("hf-"), case)), flush=True)
+        try:
+            row = hf_case(a, case.removeprefix("hf-"), case)
+        except Exception as e:  # noqa: BLE001 - the next case still runs; this one's row says why
+            row = {"case": case, "error": f"{type(e).__name__}: {e}", "log": traceback.format_exc()[-3000:]}
+        print("RESULT " + json.dumps(row), flush=True)
 
 
 def hf_case(a, method: str, case: str) -> dict:
@@ -486,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = finish_rows(order(rows), facts)
             for r in results[name]:
                 say(table_line(name, r))
+                if "log" in r:  # the whole reason, for a run on a machine held for minutes
+                    print(r["log"][-3000:], flush=True)
     print_table(results, facts, a)
     say(f"total {time.monotonic() - began:.0f} s")
     if a.json:
