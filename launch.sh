@@ -7,6 +7,8 @@
 #   ./launch.sh stop RUN_FOLDER [save=false]   stop a run (saving first unless save=false)
 #   ./launch.sh submit [CONFIG.yaml] --slurm [--nodes N] [--procs-per-node N] [--partition P]
 #                    [--time T] [--account A] [key=value ...]   submit the run to Slurm (sbatch)
+#   ./launch.sh serve [--runs DIR] [--host H] [--port P]   the runs in DIR (default runs/) behind an
+#                                    OpenAI-compatible API on 127.0.0.1:8000/v1 (docs/openai-api.md)
 #   ./launch.sh test [pytest args]   install what the tests need, then run them
 #   ./launch.sh notebook [jupyter lab args]   the notebooks in JupyterLab (widgets extension and a
 #                                    `livetune` kernel on this venv's Python) on 127.0.0.1
@@ -63,6 +65,12 @@ case "$cmd" in
     setup test
     cd "$CALLER_DIR"  # paths are made absolute against it, so the engine (in this folder) finds them
     exec "$PY" -m app.cli "$cmd" "$@"  # the repo is installed editable: importable from anywhere
+    ;;
+  serve)
+    shift
+    setup test
+    cd "$CALLER_DIR"  # --runs is relative to where it was typed
+    exec "$PY" -m supervisor.openai_api "$@"
     ;;
   app)
     [ $# -gt 0 ] && shift

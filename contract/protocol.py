@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 
 from contract.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.command_base import Command, ProtocolError, _arg, _check_stop_strings, _Checked, check_messages
+from contract.completion_commands import Complete
 from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 
 MAX_MESSAGE_BYTES = 1 << 20  # a longer line is refused, never buffered without bound
@@ -77,9 +78,9 @@ DATA_COMMANDS = ("add_source", "set_weight", "remove_source", "teach", "inbox", 
 ALLOWED_COMMANDS: dict[RunState, frozenset[str]] = {
     RunState.QUEUED: frozenset({"stop"}),  # no rank yet: Stop cancels the job (supervisor.slurm)
     RunState.STARTING: frozenset({"status", "stop"}),
-    RunState.RUNNING: frozenset({"generate", "pause", "stop", "save", "evaluate", "set", "status",
+    RunState.RUNNING: frozenset({"generate", "complete", "pause", "stop", "save", "evaluate", "set", "status",
                                  "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS}),
-    RunState.PAUSED: frozenset({"generate", "resume", "stop", "save", "evaluate", "set", "status",
+    RunState.PAUSED: frozenset({"generate", "complete", "resume", "stop", "save", "evaluate", "set", "status",
                                 "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS}),
     RunState.STOPPING: frozenset({"status", "stop"}),
     RunState.FINISHED: frozenset(),
@@ -110,7 +111,9 @@ class GenerationParams(_Checked):
     repetition_penalty: float | None = _arg(None, "Penalty on tokens already generated; 1: none.",
                                             base=1.0, minimum=0.0, maximum=100.0, exclusive_minimum=True)
     stop: list[str] | None = _arg(None, "Strings that end the answer.", base=())
-    seed: int | None = _arg(None, "Sampling seed.", base=0, minimum=0, maximum=2**63 - 1)
+    # base None: an unseeded sample draws a fresh seed and reports it (engine.generation.fresh_seed)
+    seed: int | None = _arg(None, "Sampling seed; none: a fresh one each time, reported in the answer.",
+                            base=None, minimum=0, maximum=2**63 - 1)
 
     def _check(self) -> None:
         _check_stop_strings(self.label, self.stop)
@@ -221,7 +224,7 @@ class Subscribe(Command):
 # the commands a run executes, by wire name (subscribe is a request for events, not a command)
 COMMANDS: dict[str, type[Command]] = {c.name: c for c in (
     Generate, Pause, Resume, Stop, Save, Evaluate, Set, Status, Rewind, Branch, Snapshot, Branches,
-    AddSource, SetWeight, RemoveSource, Teach, Inbox, Forget)}
+    AddSource, SetWeight, RemoveSource, Teach, Inbox, Forget, Complete)}
 REQUESTS: dict[str, type[Command]] = {**COMMANDS, Subscribe.name: Subscribe}
 # the requests rank 0 may answer from its server thread (status only without `ranks`)
 IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate)

@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Repetit
                                                     TopPLogitsWarper)
 
 from engine.context import RunContext
-from engine.generation import CallbackStreamer, cut_at_stop, encode_prompts
+from engine.generation import CallbackStreamer, cut_at_stop, encode_prompts, new_tokens
 from engine.parallel.pipeline import broadcast_from_last_stage, stage_forward
 from engine.rng import preserved_rng
 
@@ -57,7 +57,8 @@ def next_tokens(logits: torch.Tensor, generated: torch.Tensor, processors: Logit
 def pipeline_generate(run: RunContext, prompts: list[str], *, max_new_tokens: int = 32, temperature: float = 0.0,
                       top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0, seed: int = 0,
                       stop: list[str] | None = None, on_text: Callable[[str], None] | None = None,
-                      use_base: bool = False, add_special_tokens: bool = False) -> list[str]:
+                      use_base: bool = False, add_special_tokens: bool = False,
+                      on_ids: Callable[[list[list[int]]], None] | None = None) -> list[str]:
     """Generate a completion of each prompt with the pipeline's current weights (collective
     over the pipeline); the same arguments and result as engine.generation.generate."""
     if use_base:
@@ -82,6 +83,8 @@ def pipeline_generate(run: RunContext, prompts: list[str], *, max_new_tokens: in
     if streamer is not None:
         streamer.end()
     texts = tok.batch_decode(generated[:, ids.shape[1]:], skip_special_tokens=True)
+    if on_ids is not None:
+        on_ids([new_tokens(row, tok) for row in generated[:, ids.shape[1]:].tolist()])
     return [cut_at_stop(t, stop) for t in texts]
 
 

@@ -154,6 +154,10 @@ class RunClient:
         command = _build(lambda: Generate.from_args(args))
         return Generation(self._request(command), timeout)
 
+    def stream(self, command: Command, timeout: float | None = None) -> Generation:
+        """Send a command whose answer streams (`generate`, `complete`): its pieces, then `result`."""
+        return Generation(self._request(command), timeout)
+
     def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> str:
         """The whole answer at once."""
         return self.generate(prompt, messages=messages, **params).text

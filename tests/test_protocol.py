@@ -32,11 +32,12 @@ def test_the_defaults_a_user_relies_on():
     g = Generate(prompt="hi")
     assert g.compare_base is False and g.sampling() == {}  # nothing given: the run's defaults apply
     assert GENERATION_DEFAULTS == {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                                   "repetition_penalty": 1.0, "seed": 0, "stop": []}
+                                   "repetition_penalty": 1.0, "seed": None, "stop": []}
     assert P.GENERATION_PARAMS == tuple(GENERATION_DEFAULTS)
     assert sorted(COMMANDS) == sorted(["evaluate", "generate", "pause", "resume", "save", "set", "status", "stop",
                                        "rewind", "branch", "snapshot", "branches",  # issue 12
-                                       "add_source", "set_weight", "remove_source", "teach", "inbox", "forget"])
+                                       "add_source", "set_weight", "remove_source", "teach", "inbox", "forget",
+                                       "complete"])
     assert P.IMMEDIATE == {"status", "subscribe"}
     assert Status().answered_at_once and not Status(ranks=True).answered_at_once
     assert not Stop().answered_at_once and Subscribe().answered_at_once
@@ -50,7 +51,7 @@ def test_every_field_is_documented_where_it_is_declared():
 
 # -- validation ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cmd, args, message", [
-    ("rm -rf", {}, "unknown command 'rm -rf'; allowed: add_source, branch, branches, evaluate, forget, "
+    ("rm -rf", {}, "unknown command 'rm -rf'; allowed: add_source, branch, branches, complete, evaluate, forget, "
                    "generate, inbox, pause, remove_source, resume, rewind, save, set, set_weight, snapshot, "
                    "status, stop, teach, subscribe"),
     ("stop", {"save": "yes"}, "stop: argument 'save' has the wrong type (str)"),
@@ -110,7 +111,7 @@ def _valid_base(cls):
     """The arguments a command needs besides the bounded one."""
     return {"generate": {"prompt": "x"}, "branch": {"target": "step-4", "branch": "b1"},
             "add_source": {"path": "x.jsonl"}, "set_weight": {"source": "a"},
-            "teach": {"prompt": "x", "answer": "y"}}.get(cls.name, {})
+            "teach": {"prompt": "x", "answer": "y"}, "complete": {"prompts": ["x"], "echo": True}}.get(cls.name, {})
 
 
 @pytest.mark.parametrize("cls, f", list(_bounded_fields()), ids=lambda x: getattr(x, "name", str(x)))
@@ -171,7 +172,7 @@ def test_the_client_refuses_a_bad_command_before_sending_it(tmp_path):
 
 # -- states ----------------------------------------------------------------------------------------
 def test_the_commands_allowed_in_each_state():
-    everything = {"generate", "stop", "save", "evaluate", "set", "status",
+    everything = {"generate", "complete", "stop", "save", "evaluate", "set", "status",
                   "rewind", "branch", "snapshot", "branches",  # issue 12
                   "add_source", "set_weight", "remove_source", "teach", "inbox", "forget"}  # issue 13
     assert allowed_commands("running") == everything | {"pause"}

@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 
 from contract.events import EventType
-from contract.protocol import (AddSource, Branch, Branches, Command, Evaluate, Forget, Generate, Inbox, Pause,
-                               RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight, Snapshot, Status,
+from contract.protocol import (AddSource, Branch, Branches, Command, Complete, Evaluate, Forget, Generate, Inbox,
+                               Pause, RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight, Snapshot, Status,
                                Stop, Teach)
 from engine.checkpoint import rewind as rewinding
 from engine.checkpoint.atomic import CheckpointError
-from engine.control import data_commands
+from engine.control import completions, data_commands
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.control.settings import REPLACED
+from engine.generation import fresh_seed
 from engine.generation import generate as generate_text
 
 
@@ -43,12 +44,14 @@ Handler = Callable[[Plane, Any, Reply], dict]
 def generate(control: Plane, cmd: Generate, reply: Reply) -> dict:
     trainer = control.trainer
     params = control.settings.generation_params(cmd.sampling())
+    if params["seed"] is None:  # unseeded: a fresh seed, reported so the sample can be repeated
+        params["seed"] = fresh_seed()
     prompt = prompt_text(trainer.tokenizer, cmd)
     step = trainer.state.global_step
     streams = control.rank == 0
     text = generate_text(trainer.ctx, [prompt], **params,
                          on_text=(lambda t: reply.token(t, "current")) if streams else None)[0]
-    result: dict[str, Any] = {"text": text, "step": step, "model": "current"}
+    result: dict[str, Any] = {"text": text, "step": step, "model": "current", "seed": params["seed"]}
     if cmd.compare_base:
         if trainer.method.has_adapter:
             result["base"] = generate_text(trainer.ctx, [prompt], **params, use_base=True,
@@ -78,6 +81,14 @@ def prompt_text(tokenizer, cmd: Generate) -> str:
 def _adds_bos(tokenizer) -> bool:
     with_special = tokenizer("x", add_special_tokens=True)["input_ids"]
     return bool(with_special) and with_special[0] == tokenizer.bos_token_id
+
+
+def complete(control: Plane, cmd: Complete, reply: Reply) -> dict:
+    """Completions with token log-probabilities (the OpenAI-compatible API): engine.control.completions."""
+    try:
+        return completions.complete(control, cmd, reply)
+    except completions.CompletionRefused as e:
+        raise CommandRefused(str(e)) from None
 
 
 # -- run state --------------------------------------------------------------------------------------
@@ -291,7 +302,7 @@ DATA_HANDLERS: dict[type[Command], Handler] = {
 
 # one handler per command type (the dataclass, not its name, picks it)
 HANDLERS: dict[type[Command], Handler] = {
-    Generate: generate, Pause: pause, Resume: resume, Stop: stop, Save: save,
+    Generate: generate, Complete: complete, Pause: pause, Resume: resume, Stop: stop, Save: save,
     Evaluate: evaluate, Set: set_values, Status: status,
     Rewind: rewind, Branch: branch, Snapshot: snapshot, Branches: branches,
     **DATA_HANDLERS,

@@ -1,0 +1,408 @@
+"""The live model behind an OpenAI-compatible API: `/v1/models`, `/v1/completions`,
+`/v1/chat/completions`, streamed (server-sent events, as OpenAI streams) or not.
+
+Where it lives, and why: a torch-free ASGI app (FastAPI on uvicorn, what Gradio already brings)
+in its own process (`./launch.sh serve`, or mounted by any front end), routing each request to a
+run through `RunClient`, the path every front end uses. Rank 0 keeps doing one thing (its control
+socket, never HTTP parsing or TLS-less exposure), one API serves every live run and chat-only
+session of an output folder, and it outlives runs, so a client sees "503: not answering" rather
+than a refused connection while a run starts or restarts. Each request becomes one `complete`
+command (contract.completion_commands), executed by every rank at the next step boundary like
+a chat: every layout works and the training trajectory is unchanged.
+
+Models: one per live run (its folder name) and per chat-only session of a checkpoint or export
+(`<run>@<checkpoint>`, e.g. `my-run@step-40`); `/v1/models` lists those answering now.
+
+Keys: `Authorization: Bearer <key>`. Each run folder keeps its own key in `api_key.json` (mode
+0600, beside control.json; made when the API first sees the run, kept after it ends); it grants
+that run and its name only. The output folder's own `api_key.json` grants every run in it (for
+Open WebUI and other tools that list models). A wrong or missing key: 401.
+
+Errors come in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad request,
+401 key, 404 unknown model, 413 body over MAX_BODY_BYTES, 429 more than MAX_IN_FLIGHT requests
+waiting for one run (or the run's own queue full), 503 the run is not answering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import uvicorn
+import yaml
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from contract.completion_commands import Complete
+from contract.protocol import MAX_MESSAGE_BYTES, ProtocolError
+from contract.run_folder import write_private_json
+from supervisor.client import CommandError, Generation, RunClient, RunGone
+from supervisor.openai_models import ChatRequest, CompletionRequest, first_problem
+from supervisor.openai_stream import StopFilter, chat_chunk, chat_logprobs, sse
+
+KEY_FILE = "api_key.json"
+MAX_BODY_BYTES = MAX_MESSAGE_BYTES  # what the run's control socket takes in one message
+MAX_IN_FLIGHT = 32                  # requests waiting for one run at once; more get 429
+CONNECT_TIMEOUT_S = 5.0             # a run that does not take the connection by then: 503
+ANSWER_TIMEOUT_S = 600.0            # a run that takes longer to answer: 503
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+def key_of(folder: Path) -> str:
+    """The API key kept in `folder` (made, mode 0600, the first time it is asked for)."""
+    path = folder / KEY_FILE
+    try:
+        return str(json.loads(path.read_text())["key"])
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        key = "lt-" + secrets.token_urlsafe(32)
+        write_private_json(path, {"key": key})
+        return key
+
+
+def model_name(run: Path) -> str:
+    """A run's model name: its folder name; a chat-only session `<run>@<checkpoint or model>`."""
+    try:
+        config = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return run.name
+    control = config.get("control") or {}
+    if not control.get("chat_only"):
+        return run.name
+    source = control.get("chat_load") or config.get("resume") or (config.get("model") or {}).get("path") or ""
+    path = Path(str(source))
+    if path.parent.name == "checkpoints":
+        return f"{path.parent.parent.name}@{path.name}"
+    if (path.parent / "config.yaml").is_file():  # a run's own model/ folder
+        return f"{path.parent.name}@{path.name}"
+    return f"{path.name or run.name}"
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Runs:
+    """The runs of an output folder that answer now, by model name, and their clients."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._clients: dict[Path, RunClient] = {}
+        self._busy: dict[Path, threading.BoundedSemaphore] = {}
+        self._lock = threading.Lock()
+
+    def live(self) -> dict[str, Path]:
+        """{model name: run folder} of every run whose control server is up."""
+        found: dict[str, Path] = {}
+        for control in sorted(self.root.glob("*/control.json")):
+            try:
+                pid = json.loads(control.read_text()).get("pid")
+            except (OSError, json.JSONDecodeError):
+                continue
+            if _alive(pid):
+                found.setdefault(model_name(control.parent), control.parent)
+        return found
+
+    def granted(self, key: str) -> set[Path] | None:
+        """The run folders `key` opens (None: every one, the output folder's key); raises 401."""
+        if key and secrets.compare_digest(key, key_of(self.root)):
+            return None
+        for path in self.root.glob(f"*/{KEY_FILE}"):
+            if key and secrets.compare_digest(key, key_of(path.parent)):
+                return {path.parent}
+        raise ApiError(401, "Incorrect API key provided (see api_key.json in the run folder, or the "
+                            "output folder's for every run)", "invalid_request_error", code="invalid_api_key")
+
+    def client(self, run: Path) -> RunClient:
+        with self._lock:
+            if run not in self._clients:
+                self._clients[run] = RunClient(run, connect_timeout=CONNECT_TIMEOUT_S)
+                self._busy[run] = threading.BoundedSemaphore(MAX_IN_FLIGHT)
+            return self._clients[run]
+
+    def slot(self, run: Path) -> threading.BoundedSemaphore:
+        self.client(run)
+        return self._busy[run]
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+
+def create_app(root: str | Path) -> FastAPI:
+    """The API over the runs in output folder `root` (each run key made as runs appear)."""
+    runs = Runs(Path(root))
+    app = FastAPI(title="livetune OpenAI-compatible API", docs_url=None, redoc_url=None)
+    app.state.runs = runs
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        granted = runs.granted(_bearer(request))
+        for run in runs.live().values():
+            key_of(run)  # a new run gets its key as soon as it is listed
+        models = [{"id": name, "object": "model", "created": int(run.stat().st_mtime), "owned_by": "livetune"}
+                  for name, run in runs.live().items() if granted is None or run in granted]
+        return JSONResponse({"object": "list", "data": models})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await _body(request, CompletionRequest)
+        return await _answer(runs, request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await _body(request, ChatRequest)
+        return await _answer(runs, request, body, chat=True)
+
+    return app
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise ApiError(401, "You didn't provide an API key: send `Authorization: Bearer <key>` "
+                            "(api_key.json in the run folder)", code="invalid_api_key")
+    return key.strip()
+
+
+async def _body(request: Request, kind: type[BaseModel]) -> Any:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+    try:
+        return kind.model_validate_json(raw)
+    except ValidationError as e:
+        where, text = first_problem(e)
+        raise ApiError(400, text, param=where or None) from None
+
+
+def _model(runs: Runs, request: Request, name: str) -> Path:
+    granted = runs.granted(_bearer(request))
+    run = runs.live().get(name)
+    if run is None or (granted is not None and run not in granted):
+        raise ApiError(404, f"The model `{name}` does not exist or is not answering now (GET /v1/models "
+                            "lists the live runs and chat sessions)", code="model_not_found", param="model")
+    key_of(run)
+    return run
+
+
+async def _answer(runs: Runs, request: Request, body: ChatRequest | CompletionRequest, chat: bool) -> Any:
+    run = _model(runs, request, body.model)
+    try:
+        command = body.command()
+    except (ProtocolError, ValueError) as e:
+        raise ApiError(400, str(e)) from None
+    slot = runs.slot(run)
+    if not slot.acquire(blocking=False):
+        raise ApiError(429, f"{MAX_IN_FLIGHT} requests to `{body.model}` are waiting already; try again later",
+                       "rate_limit_error", code="rate_limit_exceeded")
+    try:
+        generation = await run_in_threadpool(_send, runs.client(run), command)
+        first = await run_in_threadpool(_first, generation)
+    except BaseException:
+        slot.release()
+        raise
+    made = Made(body.model, chat)
+    if not body.stream:
+        slot.release()
+        return JSONResponse(made.response(generation.result or {}))
+    return StreamingResponse(_released(made.stream(generation, first, command, body.include_usage), slot),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+
+def _send(client: RunClient, command: Complete) -> Generation:
+    try:
+        return client.stream(command, timeout=ANSWER_TIMEOUT_S)
+    except (RunGone, OSError) as e:
+        raise ApiError(503, f"the run is not answering: {e}", "service_unavailable", code="run_unavailable") from None
+
+
+def _first(generation: Generation) -> list[str]:
+    """The first streamed piece (or the whole answer when nothing streams), so that a refusal is
+    answered with its status before any byte of a stream is sent."""
+    try:
+        for chunk in generation:
+            return [str(chunk)]
+        return []
+    except CommandError as e:
+        raise _refusal(str(e)) from None
+    except TimeoutError as e:
+        raise ApiError(503, f"the run did not answer in time: {e}", "service_unavailable") from None
+
+
+def _refusal(message: str) -> ApiError:
+    if "commands are waiting" in message:
+        return ApiError(429, message, "rate_limit_error", code="rate_limit_exceeded")
+    if "has ended" in message or "connection to the run was lost" in message or "not executed" in message:
+        return ApiError(503, message, "service_unavailable", code="run_unavailable")
+    return ApiError(400, message)
+
+
+def _released(chunks: Iterator[str], slot: threading.BoundedSemaphore) -> Iterator[str]:
+    try:
+        yield from chunks
+    finally:
+        slot.release()
+
+
+class Made:
+    """Turns the run's `complete` results into OpenAI's response and stream objects."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat, self.created = model, chat, int(time.time())
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def response(self, result: dict) -> dict:
+        choices = [self._choice(c) for c in result.get("choices", [])]
+        usage = result.get("usage", {})
+        usage = {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)}
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": choices, "usage": usage, "system_fingerprint": _fingerprint(result)}
+
+    def _choice(self, c: dict) -> dict:
+        if self.chat:
+            return {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                    "finish_reason": c["finish_reason"], "logprobs": chat_logprobs(c.get("logprobs"))}
+        text = (c["prompt"] or "") + c["text"] if c.get("prompt") is not None else c["text"]
+        logprobs = c.get("logprobs")
+        if logprobs is not None:
+            logprobs = {k: v for k, v in logprobs.items() if k != "token_ids"}
+        return {"index": c["index"], "text": text, "finish_reason": c["finish_reason"], "logprobs": logprobs}
+
+    def stream(self, generation: Generation, first: list[str], command: Complete,
+               include_usage: bool) -> Iterator[str]:
+        """The SSE stream: the pieces as the run streams them (held back where a stop string may
+        begin), then every choice's rest and finish reason, `[DONE]` last."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        stops, sent = StopFilter(command.stop), ""
+        if self.chat:
+            yield sse({**self._head(kind), "choices": [chat_chunk(0, {"role": "assistant", "content": ""})]})
+        try:
+            for piece in [*first, *generation]:
+                text = stops.feed(str(piece))
+                if text:
+                    sent += text
+                    yield sse({**self._head(kind), "choices": [self._delta(0, text)]})
+        except (CommandError, TimeoutError) as e:
+            yield sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": None}})
+            yield sse("[DONE]")
+            return
+        result = generation.result or {}
+        for c in self.response(result)["choices"]:
+            whole = c["message"]["content"] if self.chat else c["text"]
+            rest = whole[len(sent):] if c["index"] == 0 and whole.startswith(sent) else whole
+            if rest:
+                yield sse({**self._head(kind), "choices": [self._delta(c["index"], rest)]})
+            end = self._delta(c["index"], None)
+            end["finish_reason"] = c["finish_reason"]
+            yield sse({**self._head(kind), "choices": [end]})
+        if include_usage:
+            yield sse({**self._head(kind), "choices": [], "usage": self.response(result)["usage"]})
+        yield sse("[DONE]")
+
+    def _delta(self, index: int, text: str | None) -> dict:
+        if self.chat:
+            return chat_chunk(index, {} if text is None else {"content": text})
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": None}
+
+
+def _fingerprint(result: dict) -> str:
+    """Which weights answered: the training step (and the seed a sample can be repeated with)."""
+    return f"step-{result.get('step')}-seed-{result.get('seed')}"
+
+
+# -- serving ----------------------------------------------------------------------------------------
+class ApiServer:
+    """The API served by uvicorn on a thread (the app process, tests); `url` ends in /v1."""
+
+    def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.url = f"http://{host}:{self.port}/v1"
+        self.app = create_app(root)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="openai-api", daemon=True)
+
+    def start(self) -> "ApiServer":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.app.state.runs.close()
+        self._sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`./launch.sh serve [--runs DIR] [--host H] [--port P]`: the API over the runs in DIR."""
+    parser = argparse.ArgumentParser(prog="./launch.sh serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default="runs", help="the output folder whose runs are served (default: runs)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: loopback only; anything else exposes the runs)")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    root = Path(args.runs).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    key_of(root)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host}, not loopback only: anyone who reaches port {args.port} "
+              "and holds a key can use the runs' models", file=sys.stderr, flush=True)
+    print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 for the runs in {root}\n"
+          f"key for every run: {root / KEY_FILE}; each run's own: <run>/{KEY_FILE}", flush=True)
+    uvicorn.run(create_app(root), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

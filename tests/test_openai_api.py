@@ -1,0 +1,185 @@
+"""The live model behind the OpenAI-compatible API (supervisor.openai_api), driven by real clients
+against a 2-rank ZeRO-3 run started through the real entry point: the official `openai` client
+(chat and completions, streamed and not, a wrong key, an unknown model), lm-evaluation-harness's
+`local-completions` model, whose log-likelihoods equal its own `hf` model's on the same weights
+saved at the same step, and the run's losses, equal to those of a run that served nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from contract.run_folder import read_events
+from control_runs import end_leftover_runs  # noqa: F401 - autouse: no run outlives its test
+from control_runs import CONNECT_S, end_run, launch, logs_of, losses, task_files, wait_exit, wait_for_step
+from supervisor.client import RunClient
+from supervisor.openai_api import ApiServer, key_of
+
+openai = pytest.importorskip("openai")
+
+STEPS = 120  # the served run is held paused between tests, so it cannot end before the last
+TASKS = Path(__file__).parent / "lm_eval_task"
+SAME = ("zero_stage=3", f"max_steps={STEPS}", "optim.scheduler=constant", "optim.warmup_steps=0",
+        "optim.lr=0.003", "seed=7")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The served run (`api`), a quiet twin that serves nothing, and the API over both."""
+    tmp = tmp_path_factory.mktemp("api")
+    task = task_files(tmp / "task")
+    run = launch(tmp, "api", task, *SAME)
+    quiet = launch(tmp, "quiet", task, *SAME, "control.enabled=false")
+    server = ApiServer(tmp / "runs").start()
+    client = RunClient.connect(run.folder.root, timeout=CONNECT_S)
+    client.pause()  # each test resumes it where it needs training to go on
+    try:
+        yield types.SimpleNamespace(run=run, quiet=quiet, server=server, client=client, tmp=tmp,
+                                    key=key_of(run.folder.root))
+    finally:
+        client.close()
+        server.close()
+        for r in (run, quiet):
+            end_run(r, grace_s=5.0)
+
+
+def _openai(served, key: str | None = None):
+    return openai.OpenAI(base_url=served.server.url, api_key=key or served.key, max_retries=0, timeout=300)
+
+
+@pytest.mark.slow
+def test_the_openai_client_chats_and_completes_while_the_run_trains(served):
+    resumed = served.client.resume()
+    wait_for_step(served.run, resumed["step"] + 1)
+    try:
+        _chat_and_complete(served)
+    finally:
+        served.client.pause()
+
+
+def _chat_and_complete(served) -> None:
+    api = _openai(served)
+    assert [m.id for m in api.models.list().data] == ["api"]  # the run's own key grants its run only
+
+    chat = api.chat.completions.create(model="api", messages=[{"role": "user", "content": "reverse: abc"}],
+                                       max_tokens=6, logprobs=True, top_logprobs=2)
+    choice = chat.choices[0]
+    assert chat.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length") and chat.usage.completion_tokens <= 6
+    assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) <= 2 for t in choice.logprobs.content)
+
+    pieces = list(api.chat.completions.create(model="api", messages=[{"role": "user", "content": "sort: dcba"}],
+                                              max_tokens=8, stream=True))
+    text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length") and len(text) <= 8
+
+    done = api.completions.create(model="api", prompt="reverse: hello\n", max_tokens=5, n=2, temperature=1.0,
+                                  seed=11, logprobs=1)
+    assert [c.index for c in done.choices] == [0, 1] and done.system_fingerprint.endswith("-seed-11")
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.top_logprobs) <= 5 for c in done.choices)
+    streamed = list(api.completions.create(model="api", prompt="sort: kernel\n", max_tokens=6, stream=True,
+                                           stop=["l"]))
+    streamed_text = "".join(c.choices[0].text for c in streamed)
+    assert "l" not in streamed_text and streamed[-1].choices[0].finish_reason in ("stop", "length")
+    plain = api.completions.create(model="api", prompt="sort: kernel\n", max_tokens=6, stop=["l"])
+    assert "l" not in plain.choices[0].text
+
+    # echo + logprobs + max_tokens 0: the prompt scored, every token but the first
+    scored = api.completions.create(model="api", prompt="reverse: abc\n", max_tokens=0, echo=True, logprobs=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.endswith("reverse: abc\n") and lp.token_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:]) and len(lp.tokens) == len(lp.token_logprobs)
+
+
+@pytest.mark.slow
+def test_unseeded_samples_differ_and_report_the_seed_that_repeats_them(served):
+    first = served.client.generate("reverse: kernel\n", temperature=1.0, max_new_tokens=12).wait()
+    second = served.client.generate("reverse: kernel\n", temperature=1.0, max_new_tokens=12).wait()
+    assert first["seed"] != second["seed"] and first["text"] != second["text"]
+    # the run is paused (its weights stay): the reported seed gives the same sample again
+    a = served.client.generate("sort: kernel\n", temperature=1.0, max_new_tokens=12).wait()
+    b = served.client.generate("sort: kernel\n", temperature=1.0, max_new_tokens=12, seed=a["seed"]).wait()
+    assert a["text"] == b["text"] and b["seed"] == a["seed"]
+    api = _openai(served)  # the same through the API: a seed repeats its samples, n of them at once
+    asked = dict(model="api", prompt="reverse: hello\n", max_tokens=6, n=2, temperature=1.0, seed=11)
+    assert [c.text for c in api.completions.create(**asked).choices] == \
+        [c.text for c in api.completions.create(**asked).choices]
+
+
+@pytest.mark.slow
+def test_refusals_come_in_openais_shape_with_their_status(served):
+    with pytest.raises(openai.AuthenticationError):
+        _openai(served, "lt-wrong").chat.completions.create(model="api", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError) as missing:
+        _openai(served).completions.create(model="no-such-run", prompt="x")
+    assert missing.value.body["code"] == "model_not_found"
+    url, auth = served.server.url, {"Authorization": f"Bearer {served.key}"}
+    bad = httpx.post(f"{url}/completions", json={"model": "api", "prompt": "x", "n": 0}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+    big = httpx.post(f"{url}/completions", headers=auth, json={"model": "api", "prompt": "x" * (2 << 20)})
+    assert big.status_code == 413 and "larger" in big.json()["error"]["message"]
+    assert httpx.get(f"{url}/models").status_code == 401
+    # the quiet run has no control server: it is not a model
+    assert "quiet" not in [m.id for m in _openai(served, key_of(served.tmp / "runs")).models.list().data]
+
+
+def _task(name: str) -> dict:
+    config = yaml.safe_load((TASKS / name).read_text())
+    config["dataset_kwargs"]["data_files"]["test"] = str(TASKS / "data.jsonl")
+    return config
+
+
+def _evaluate(model: str, model_args: dict) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    return simple_evaluate(model=model, model_args=model_args, tasks=[_task("choice.yaml"), _task("generate.yaml")],
+                           task_manager=TaskManager(include_defaults=False), log_samples=True, batch_size=4,
+                           device="cpu")
+
+
+def _responses(results: dict, task: str) -> list:
+    return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+@pytest.mark.slow
+def test_lm_eval_through_the_api_equals_its_hf_model_on_the_saved_weights(served, monkeypatch):
+    from engine.checkpoint.export import export
+    held = served.client.status()  # paused: the weights stay as they are while both evaluate
+    saved = served.client.save()
+    exported = served.tmp / "exported"
+    export(saved["checkpoint"], str(exported))
+    monkeypatch.setenv("OPENAI_API_KEY", served.key)
+    live = _evaluate("local-completions", {"base_url": f"{served.server.url}/completions", "model": "api",
+                                           "tokenizer": str(exported), "tokenizer_backend": "huggingface", "add_bos_token": True,
+                                           "max_length": 256})
+    hf = _evaluate("hf", {"pretrained": str(exported), "dtype": "float32"})
+    assert held["paused"] and served.client.status()["step"] == saved["step"] == held["step"]
+    for task in ("livetune_choice", "livetune_generate"):
+        ours, theirs = _responses(live, task), _responses(hf, task)
+        assert len(ours) == len(theirs) == 6
+        if task == "livetune_generate":
+            assert ours == theirs  # greedy generation: exactly the same text
+            continue
+        for mine, reference in zip(ours, theirs):
+            assert [r[0][1] for r in mine] == [r[0][1] for r in reference]  # is_greedy
+            assert all(math.isclose(m[0][0], r[0][0], abs_tol=1e-4) for m, r in zip(mine, reference)), \
+                (mine, reference)
+
+
+@pytest.mark.slow
+def test_a_run_that_served_the_api_trained_exactly_as_one_that_did_not(served):
+    served.client.resume()
+    served.client.close()
+    assert wait_exit(served.run, timeout=600) == 0, logs_of(served.run)
+    assert wait_exit(served.quiet, timeout=600) == 0, logs_of(served.quiet)
+    answered = [e for e in read_events(served.run.folder.events)
+                if e["type"] == "command" and e["cmd"] == "complete" and e["status"] == "done"]
+    assert len(answered) >= 8
+    assert losses(served.run) == losses(served.quiet) and len(losses(served.run)) == STEPS
