@@ -11,7 +11,6 @@ A layout carries every operation in which layouts differ, so no code elsewhere a
     compute_loss(run, batch, forward, loss_fn, window)   the loss of one batch (pipeline: stage to stage)
     generate(run, prompts, **options)    generation with the live weights (collective)
     logit_summary(run, inputs, summarize, shape)   token log-probabilities (engine.scoring; collective)
-    logit_summary(run, inputs, summarize, shape)   token log-probabilities (engine.scoring; collective)
     full_state_dict(run)                 whole-model weights, Hugging Face names, on rank 0
     load_full_state_dict(run, state)     whole-model weights into this rank's share
     save_model(run, path, max_shard_size) / load_model(run, path)   Hugging Face folders
@@ -44,7 +43,6 @@ from engine.parallel import groups as process_groups
 from engine.parallel import pipeline, tp, weights
 from engine.pipeline_generate import pipeline_generate
 from engine.scoring import Summarize, forward_summary, pipeline_summary
-from engine.scoring import Summarize, forward_summary, pipeline_summary
 from engine.steps import EngineStep, StepStrategy
 
 
@@ -76,9 +74,6 @@ class DataParallel:
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
-
-    def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
-        return forward_summary(run, inputs, summarize)  # engine.scoring
 
     def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
         return forward_summary(run, inputs, summarize)  # engine.scoring
@@ -176,9 +171,6 @@ class TensorParallel(_Split):
     def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
         return forward_summary(run, inputs, summarize)  # engine.scoring
 
-    def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
-        return forward_summary(run, inputs, summarize)  # engine.scoring
-
     def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         engine = run.engine
         state = tp.full_state_dict(engine)
@@ -222,9 +214,6 @@ class Pipeline(_Split):
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return pipeline_generate(run, prompts, **options)
-
-    def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
-        return pipeline_summary(run, inputs, summarize, shape)  # engine.scoring
 
     def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
         return pipeline_summary(run, inputs, summarize, shape)  # engine.scoring
