@@ -23,12 +23,22 @@ Refused, with nothing changed (RewindError on every rank alike): an unknown targ
 lists what there is), a rewind to a state off the present branch's path (another branch's, or an
 ancestor's after the fork: `branch` goes on from those), a checkpoint of another layout or model (state.check_compatible names both),
 an unfinished checkpoint (its save has not completed), and a rewind while a save is going on.
+
+Transactional: what can be checked is checked before the engines are touched (`_precheck`); then
+an in-memory copy of the present state is taken (a snapshot of its own, `UNDO`, outside the run's
+snapshots and their bounds) and the target is loaded. A load that fails part-way on any rank is
+undone on every rank from that copy, the loop starts its epoch again at the unchanged position,
+and the command fails with the cause in words (RewindError; the traceback is in the rank's log):
+the run goes on exactly as if the command had not been sent. Where no copy can be kept (ranks on
+several machines, too little shared memory) or putting it back fails too, every rank raises
+StateLost and the run ends, saying why.
 """
 
 from __future__ import annotations
 
 import re
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +46,7 @@ from typing import Any
 from contract.branches import ROOT, BranchTree, checkpoints_dir
 from engine.checkpoint import atomic
 from engine.checkpoint import state as ckpt
-from engine.checkpoint.atomic import CheckpointError
+from engine.checkpoint.atomic import CheckpointError, Comm
 from engine.checkpoint.snapshots import SnapshotError, SnapshotStore
 
 SNAPSHOT_PREFIX = "snapshot:"
@@ -44,7 +54,16 @@ _STEP = re.compile(r"(?:step-)?(\d+)")
 
 
 class RewindError(CheckpointError):
-    """The rewind / branch / snapshot does not apply (the same on every rank); nothing changed."""
+    """The rewind / branch / snapshot does not apply, or failed and was undone (the same on every
+    rank); the run goes on as it was."""
+
+
+class StateLost(RuntimeError):
+    """A rewind or branch failed part-way and the state from before it could not be put back: the
+    run cannot go on (raised alike on every rank; the run ends with this message)."""
+
+
+UNDO = "before-the-load"  # the in-memory copy a rewind takes first (never among the run's snapshots)
 
 
 @dataclass
@@ -187,19 +206,18 @@ def rewind_in_place(trainer, target: str, reason: str = "user", *, emit: bool = 
                     any_branch: bool = False) -> RewindResult:
     """Load `target` into the running engines on every rank (collective) and make the loop go on
     from there; returns what was done (and, when `emit`, writes the `rewind` event). The target
-    must lie on the present branch's path, unless `any_branch` (what `branch` does)."""
+    must lie on the present branch's path, unless `any_branch` (what `branch` does).
+
+    Transactional: everything that can be checked is checked before the engines are touched, and
+    a load that still fails part-way (on any rank) is undone (see `_load_or_undo`)."""
     if ckpt.SAVING:
         raise RewindError(f"a save is going on ({', '.join(ckpt.SAVING)}); rewind once it has finished")
     started, before = time.perf_counter(), trainer.state.global_step
     source, owner = resolve(trainer, target)
     if not any_branch:
         _check_on_path(trainer, source, owner)
-    if source.startswith(SNAPSHOT_PREFIX):
-        snapshot_store(trainer).restore(trainer.ctx, source[len(SNAPSHOT_PREFIX):], trainer._restore_part_states,
-                                        trainer._batch_sampler())
-    else:
-        ckpt.load_checkpoint(trainer.ctx, source, sampler=trainer._batch_sampler(),
-                             restore_states=trainer._restore_part_states, announce=False)
+    _precheck(trainer, source)
+    _load_or_undo(trainer, source)
     trainer.rewound = True  # the loop starts its epoch again at the restored position
     step = trainer.state.global_step
     result = RewindResult(target=str(target), source=source, step=step, from_step=before,
@@ -212,6 +230,95 @@ def rewind_in_place(trainer, target: str, reason: str = "user", *, emit: bool = 
 
 
 def branch_in_place(trainer, target: str, name: str, reason: str = "user",
+def _precheck(trainer, source: str) -> None:
+    """What can be known before anything is loaded: the target is complete and of this layout
+    and model (the data order and the files' hashes are checked by the load, every rank its own)."""
+    if source.startswith(SNAPSHOT_PREFIX):
+        name = source[len(SNAPSHOT_PREFIX):]
+        ckpt.check_compatible(trainer.ctx, snapshot_store(trainer).get(name).record, f"snapshot {name}")  # type: ignore[union-attr]
+    else:
+        ckpt.precheck(trainer.ctx, source)
+
+
+def _load(trainer, source: str) -> None:
+    if source.startswith(SNAPSHOT_PREFIX):
+        snapshot_store(trainer).restore(trainer.ctx, source[len(SNAPSHOT_PREFIX):], trainer._restore_part_states,
+                                        trainer._batch_sampler())
+    else:
+        ckpt.load_checkpoint(trainer.ctx, source, sampler=trainer._batch_sampler(),
+                             restore_states=trainer._restore_part_states, announce=False)
+
+
+def _load_or_undo(trainer, source: str) -> None:
+    """Load `source`; when that fails on any rank, put back on every rank the state from before
+    (an in-memory copy taken first: `UNDO`), make the loop start its epoch again there (the data
+    position was touched) and raise RewindError naming the cause. When the state cannot be put
+    back, raise StateLost on every rank: the run cannot go on."""
+    comm, sampler = Comm.current(), trainer._batch_sampler()
+    position = ckpt.sampler_state(sampler, trainer.ctx)  # the data position, should only it move
+    undo, why_no_undo = _undo_point(trainer)
+    try:
+        problem = None
+        try:
+            _load(trainer, source)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it; the traceback goes to the log
+            if not isinstance(e, ckpt.RestoreError):  # (a RestoreError's is printed where it happened)
+                traceback.print_exc()
+            problem = (_worded(e), not isinstance(e, CheckpointError) or isinstance(e, ckpt.RestoreError))
+        problems = [p for p in comm.all_gather(problem) if p is not None]
+        if not problems:
+            return
+        cause, touched = _same_text([p[0] for p in problems]), any(p[1] for p in problems)
+        if undo is None and touched:
+            raise StateLost(f"{cause}; the state from before could not be put back, as no copy of it "
+                            f"could be kept ({why_no_undo}), so the run cannot go on: resume it from its "
+                            "newest checkpoint")
+        lost = None
+        try:
+            if touched:
+                undo.restore(trainer.ctx, UNDO, trainer._restore_part_states, sampler)  # type: ignore[union-attr]
+            elif position is not None:  # only the checks ran, and they may have moved the data position
+                sampler.load_state_dict(position)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            lost = _worded(e)
+        lost_everywhere = [p for p in comm.all_gather(lost) if p is not None]
+        if lost_everywhere:
+            raise StateLost(f"{cause}; putting back the state from before failed too "
+                            f"({_same_text(lost_everywhere)}), so the run cannot go on: resume it from "
+                            "its newest checkpoint")
+        trainer.rewound = True  # the data position was touched: the loop starts its epoch again there
+        raise RewindError(f"{cause}; the run was put back as it was at step {trainer.state.global_step}"
+                          f"{' (from an in-memory copy taken before the load)' if touched else ''} "
+                          "and goes on unchanged")
+    finally:
+        if undo is not None:
+            undo.close()
+
+
+def _undo_point(trainer) -> tuple[SnapshotStore | None, str]:
+    """An in-memory copy of the whole training state now (a snapshot of its own, outside the
+    run's snapshots and their bounds), to put back should a load fail part-way; (None, why) when
+    none can be kept (ranks on several machines, shared memory too small)."""
+    store = SnapshotStore(keep=1, max_mib=0)
+    try:
+        store.take(trainer.ctx, UNDO, current_branch(trainer), trainer._part_states(), trainer._batch_sampler())
+    except SnapshotError as e:
+        store.close()
+        return None, str(e)
+    return store, ""
+
+
+def _worded(error: BaseException) -> str:
+    """An error as the user reads it: our own errors say what failed in words; others get their
+    type named (the traceback is in the rank's log)."""
+    return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+
+
+def _same_text(problems: list[str]) -> str:
+    """The ranks' problems: one text when every rank had the same one."""
+    unique = list(dict.fromkeys(problems))
+    return unique[0] if len(unique) == 1 else "; ".join(unique)
                     settings: dict[str, Any] | None = None) -> RewindResult:
     """Rewind to `target` and go on as the new branch `name` of the run folder's tree (collective).
     The branch the run leaves keeps its checkpoints. `settings` (the branch command's changes)

@@ -192,7 +192,7 @@ class SnapshotStore:
             raise SnapshotError(f"no snapshot named {name!r} (kept: {', '.join(self.names()) or 'none'})")
         ckpt.check_compatible(run, snap.record, f"snapshot {name}", sampler)  # and the data position
         ckpt.restore(run, snap.folder, snap.record, copy.deepcopy(snap.states), snap.rng,
-                     copy.deepcopy(snap.loop), restore_states)
+                     copy.deepcopy(snap.loop), restore_states, what=f"snapshot {name!r}")
         return snap
 
     def close(self) -> None:

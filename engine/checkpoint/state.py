@@ -33,10 +33,12 @@ import json
 import re
 import shutil
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from engine.context import RunContext
 from engine import ds_config
@@ -248,11 +250,9 @@ def check_compatible(run: RunContext, record: dict, url: str, sampler=None) -> N
             raise DataMismatchError(f"{url}: {e}; nothing was loaded") from None
 
 
-@contextlib.contextmanager
-def verified(run: RunContext, path: str, sampler=None) -> Iterator[tuple[atomic.Location, dict, dict, Path]]:
-    """Check a training checkpoint completely (collective) and yield (folder, marker, record,
-    local copy of this rank's files); raises before anything is changed."""
-    comm = Comm.current()
+def precheck(run: RunContext, path: str) -> tuple[atomic.Location, dict, dict]:
+    """The checks of a training checkpoint that read only its marker and record, and change
+    nothing: complete, every listed file there, this layout and model. (folder, marker, record)."""
     folder = atomic.location(path)
     marker = atomic.complete_marker(path, "training")
     missing = atomic.missing_files(folder, marker)
@@ -261,6 +261,16 @@ def verified(run: RunContext, path: str, sampler=None) -> Iterator[tuple[atomic.
                                 f"{', '.join(missing[:6])}; nothing was loaded")
     record = read_record(folder)
     check_compatible(run, record, folder.url, sampler)
+    check_compatible(run, record, folder.url)
+    return folder, marker, record
+
+
+@contextlib.contextmanager
+def verified(run: RunContext, path: str, sampler=None) -> Iterator[tuple[atomic.Location, dict, dict, Path]]:
+    """Check a training checkpoint completely (collective) and yield (folder, marker, record,
+    local copy of this rank's files); raises before anything is changed."""
+    comm = Comm.current()
+    folder, marker, record = precheck(run, path)
     mine = files_read_by(sorted(marker["files"]), comm.rank, run.env.dp_rank)
     local, temporary = atomic.fetch(folder, mine)
     try:
@@ -298,7 +308,7 @@ def load_checkpoint(run: RunContext, path: str, *, sampler, restore_states: Call
     with verified(run, path, sampler) as (folder, marker, record, local):
         restore(run, local, record, _read(local / CALLBACKS_FILE),
                 _read(local / rng_file(run.env.rank)), _read_optional(local / loop_file(run.env.rank)),
-                restore_states)
+                restore_states, what=folder.url)
     if announce:
         changes = _config_changes(record.get("config", {}), run.config.to_dict())
         run.emit({"type": "resume", "checkpoint": folder.url, "step": run.state.global_step,
@@ -320,26 +330,71 @@ def load_weights(run: RunContext, path: str) -> None:
     """The model (and the optimizer state DeepSpeed keeps with it) of a training checkpoint; the
     position, scheduler, RNG streams and callbacks stay as they are. Collective."""
     with verified(run, path) as (_, _, record, local):
-        load_path, _ = run.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_optimizer_states=True,
-                                                      load_lr_scheduler_states=False)
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {path}")
+        load_engine_state(run.engine, local, record["ds_tag"], scheduler=False)
+
+
+class RestoreError(CheckpointError):
+    """A restore failed part-way: the run's state is partly the saved one (the message names the
+    part that failed and the cause; the traceback is in the rank's log)."""
+
+
+def load_engine_state(engine, local: Path, tag: str, *, scheduler: bool = True) -> None:
+    """DeepSpeed's part of a checkpoint (`local`/`tag`) into the running `engine`: the model, the
+    optimizer and, when `scheduler`, the learning-rate schedule. Collective.
+
+    One layout needs help: DeepSpeed 0.19 runs a bf16 pipeline at ZeRO 0 with its BF16_Optimizer,
+    saves that optimizer in the per-data-parallel-rank file (bf16_zero_pp_rank_<dp>_mp_rank_<mp>_
+    optim_states.pt) as it does for ZeRO, but loads it like a plain optimizer: the one state dict of
+    the model-states file goes where BF16_Optimizer.load_state_dict expects the list of every data
+    rank's (`state_dict_list[dp_rank]`: KeyError 0). There DeepSpeed loads the model and schedule,
+    and the optimizer is handed its own file, in the form it reads (its fp32 master weights too).
+    """
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    own_file = isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization()
+    load_path, _ = engine.load_checkpoint(str(local), tag=tag, load_module_strict=True,
+                                          load_optimizer_states=not own_file,
+                                          load_lr_scheduler_states=scheduler)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed found no checkpoint {tag} in {local}")
+    if own_file:
+        optimizer = engine.optimizer
+        group = optimizer.dp_process_group
+        dp_rank, dp_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        # DeepSpeed's own name for this rank's file (what its save wrote)
+        saved = torch.load(engine._get_zero_ckpt_name(str(local), tag), map_location="cpu", weights_only=False)
+        states: list[dict | None] = [None] * dp_size
+        states[dp_rank] = saved["optimizer_state_dict"]
+        optimizer.load_state_dict(states, load_optimizer_states=True,
+                                  load_from_fp32_weights=engine.zero_load_from_fp32_weights())
 
 
 def restore(run: RunContext, local: Path, record: dict, states: dict, rng: dict, loop: dict | None,
-            restore_states: Callable[[dict], None]) -> None:
+            restore_states: Callable[[dict], None], what: str = "the checkpoint") -> None:
     """Put a saved training state into the run's (running or just built) engines: DeepSpeed's
     part from the folder `local` (model, optimizer, scheduler, in this layout's partitions), then
     the loop's own optimizer / schedule (`loop`), the callbacks' and loop parts' `states`, the
     position, and last the RNG streams `rng`. The one restore of a resume at start, a rewind
-    from disk and a rewind from a snapshot (engine.checkpoint.snapshots)."""
-    load_path, _ = run.engine.load_checkpoint(str(local), tag=record["ds_tag"], load_module_strict=True,
-                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
-    if load_path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint {record['ds_tag']} in {local}")
-    load_loop_state(run, loop)
-    restore_states(states)
-    position = record["position"]
+    from disk and a rewind from a snapshot (engine.checkpoint.snapshots).
+
+    A failure part-way is a RestoreError naming `what` was loaded, the part that failed and the
+    cause (its traceback goes to this rank's log): the run's state is then partly `what`'s, and
+    the caller puts it back (engine.checkpoint.rewind) or ends the run.
+    """
+    parts: list[tuple[str, Callable[[], None]]] = [
+        ("DeepSpeed's model, optimizer and schedule",
+         lambda: load_engine_state(run.engine, local, record["ds_tag"])),
+        ("the loop's own optimizer and schedule", lambda: load_loop_state(run, loop)),
+        ("the callbacks' and the loop parts' states", lambda: restore_states(states)),
+        ("the position and the RNG streams", lambda: _restore_position(run, record["position"], rng))]
+    for name, load in parts:
+        try:
+            load()
+        except Exception as e:  # noqa: BLE001 - named for the user; the traceback to the log
+            traceback.print_exc()
+            raise RestoreError(f"loading {what} failed while restoring {name}: {type(e).__name__}: {e}") from e
+
+
+def _restore_position(run: RunContext, position: dict, rng: dict) -> None:
     run.state.epoch = int(position["epoch"])
     run.state.batch_in_epoch = int(position["batch_in_epoch"])
     run.state.global_step = int(position["global_step"])

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from typing import Any
 
 from contract.events import EventType, state_event
 from contract.protocol import STATES, RunState, Status
+from engine.checkpoint.rewind import StateLost
 from engine.control import data_commands, handlers
 from engine.control.boundary import Boundary
 from engine.control.chat_page import ChatPage
@@ -97,7 +99,11 @@ class Control:
                 result = HANDLERS[type(item.command)](self, item.command, item.reply)
             except CommandRefused as e:
                 self._answer_error(item, str(e))
+            except StateLost as e:  # the run cannot go on (every rank alike): answered, then it ends
+                self._answer_error(item, f"{item.cmd} failed: {e}")
+                raise
             except Exception as e:  # noqa: BLE001 - a failed command is answered; training goes on
+                traceback.print_exc()  # to this rank's log; the answer names the error
                 self._answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
             else:  # recorded first: whoever hears `done` finds the effect in the event log
                 self._record(item, "done", result=result, seconds=round(time.perf_counter() - started, 4))
