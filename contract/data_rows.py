@@ -230,6 +230,32 @@ def check_unpaired(row: Any) -> PreferenceRow:
     return PreferenceRow(prompt, answers, label)
 
 
+def _shown(value: str | list[dict]) -> str:
+    if isinstance(value, str):
+        return value
+    return "\n".join(f"{m['role']}: {m['content']}" for m in value)
+
+
+def preference_columns(row: Any) -> dict[str, str] | None:
+    """A preference row as text columns for a preview that shows the answers side by side:
+    {"prompt", "chosen", "rejected"} or {"prompt", "completion", "label"} (messages as
+    "role: content" lines); None for a row that does not pass its check."""
+    fmt = detect_format(row)
+    if fmt not in PREFERENCE_FORMATS:
+        return None
+    try:
+        checked = CHECKS[fmt](row)
+    except RowIssue:
+        return None
+    columns = {"prompt": _shown(checked.prompt)}
+    if checked.label is None:
+        columns.update(chosen=_shown(checked.answers[0]), rejected=_shown(checked.answers[1]))
+    else:
+        columns.update(completion=_shown(checked.answers[0]),
+                       label="desirable" if checked.label else "undesirable")
+    return columns
+
+
 CHECKS: dict[str, Callable[[Any], Any]] = {
     "text": check_text, "input_output": check_input_output, "chat": check_chat,
     "tokenized": check_tokenized, "preference": check_preference, "unpaired": check_unpaired}

@@ -34,6 +34,10 @@ def preference_problems(c: RunConfig) -> list[tuple[str, str]]:
     if pref.label_smoothing > 0 and not (name == "dpo" and pref.dpo_loss == "robust"):
         problems.append(("preference.label_smoothing", "applies to the robust DPO loss only "
                          "(objective dpo, dpo_loss robust); set it to 0"))
+    if "choice" in c.eval.evaluators:
+        problems.append(("eval.evaluators", f"{name} evaluates on preference rows: choice needs rows with "
+                         "candidate answers; use perplexity (the objective's loss and rewards) and "
+                         "exact_match / generation (against the chosen answer)"))
     wanted = OBJECTIVE_FORMATS[name]
     formats = [("data.format", c.data.format)] + [(f"data.sources[{i}].format", s.get("format", "auto"))
                                                    for i, s in enumerate(c.data.sources)]

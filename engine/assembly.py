@@ -37,8 +37,8 @@ from engine.model import count_parameters
 from engine.objectives import check_data, objective_of
 from engine.parallel.layouts import layout_class
 from engine.rng import preserved_rng
-from engine.preference_step import (AdapterOffReference, copy_before_engine, disable_dropout, place_copy,
-                                    step_for, zero3_reference)
+from engine.preference_step import (AdapterOffReference, copy_before_engine, disable_dropout, evaluators_for,
+                                    place_copy, step_for, zero3_reference)
 from engine.steps import StepStrategy
 
 
@@ -107,10 +107,10 @@ def assemble(cfg: RunConfig, *, model=None, tokenizer=None, loss_fn: Callable | 
         cfg, env, ds_setup, model, layout=layout, method=method, optimizer=optimizer,
         lr_scheduler=lr_scheduler, total_steps=state.total_steps)
     reference = _reference(cfg, objective, ctx, ds_setup, precision, ref_copy, given_model=model_given)
-    return Assembled(ctx=ctx, data=data, ds_setup=ds_setup,
-                     step=step_for(objective, method.step(layout), reference),
-                     checkpoints=CheckpointSchedule(),
-                     evaluators=list(evaluators) if evaluators is not None else evaluator_layer.from_config(cfg))
+    step = step_for(objective, method.step(layout), reference)
+    return Assembled(ctx=ctx, data=data, ds_setup=ds_setup, step=step, checkpoints=CheckpointSchedule(),
+                     evaluators=list(evaluators) if evaluators is not None else evaluators_for(
+                         step, evaluator_layer.from_config(cfg), cfg.eval.max_samples))
 
 
 def _reference(cfg: RunConfig, objective, ctx: RunContext, ds_setup: DeepSpeedSetup, precision: str,

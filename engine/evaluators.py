@@ -30,8 +30,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from engine import metrics
 from contract.config import EVALUATORS, RunConfig
+from contract.data_rows import preference_columns
+from engine import metrics
 from engine.data.formats import encode_input_output
 from engine.generation import generate
 
@@ -198,6 +199,13 @@ def prompt_and_reference(row: Any, tokenizer) -> tuple[str, str, bool] | None:
     if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
         prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         return prompt, str(messages[-1].get("content", "")), False
+    columns = preference_columns(row)  # a preference row: its chosen (or desirable) answer
+    if columns is not None and columns.get("label", "desirable") == "desirable":
+        answer = row.get("chosen", row.get("completion"))
+        if isinstance(row["prompt"], str):
+            return row["prompt"], str(answer), True
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        return prompt, str(answer[-1]["content"]), False
     return None
 
 

@@ -110,6 +110,11 @@ class GatedStep:
     def __init__(self, inner, gate: Gate):
         self.inner, self.gate = inner, gate
 
+    @property
+    def metrics(self) -> dict:
+        """The inner strategy's numbers of the last step (engine.monitors.StepMetricsMonitor)."""
+        return getattr(self.inner, "metrics", None) or {}
+
     def __call__(self, trainer, micro_batches: list[dict]):
         self.gate.start(len(micro_batches))
         self.gate.engine = trainer.engine  # the engine of now (a rewind keeps it, a test may not)

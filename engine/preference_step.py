@@ -142,6 +142,32 @@ class PreferenceStep:
         return scores_of(forward(ids, mask), ids, batch[f"{prefix}labels"], mask)
 
 
+class PreferenceEvaluator:
+    """The objective on the evaluation data, without gradient: `loss` (the mean of the batches'
+    losses over every rank) and the reward metrics, as `eval/...` (TRL's `eval_rewards/...`).
+    It takes the place of the perplexity evaluator in a preference run."""
+    name = "preference"
+
+    def __init__(self, step: PreferenceStep, max_samples: int = 0):
+        self.step, self.max_samples = step, max_samples
+
+    def __call__(self, trainer) -> dict[str, float]:
+        per_step = trainer.config.eval.batch_size * trainer.env.dp_size
+        batches = max(1, self.max_samples // per_step) if self.max_samples else None
+        losses, per_batch = [], []
+        for i, batch in enumerate(trainer.eval_loader()):
+            if batches is not None and i >= batches:
+                break
+            batch = {k: v.to(trainer.engine.device) for k, v in batch.items()}
+            loss, sums = self.step.micro_batch(trainer.engine, batch)  # every rank, every batch (ZeRO-3)
+            losses.append(float(loss))
+            per_batch.append(_reduce(sums, trainer.env))
+        if not losses:
+            return {}
+        mean = _reduce({"loss": (torch.tensor(sum(losses)), torch.tensor(float(len(losses))))}, trainer.env)
+        return {**mean, **self.step.objective.finish(_mean_present(per_batch))}
+
+
 def _reduce(sums: dict, env) -> dict[str, float]:
     """Each metric's mean over every data-parallel rank's rows (one all-reduce); a metric no
     rank had rows for is left out."""
@@ -165,4 +191,12 @@ def _mean_present(values: list[dict[str, float]]) -> dict[str, float]:
 def step_for(objective: Objective | None, base: StepStrategy, reference: Any = None) -> StepStrategy:
     """The run's step strategy: the preference step for a preference objective, else `base`."""
     return base if objective is None else PreferenceStep(objective, reference)
+
+
+def evaluators_for(step: StepStrategy, evaluators: list, max_samples: int = 0) -> list:
+    """The run's evaluators: under a preference step, its evaluator in place of perplexity."""
+    if not isinstance(step, PreferenceStep):
+        return evaluators
+    return [PreferenceEvaluator(step, max_samples) if getattr(e, "name", "") == "perplexity" else e
+            for e in evaluators]
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from contract import hub
 from contract.config import ConfigError, RunConfig, load_config
+from contract.data_rows import PREFERENCE_FORMATS, preference_columns
 
 MAX_DATA_ROWS_SHOWN = 2
 
@@ -117,9 +118,12 @@ def data_preview(path: str, fmt: str = "auto") -> dict:
     other = sorted({f for _, r in rows if (f := detect_format(r)) and f != detected})
     first = [row for _, row in rows if isinstance(row, dict)][:MAX_DATA_ROWS_SHOWN]
     keys = sorted(first[0]) if first else []
-    return {"rows": len(rows), "format": detected, "unreadable_rows": unreadable[:10],
-            "unreadable": len(unreadable), "other_formats": other, "keys": keys,
-            "examples": [_shorten(r) for r in first]}
+    preview = {"rows": len(rows), "format": detected, "unreadable_rows": unreadable[:10],
+               "unreadable": len(unreadable), "other_formats": other, "keys": keys,
+               "examples": [_shorten(r) for r in first]}
+    if detected in PREFERENCE_FORMATS:  # the answers as columns, to be shown side by side
+        preview["pairs"] = [_shorten(c) for r in first if (c := preference_columns(r)) is not None]
+    return preview
 
 
 def _shorten(row: dict, limit: int = 120) -> dict:

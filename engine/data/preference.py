@@ -72,18 +72,14 @@ def _ids(out: Any) -> list[int]:
     return list(ids)
 
 
-def _encode_text(tokenizer, prompt: str, answers: tuple) -> tuple[list[int], list[list[int]]]:
+def _encode_text(tokenizer, prompt_ids: list[int], fulls: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """From the encodings of the prompt and of prompt + each answer (with special tokens)."""
     eos = tokenizer.eos_token_id
     auto_eos = eos is not None and _ids(tokenizer("a"))[-1:] == [eos]  # T5-style: every text ends in eos
-    prompt_ids = _ids(tokenizer(prompt))
     if auto_eos:
         prompt_ids = prompt_ids[:-1]
-    fulls = []
-    for answer in answers:
-        full = _ids(tokenizer(prompt + answer))
-        if not auto_eos and eos is not None:
-            full.append(eos)
-        fulls.append(full)
+    elif eos is not None:
+        fulls = [full + [eos] for full in fulls]
     return _split(prompt_ids, fulls)
 
 
@@ -104,10 +100,15 @@ def _split(prompt_ids: list[int], fulls: list[list[int]]) -> tuple[list[int], li
     return prompt_ids[:cut], [full[cut:] for full in fulls]
 
 
-def encode_row(tokenizer, row: PreferenceRow) -> dict:
-    """The sample of one checked preference row (RowIssue if an answer has no token)."""
-    encode = _encode_chat if row.chat else _encode_text
-    prompt_ids, answers = encode(tokenizer, row.prompt, row.answers)
+def encode_row(tokenizer, row: PreferenceRow, text_ids: tuple | None = None) -> dict:
+    """The sample of one checked preference row (RowIssue if an answer has no token);
+    `text_ids`: a text row's (prompt ids, [prompt + answer ids]) when already encoded."""
+    if row.chat:
+        prompt_ids, answers = _encode_chat(tokenizer, row.prompt, row.answers)
+    else:
+        if text_ids is None:
+            text_ids = (_ids(tokenizer(row.prompt)), [_ids(tokenizer(row.prompt + a)) for a in row.answers])
+        prompt_ids, answers = _encode_text(tokenizer, *text_ids)
     if any(not a for a in answers):
         raise RowIssue("empty", "an answer encodes to no token after the prompt")
     if row.label is None:
@@ -116,13 +117,22 @@ def encode_row(tokenizer, row: PreferenceRow) -> dict:
 
 
 def encode_preference(tokenizer, rows: list[PreferenceRow]) -> list[dict | RowIssue]:
+    """The samples of checked rows; the text rows' encodings in two batched tokenizer calls."""
+    texts = [r for r in rows if not r.chat]
+    prompts = _batched(tokenizer, [r.prompt for r in texts])
+    fulls = iter(_batched(tokenizer, [r.prompt + a for r in texts for a in r.answers]))
+    encoded = {id(r): (p, [next(fulls) for _ in r.answers]) for r, p in zip(texts, prompts)}
     out: list[dict | RowIssue] = []
     for row in rows:
         try:
-            out.append(encode_row(tokenizer, row))
+            out.append(encode_row(tokenizer, row, encoded.get(id(row))))
         except RowIssue as issue:
             out.append(issue)
     return out
+
+
+def _batched(tokenizer, texts: list) -> list[list[int]]:
+    return [list(ids) for ids in tokenizer(texts)["input_ids"]] if texts else []
 
 
 def limit(number: int, sample: dict, max_length: int, overlong: str, report: DataReport,
