@@ -229,7 +229,6 @@ def rewind_in_place(trainer, target: str, reason: str = "user", *, emit: bool = 
     return result
 
 
-def branch_in_place(trainer, target: str, name: str, reason: str = "user",
 def _precheck(trainer, source: str) -> None:
     """What can be known before anything is loaded: the target is complete and of this layout
     and model (the data order and the files' hashes are checked by the load, every rank its own)."""
@@ -319,6 +318,7 @@ def _same_text(problems: list[str]) -> str:
     """The ranks' problems: one text when every rank had the same one."""
     unique = list(dict.fromkeys(problems))
     return unique[0] if len(unique) == 1 else "; ".join(unique)
+def branch_in_place(trainer, target: str, name: str, reason: str = "user",
                     settings: dict[str, Any] | None = None) -> RewindResult:
     """Rewind to `target` and go on as the new branch `name` of the run folder's tree (collective).
     The branch the run leaves keeps its checkpoints. `settings` (the branch command's changes)

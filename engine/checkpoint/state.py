@@ -260,7 +260,6 @@ def precheck(run: RunContext, path: str) -> tuple[atomic.Location, dict, dict]:
         raise MissingFilesError(f"{folder.url} lacks {len(missing)} file(s) its manifest lists: "
                                 f"{', '.join(missing[:6])}; nothing was loaded")
     record = read_record(folder)
-    check_compatible(run, record, folder.url, sampler)
     check_compatible(run, record, folder.url)
     return folder, marker, record
 
@@ -271,6 +270,7 @@ def verified(run: RunContext, path: str, sampler=None) -> Iterator[tuple[atomic.
     local copy of this rank's files); raises before anything is changed."""
     comm = Comm.current()
     folder, marker, record = precheck(run, path)
+    check_compatible(run, record, folder.url, sampler)
     mine = files_read_by(sorted(marker["files"]), comm.rank, run.env.dp_rank)
     local, temporary = atomic.fetch(folder, mine)
     try:
