@@ -17,6 +17,7 @@ import time
 
 from contract.protocol import RunState
 from contract.run_folder import EventLog, EventTail, RunFolder
+from contract.events import EventType
 
 from supervisor import procs, stopping
 from supervisor.judgement import LOST_PEER, Facts, RankExit, Verdict, VerdictKind, exited, judge, last_exception, post_mortem
@@ -195,7 +196,7 @@ class RunHandle:
                     state, error, rank = RunState.FAILED.value, failure.message, failure.rank
             return RunInfo(self.name, str(self.folder.root), state, self._alive, s.step, s.total_steps,
                            dict(s.metrics), s.start_time, s.end_time, error, rank, self._pid,
-                           s.stopped_by_user)
+                           s.stopped_by_user, s.reason if state == RunState.FINISHED else None)
 
     def failure(self) -> Failure | None:
         """Why the run failed, or is failing now (a dead rank, a hang): the rank and its last
@@ -290,7 +291,7 @@ class RunHandle:
         s = self._summary
         if s.final and (s.state != RunState.FAILED or s.error_rank == failure.rank):
             return  # the run recorded it itself, and rightly
-        self._record({"type": "state", "state": RunState.FAILED.value, "error": failure.message,
+        self._record({"type": EventType.STATE, "state": RunState.FAILED.value, "error": failure.message,
                       "rank": failure.rank, "step": s.step})
 
     def _record(self, event: dict) -> None:

@@ -139,11 +139,30 @@ _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|W
 
 
 def last_exception(lines: Sequence[str]) -> str | None:
-    """The last `SomeError: message` line of a traceback in a log tail."""
-    for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line.strip()):
-            return line.strip()
+    """The last `SomeError: message` line of a traceback in a log tail, with the indented lines
+    that continue its message (a ConfigError lists its problems so), worded cause first."""
+    for at in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_LINE.match(lines[at].strip()):
+            more = []
+            for line in lines[at + 1:]:
+                if not line.startswith((" ", "\t")) or not line.strip():
+                    break
+                more.append(line)
+            return cause_first("\n".join([lines[at].strip(), *more]))
     return None
+
+
+def cause_first(text: str) -> str:
+    """An error whose first line only announces what follows ("ConfigError: invalid run config
+    (1 problem):", then "  - data.train: no such file or folder") on one line, the cause first:
+    "data.train: no such file or folder (ConfigError: invalid run config, 1 problem)". Any other
+    text comes back unchanged."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if len(lines) < 2 or not lines[0].endswith(":"):
+        return text
+    causes = "; ".join(ln[2:] if ln.startswith("- ") else ln for ln in lines[1:])
+    header = re.sub(r" \((\d+ problems?)\):$", r", \1", lines[0]).rstrip(":")
+    return f"{causes} ({header})"
 
 
 def killed_by_signal(status: int | None) -> bool:

@@ -32,6 +32,7 @@ class RunInfo:
     failed_rank: int | None
     pid: int | None               # the launcher's pid = the run's process group id
     stopped_by_user: bool = False
+    reason: str | None = None     # why a finished run ended early (a stop, a job cancelled in the queue)
 
     @property
     def progress(self) -> float | None:

@@ -38,12 +38,13 @@ from pathlib import Path
 
 from contract.config import RunConfig
 from contract.protocol import RunState
-from contract.run_folder import EventLog, RunFolder, make_run_folder, tail_lines
+from contract.run_folder import EventLog, RunFolder, make_run_folder
+from contract.events import StateEvent
 
 from supervisor import stopping
 from supervisor.handle import RunHandle
-from supervisor.judgement import Verdict, last_exception
-from supervisor.records import Failure, RunInfo, mark_stopping
+from supervisor.judgement import LOST_PEER, Verdict, last_exception
+from supervisor.records import Failure, RunInfo, log_tail, mark_stopping
 
 JOB_FILE = "slurm_job.json"
 SCRIPT = "job.sbatch"
@@ -151,13 +152,13 @@ def submit(cfg: RunConfig, output_dir: str | Path, opts: SlurmOptions, env: dict
     try:
         if got.returncode != 0:
             message = f"sbatch refused the job: {got.stderr.strip() or got.stdout.strip()}"
-            log.emit({"type": "state", "state": "failed", "source": "manager", "error": message})
+            log.emit(StateEvent(state=RunState.FAILED, source="manager", error=message))
             raise SlurmError(message)
         job_id = got.stdout.strip().split(";")[0]
         (folder.root / JOB_FILE).write_text(json.dumps({"job_id": job_id, "script": str(script),
                                                          "nodes": opts.nodes, "submitted": time.time()}))
-        log.emit({"type": "state", "state": "starting", "nproc": cfg.parallel.nproc, "slurm_job": job_id,
-                  "method": cfg.method.name, "model": cfg.model.path or "default"})
+        log.emit(StateEvent(state=RunState.STARTING, nproc=cfg.parallel.nproc, slurm_job=job_id,
+                            method=cfg.method.name, model=cfg.model.path or "default"))
     finally:
         log.close()
     return folder
@@ -172,16 +173,34 @@ def recorded_job(folder: RunFolder) -> str | None:
 
 
 def job_state(job_id: str) -> JobState | None:
-    """The job's state from scontrol; None once Slurm has forgotten it (MinJobAge) or cannot say."""
+    """The job's state from scontrol; once Slurm has forgotten the job (MinJobAge), from sacct
+    (the accounting database) where it is there; None when neither can say."""
     try:
         got = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
-        return None
+        return _accounted_state(job_id)
     if got.returncode != 0 or "JobState=" not in got.stdout:
-        return None
+        return _accounted_state(job_id)
     fields = dict(part.split("=", 1) for part in got.stdout.split() if "=" in part)
     return JobState(job_id, fields.get("JobState", "UNKNOWN"), fields.get("Reason", ""),
                     fields.get("ExitCode", ""), fields.get("NodeList", ""))
+
+
+def _accounted_state(job_id: str) -> JobState | None:
+    """The job as `sacct` records it (None: no sacct, accounting off, or no such job). Its state
+    may read "CANCELLED by 1000": the first word is the state."""
+    if shutil.which("sacct") is None:
+        return None
+    try:
+        got = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State,Reason,ExitCode,NodeList"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in got.stdout.splitlines() if got.returncode == 0 else []:
+        parts = line.split("|")
+        if len(parts) == 5 and parts[0] == job_id and parts[1]:
+            return JobState(job_id, parts[1].split()[0], parts[2], parts[3], parts[4])
+    return None
 
 
 def cancel(job_id: str, timeout: float = 60.0) -> JobState | None:
@@ -226,9 +245,9 @@ class SlurmHandle(RunHandle):
         return info
 
     def _failure_of(self, verdict: Verdict) -> Failure:
-        """Why the run failed, with Slurm's word on the job once it ended badly; for a job that
-        ended without the run's final state, the log of the rank that failed (the one whose log
-        ends in an exception; else rank 0)."""
+        """Why the run failed, the cause first, then Slurm's word on the job once it ended badly;
+        for a job that ended without the run's final state, the cause is the exception in the
+        log of the rank that failed (the one whose log ends in an exception; else rank 0)."""
         failure = super()._failure_of(verdict)
         job = self.job
         if job is None or job.alive or job.state == "COMPLETED":
@@ -236,20 +255,27 @@ class SlurmHandle(RunHandle):
         slurm = (f"Slurm job {job.job_id} {job.state} (exit code {job.exit_code}"
                  f"{', ' + job.reason if job.reason not in ('', 'None') else ''})")
         if verdict.rank is not None or self._summary.final:
-            return replace(failure, message=f"{slurm}: {failure.message}")
+            if LOST_PEER.search(failure.message):  # a victim's view: Slurm's word says more
+                return replace(failure, message=f"{slurm}: {failure.message}")
+            return replace(failure, message=f"{failure.message}; {slurm}")
         rank, lines = _failing_rank(self.folder, self.log_lines)
-        message = f"{slurm} without a final state; rank {rank}: {last_exception(lines) or 'no exception logged'}"
+        cause = last_exception(lines)
+        message = (f"{cause}; rank {rank}, {slurm} without a final state" if cause else
+                   f"{slurm} without a final state; rank {rank}: no exception logged")
         return Failure(self.name, verdict.kind.value, message, rank, str(self.folder.rank_log(rank)), lines)
 
     def stop(self, save: bool = stopping.DEFAULT_SAVE, timeout: float = 60.0) -> RunInfo:
         """Ask the run to stop (saving with `save`), give it `timeout` s, then scancel the job
-        and wait until Slurm confirms it ended."""
+        and wait until Slurm confirms it ended. A job still waiting in the queue is cancelled:
+        nothing of it ran, so the run finished, with that as its reason."""
         self.refresh()
         if not self._alive:
             return self.info()
         mark_stopping(self.folder, True)
         try:
-            if self.job is not None and not self.job.pending and stopping.ask_to_stop(self.folder, save, timeout):
+            job = self.job
+            queued = job is not None and job.pending
+            if not queued and stopping.ask_to_stop(self.folder, save, timeout):
                 deadline = time.monotonic() + timeout
                 while (state := job_state(self.job_id)) is not None and state.state == "RUNNING" \
                         and time.monotonic() < deadline:
@@ -257,8 +283,13 @@ class SlurmHandle(RunHandle):
             ended = cancel(self.job_id)
             self.refresh()
             if not self._summary.final:
-                forced = ended is not None and ended.state == "CANCELLED"
-                self._record(stopping.forced_stop_event(save, timeout, forced, self._summary.step))
+                if queued and self._summary.run_state in (None, RunState.STARTING):  # no rank wrote a word
+                    why = job.reason if job is not None and job.reason not in ("", "None") else "pending"
+                    self._record(stopping.cancelled_event(f"Slurm job {self.job_id} was still waiting in "
+                                                          f"the queue ({why})"))
+                else:
+                    forced = ended is not None and ended.state == "CANCELLED"
+                    self._record(stopping.forced_stop_event(save, timeout, forced, self._summary.step))
         finally:
             mark_stopping(self.folder, False)
         return self.info()
@@ -267,10 +298,12 @@ class SlurmHandle(RunHandle):
 def _failing_rank(folder: RunFolder, n: int) -> tuple[int, tuple[str, ...]]:
     logs = sorted(folder.logs.glob("rank*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else 0)
     for path in logs:
-        lines = tuple(tail_lines(path, n))
+        if not path.stem[4:].isdigit():
+            continue
+        lines = log_tail(folder, int(path.stem[4:]), n)[1]
         if last_exception(lines):
             return int(path.stem[4:]), lines
-    return 0, tuple(tail_lines(folder.rank_log(0), n))
+    return 0, log_tail(folder, 0, n)[1]
 
 
 def handle_for(folder: RunFolder, hang_timeout: float, log_lines: int = 20) -> RunHandle:

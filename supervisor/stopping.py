@@ -12,6 +12,8 @@ from pathlib import Path
 
 from contract.protocol import Stop
 from contract.run_folder import RunFolder
+from contract.protocol import RunState
+from contract.events import EventType
 
 from supervisor import procs, remote_stop
 from supervisor.records import child_running, reap
@@ -79,11 +81,18 @@ def end_group(pgid: int | None, root: Path, grace_s: float) -> None:
 def forced_stop_event(save: bool, timeout: float, forced: bool, step: int) -> dict:
     """The final state the manager records for a run that was stopped without writing one."""
     if not forced:  # it went away by itself while being stopped: that is no clean stop
-        return {"type": "state", "state": "failed", "step": step, "stopped_by_user": True,
+        return {"type": EventType.STATE, "state": RunState.FAILED, "step": step, "stopped_by_user": True,
                 "error": "exited without a final state while it was being stopped"}
     how = f"did not stop by itself within {timeout:g} s and was ended by signal"
     if save:  # the save the user asked for did not happen: that is a failure they must see
-        return {"type": "state", "state": "failed", "step": step, "stopped_by_user": True,
+        return {"type": EventType.STATE, "state": RunState.FAILED, "step": step, "stopped_by_user": True,
                 "error": f"stopped by the user with save, but the run {how}; nothing was saved"}
-    return {"type": "state", "state": "finished", "step": step, "stopped_by_user": True,
+    return {"type": EventType.STATE, "state": RunState.FINISHED, "step": step, "stopped_by_user": True,
             "reason": f"stopped by the user; the run {how}"}
+
+
+def cancelled_event(what: str) -> dict:
+    """The final state of a run stopped before any of it started (a Slurm job still queued):
+    nothing ran, nothing was lost, so it finished, with `what` happened as its reason."""
+    return {"type": EventType.STATE, "state": RunState.FINISHED, "step": 0, "stopped_by_user": True,
+            "reason": f"cancelled before it started: {what}"}

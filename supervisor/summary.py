@@ -11,6 +11,8 @@ from typing import Any
 
 from contract.protocol import RunState
 
+from supervisor.judgement import cause_first
+
 # Events that show the training loop itself moving. Command acknowledgements and the like are
 # written by rank 0's control thread even when the loop is stuck, so they do not count.
 PROGRESS_EVENTS = ("train", "eval", "state", "setup", "heartbeat", "checkpoint")
@@ -31,7 +33,8 @@ class RunSummary:
     start_time: float | None = None    # time of the first event
     end_time: float | None = None      # time of the final state event
     method: str | None = None          # the training method the run's state events name
-    error: str | None = None           # the final `failed` event's reason
+    error: str | None = None           # the final `failed` event's reason, its cause first
+    reason: str | None = None          # why a finished run ended (a stop, a cancelled Slurm job)
     error_rank: int | None = None
     final_source: str | None = None    # "manager" when the run manager wrote the final state
     stopped_by_user: bool = False
@@ -75,14 +78,15 @@ class RunSummary:
         self.state = state
         self.method = event.get("method", self.method)
         self.step = _int(event.get("step"), self.step)
-        self.end_time, self.error, self.error_rank = None, None, None
+        self.end_time, self.error, self.error_rank, self.reason = None, None, None, None
         self.final_source, self.stopped_by_user = None, False
         if RunState(state).final:
             self.end_time = event.get("time")
             self.final_source = event.get("source")
             self.stopped_by_user = was_stopping or bool(event.get("stopped_by_user", False))
+            self.reason = str(event["reason"]) if event.get("reason") else None
         if state == RunState.FAILED:
-            self.error = str(event.get("error") or "failed")
+            self.error = cause_first(str(event.get("error") or "failed"))
             self.error_rank = event.get("rank") if isinstance(event.get("rank"), int) else None
 
     def _on_setup(self, event: dict) -> None:

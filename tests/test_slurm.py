@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from contract.run_folder import RunFolder
 from slurm_cluster import SlurmUnavailable, check_available, slurm_cluster
 from supervisor.client import RunClient
 from supervisor.manager import RunManager
-from supervisor.slurm import SlurmHandle, SlurmOptions, job_script, job_state, recorded_job, submit
+from supervisor.slurm import JobState, SlurmHandle, SlurmOptions, job_script, job_state, recorded_job, submit
 
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 400
@@ -43,6 +44,23 @@ def test_the_job_script_asks_for_what_the_options_say(tmp_path):
     assert "#SBATCH --cpus-per-task" not in script  # 0: Slurm's default
     with pytest.raises(ValueError, match="nodes must be >= 1"):
         SlurmOptions(nodes=0).check()
+
+
+def test_a_job_slurm_has_forgotten_is_read_from_sacct(tmp_path, monkeypatch):
+    """scontrol forgets a job MinJobAge after it ended; sacct (the accounting database, which
+    needs slurmdbd and a database server: stand-ins here, printing what they print) still knows
+    it. Without sacct, or without the job in it, the state is unknown (None)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1"),
+                       ("sacct", 'case "$*" in *"-j 77 "*) echo "77|CANCELLED by 0|None|0:0|node-a";; esac')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{text}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    assert job_state("77") == JobState("77", "CANCELLED", "None", "0:0", "node-a")
+    assert job_state("78") is None
+    (bin_dir / "sacct").unlink()
+    assert job_state("77") is None
 
 
 @pytest.fixture(scope="module")
@@ -166,12 +184,79 @@ def test_a_failed_job_shows_its_slurm_state_and_the_rank_s_log(cluster, tmp_path
             time.sleep(0.5)
         assert state is not None and state.state == "FAILED", state
         failure = handle.failure()
+        # rank 0's lost-peer error is a victim's view: Slurm's word comes first
         assert failure is not None and failure.message.startswith(f"Slurm job {job} FAILED"), failure
         assert failure.lines, failure  # the failing rank's last log lines
         print(f"\nSLURM failed job reported: {failure.message[:200]}")
         assert not run_processes(folder.root)
     finally:
         subprocess.run(["scancel", job], capture_output=True)
+
+
+@contextmanager
+def queued_behind_a_full_node(cfg, runs: Path):
+    """Submit the run while another job holds the whole node: it waits in the queue (Reason
+    Resources) until the other job is cancelled (`release()`). Yields (folder, job, release)."""
+    blocker = subprocess.run(["sbatch", "--parsable", "--exclusive", "--time=30:00", "--output=/dev/null",
+                              "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+    job = None
+    try:
+        while (state := job_state(blocker)) is not None and state.pending:
+            time.sleep(0.2)
+        folder = submit(cfg, runs, SlurmOptions(time="30:00"))
+        job = recorded_job(folder)
+        state = job_state(job)
+        assert state is not None and state.pending, state
+        yield folder, job, lambda: subprocess.run(["scancel", blocker], capture_output=True)
+    finally:
+        subprocess.run(["scancel", blocker] + ([job] if job else []), capture_output=True)
+
+
+def wait_job_ended(job: str, timeout: float = DEADLINE_S):
+    deadline = time.monotonic() + timeout
+    while (state := job_state(job)) is not None and state.alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return state
+
+
+def test_a_queued_job_stopped_from_the_terminal_is_cancelled_before_it_started(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    cfg = load_config(overrides=[f"output_dir={runs}", "run_name=queued", "logging.tensorboard=false"])
+    with queued_behind_a_full_node(cfg, runs) as (folder, job, _):
+        assert RunManager(runs).get("queued").info().state == "queued"
+        stop = subprocess.run([sys.executable, "-m", "app.cli", "stop", str(folder.root)], cwd=REPO,
+                              capture_output=True, text=True, timeout=180)  # a plain stop: save by default
+        said = stop.stdout + stop.stderr
+        assert stop.returncode == 0, said
+        assert "finished" in said and "cancelled before it started" in said and job in said, said
+        info = RunManager(runs).get("queued").info()
+        assert (info.state, info.stopped_by_user, info.error) == ("finished", True, None), info
+        assert info.reason.startswith("cancelled before it started: Slurm job"), info
+        ended = job_state(job)
+        assert ended is not None and ended.state == "CANCELLED", ended
+
+
+@pytest.mark.slow
+def test_a_job_that_fails_at_start_reports_the_cause_first(cluster, tmp_path):
+    """The job's ranks cannot load its config (its data file is gone by the time it starts):
+    the report's first line is the problem, not "invalid run config (1 problem):"."""
+    runs = tmp_path / "runs"
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    cfg = load_config(overrides=[f"output_dir={runs}", "run_name=nodata", f"data.train={data}",
+                                 "logging.tensorboard=false"])
+    with queued_behind_a_full_node(cfg, runs) as (folder, job, release):
+        data.unlink()
+        release()
+        state = wait_job_ended(job)
+        assert state is not None and state.state == "FAILED", state
+        handle = RunManager(runs).get("nodata")
+        failure = handle.failure()
+        first = failure.message.splitlines()[0]
+        assert first.startswith(f"data.train: no such file or folder: {data}"), failure.message
+        assert f"Slurm job {job} FAILED" in first and "invalid run config" in first, first
+        assert handle.info().error == failure.message  # the listing (web, notebook) says the same
+        print(f"\nSLURM failed at start: {failure.message}")
 
 
 def _is_rank(pid: int, rank: int) -> bool:

@@ -243,3 +243,24 @@ def test_the_launcher_s_report_is_read_from_the_latest_launch_only(tmp_path):
     assert launcher_reported_failure(folder) == (None, None)
     log.write_text("  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 4242)\n")
     assert launcher_reported_failure(folder) == (KILLED, 4242)
+
+
+def test_a_failure_is_worded_cause_first():
+    """An error whose first line only announces its problems ("invalid run config (1 problem):")
+    is worded with the problems first: in the run's own report as read by every front end, and
+    in an exception taken from a log."""
+    from supervisor.judgement import cause_first
+    from supervisor.summary import RunSummary
+    error = "ConfigError: invalid run config (2 problems):\n  - data.train: no such file or folder: /d\n  - lr: bad"
+    worded = "data.train: no such file or folder: /d; lr: bad (ConfigError: invalid run config, 2 problems)"
+    assert cause_first(error) == worded
+    assert cause_first("RuntimeError: plain") == "RuntimeError: plain"
+    summary = RunSummary()
+    summary.update([{"type": "state", "state": RunState.FAILED.value, "error": error, "rank": 0}])
+    assert summary.error == worded
+    log = ["Traceback (most recent call last):", '  File "engine/worker.py", line 5, in run',
+           "    cfg = load_config(folder.config)",
+           "contract.config_schema.ConfigError: invalid run config (1 problem):",
+           "  - data.train: no such file or folder: /d", "[rank0] exiting"]
+    assert last_exception(log) == ("data.train: no such file or folder: /d "
+                                   "(contract.config_schema.ConfigError: invalid run config, 1 problem)")
