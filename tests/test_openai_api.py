@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import types
 from pathlib import Path
 
@@ -160,6 +161,7 @@ def test_lm_eval_through_the_api_equals_its_hf_model_on_the_saved_weights(served
                                            "tokenizer": str(exported), "tokenizer_backend": "huggingface", "add_bos_token": True,
                                            "max_length": 256})
     hf = _evaluate("hf", {"pretrained": str(exported), "dtype": "float32"})
+    served.saved, served.exported = saved, exported  # the chat session's test answers from them
     assert held["paused"] and served.client.status()["step"] == saved["step"] == held["step"]
     for task in ("livetune_choice", "livetune_generate"):
         ours, theirs = _responses(live, task), _responses(hf, task)
@@ -171,6 +173,44 @@ def test_lm_eval_through_the_api_equals_its_hf_model_on_the_saved_weights(served
             assert [r[0][1] for r in mine] == [r[0][1] for r in reference]  # is_greedy
             assert all(math.isclose(m[0][0], r[0][0], abs_tol=1e-4) for m, r in zip(mine, reference)), \
                 (mine, reference)
+
+
+@pytest.mark.slow
+def test_a_chat_session_of_the_checkpoint_answers_as_transformers_does_from_its_export(served):
+    """`<run>@<checkpoint>`: the saved step, restored in the run's own layout (2 ranks, ZeRO-3)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from contract.run_folder import make_run_folder
+    from supervisor.chat_sessions import chat_config
+    from supervisor.launch import spawn
+    step = served.saved["step"]
+    config = chat_config(served.saved["checkpoint"])
+    session = spawn(config, make_run_folder(config), extra_env={"LIVETUNE_CACHE": str(served.tmp / "task" / "cache")})
+    try:
+        api = _openai(served, key_of(served.tmp / "runs"))
+        name = f"api@step-{step}"
+        deadline = time.monotonic() + CONNECT_S
+        while name not in [m.id for m in api.models.list().data]:
+            assert time.monotonic() < deadline and session.process.poll() is None, logs_of(session)
+            time.sleep(0.5)
+        tok = AutoTokenizer.from_pretrained(served.exported)
+        model = AutoModelForCausalLM.from_pretrained(served.exported, dtype=torch.float32).eval()
+        for prompt in ("reverse: kernel\n", "sort: hello\n"):
+            answer = api.completions.create(model=name, prompt=prompt, max_tokens=10, temperature=0)
+            ids = tok(prompt, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+            assert answer.choices[0].text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            scored = api.completions.create(model=name, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits.float(), -1)[0]
+            expected = [logp[t - 1, ids[0, t]].item() for t in range(1, ids.shape[1])]
+            got = scored.choices[0].logprobs.token_logprobs[1:]
+            assert len(got) == len(expected) and all(math.isclose(g, e, abs_tol=1e-4) for g, e in zip(got, expected))
+        RunClient(session.folder.root).stop(save=False)
+        assert wait_exit(session) == 0, logs_of(session)
+    finally:
+        end_run(session, grace_s=5.0)
 
 
 @pytest.mark.slow
