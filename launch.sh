@@ -9,7 +9,7 @@
 #                    [--time T] [--account A] [key=value ...]   submit the run to Slurm (sbatch)
 #   ./launch.sh serve [--runs DIR] [--host H] [--port P]   the runs in DIR (default runs/) behind an
 #                                    OpenAI-compatible API on 127.0.0.1:8000/v1 (docs/openai-api.md)
-#   ./launch.sh test [pytest args]   install what the tests need, then run them
+#   ./launch.sh test [pytest args]   install what the tests need (as CI: .ci/run calls this), then run them
 #   ./launch.sh notebook [jupyter lab args]   the notebooks in JupyterLab (widgets extension and a
 #                                    `livetune` kernel on this venv's Python) on 127.0.0.1
 set -euo pipefail
@@ -37,6 +37,9 @@ case "$cmd" in
   test)
     shift
     setup test
+    # What CI has (.ci/run calls this very command): sshd, pdsh, Slurm and munge for the tests of
+    # several machines and of Slurm (installed only when missing; without root they skip, saying why)
+    .ci/setup-hosts.sh
     # The browser tests drive Debian's Chromium; never a browser a tool downloads by itself.
     if ! command -v chromium >/dev/null 2>&1; then
       echo "installing chromium (Debian package) for the browser tests ..."
