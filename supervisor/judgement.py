@@ -131,7 +131,9 @@ class Verdict:
         if self.uses_log == "rank" and exception:
             return f"{self.reason} ({exception}){self.suffix}"
         if self.uses_log == "last" and exception:
-            return f"{self.reason}; last error: {exception}"
+            if LOST_PEER.search(exception):  # a victim's view of a death: no cause of its own
+                return f"{self.reason}; last error: {exception}"
+            return f"{exception}; {self.reason}"  # the cause first
         return self.reason + self.suffix
 
 

@@ -218,8 +218,13 @@ def test_the_message_takes_the_exception_from_the_log_it_points_at():
     assert first.message(["ValueError: bad"]) == ("rank 1 (pid 101) ended with signal SIGKILL "
                                                   "(ValueError: bad); the run then reported: gloo")
     nobody = judge(facts(alive=False, launcher_code=2))
-    assert nobody.message(["KeyError: 'x'"]) == ("exited without a final state (launcher ended with "
-                                                 "exit code 2); last error: KeyError: 'x'")
+    assert nobody.message(["KeyError: 'x'"]) == ("KeyError: 'x'; exited without a final state (launcher "
+                                                 "ended with exit code 2)")  # the cause first
+    assert nobody.message(["ConfigError: invalid run config (1 problem):", "  - data.train: no such file"]) == (
+        "data.train: no such file (ConfigError: invalid run config, 1 problem); exited without a final "
+        "state (launcher ended with exit code 2)")
+    assert nobody.message([LOST]) == ("exited without a final state (launcher ended with exit code 2); "
+                                      f"last error: {LOST}")  # a lost peer is no cause
     assert last_exception(["[/__w/x.cc:1] Error: no", "ok"]) is None
 
 
