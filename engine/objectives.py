@@ -213,20 +213,25 @@ def objective_of(cfg: RunConfig, dp_group=None, dp_size: int = 1) -> Objective |
     return None
 
 
-def check_data(cfg: RunConfig, reports: dict) -> None:
-    """Refuse training data whose rows do not fit the objective (formats detected when read)."""
+def rows_problem(cfg: RunConfig, fmt: str, source: str) -> str | None:
+    """Why rows of format `fmt` (from `source`) cannot train this run's objective, or None.
+    A micro-batch holds samples of one kind: pairs, judged answers or token sequences."""
     objective = cfg.preference.objective
     wanted = OBJECTIVE_FORMATS.get(objective)
+    if wanted is None and fmt in OBJECTIVE_FORMATS.values():
+        return (f"{source} holds {fmt} rows, which train a preference objective; set "
+                "preference.objective (dpo, orpo, simpo for pairs; kto for unpaired rows)")
+    if wanted is not None and fmt != wanted:
+        return f"preference.objective {objective} trains on {wanted} rows, but {source} holds {fmt} rows"
+    return None
+
+
+def check_data(cfg: RunConfig, reports: dict) -> None:
+    """Refuse training data whose rows do not fit the objective (formats detected when read)."""
     for name, report in reports.items():
-        if not name.startswith("train"):
-            continue
-        if wanted is None and report.format in OBJECTIVE_FORMATS.values():
-            raise DataError(f"data: {report.source} holds {report.format} rows, which train a preference "
-                            "objective; set preference.objective (dpo, orpo, simpo for pairs; kto for "
-                            "unpaired rows)")
-        if wanted is not None and report.format != wanted:
-            raise DataError(f"data: preference.objective {objective} trains on {wanted} rows, but "
-                            f"{report.source} holds {report.format} rows")
+        problem = rows_problem(cfg, report.format, report.source) if name.startswith("train") else None
+        if problem:
+            raise DataError(f"data: {problem}")
 
 
 def needs_reference(cfg: RunConfig) -> bool:

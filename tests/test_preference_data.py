@@ -134,10 +134,13 @@ def test_config_refuses_what_cannot_work(overrides, field, words):
 
 
 def test_objective_and_rows_must_agree(tmp_path, tok):
-    from engine.objectives import check_data
+    from engine.objectives import check_data, rows_problem
     _, report = build_dataset([{"text": "hello"}], tok)
     with pytest.raises(DataError, match="dpo trains on preference rows"):
         check_data(load_config(overrides=["objective=dpo"]), {"train": report})
     _, report = build_dataset([{"prompt": "p", "chosen": "a", "rejected": "b"}], tok)
     with pytest.raises(DataError, match="set preference.objective"):
         check_data(load_config(), {"train": report})
+    # the live data commands ask the same (a micro-batch holds one kind of sample)
+    assert "kto trains on unpaired rows" in rows_problem(load_config(overrides=["objective=kto"]), "preference", "f")
+    assert rows_problem(load_config(overrides=["objective=orpo"]), "preference", "f") is None

@@ -30,6 +30,7 @@ from engine.data.inbox import InboxDataset, encode_pair
 from engine.data.mixture import Mixture, Source
 from engine.data.report import DataError
 from engine.generation import generate as generate_text
+from engine.objectives import rows_problem
 
 INBOX_SOURCE = "inbox"
 
@@ -93,6 +94,9 @@ def add_source(control: Plane, cmd: AddSource, reply: Reply) -> dict:
     if len(set(outcomes)) > 1:
         raise DataRefused(f"add_source: the ranks read different numbers of samples from {path} "
                           f"({outcomes}); is it being written? The run goes on unchanged")
+    problem = rows_problem(trainer.config, report.format, path)  # one kind of sample per batch
+    if problem:
+        raise DataRefused(f"add_source: {problem}; the run goes on unchanged")
     source = Source(name, dataset, path=path, format=report.format, weight=cmd.weight)
     if cmd.weight == 0 and not any(s.weight > 0 for s in mixture.live()):
         raise DataRefused("add_source: at least one source must keep a weight above 0")
@@ -156,6 +160,9 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     """`prompt`: the text the model continues (handlers.prompt_text: the chat template applied)."""
     trainer, cfg = control.trainer, control.trainer.config.teach
     mixture = mixture_of(control, "teach")
+    problem = rows_problem(trainer.config, "input_output", "a taught answer")  # one kind of sample per batch
+    if problem:
+        raise DataRefused(f"teach: {problem}; a preference run learns from pairs (the live `prefer` is not there yet)")
     try:
         encode_pair(trainer.tokenizer, prompt, cmd.answer, trainer.config.data.max_length)
     except inbox_file.InboxError as e:
