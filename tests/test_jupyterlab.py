@@ -120,6 +120,20 @@ def test_quickstart_in_jupyterlab_draws_the_panel_and_follows_the_run(lab):
             first = wait_for(lambda: (panel_step() or 0) >= 1 and panel_step(), 150, "the panel to show a step")
             assert page.locator(".jp-OutputArea .jupyter-widgets").count() > 0  # drawn as widgets
             assert page.get_by_text("Widgets cannot be shown here").count() == 0
+            # the config's section tabs and the learning-rate box's label are shown whole, not cut
+            # to "Optimizat" or "learning r..." (the labels' text is whole; the box clips it)
+            labels = page.locator(".jp-OutputArea .widget-tab .lm-TabBar-tabLabel")
+            wait_for(lambda: labels.count() >= 10, 60, "the config form's section tabs")
+            cut = page.evaluate("""() => Array.from(document.querySelectorAll(
+                '.jp-OutputArea .widget-tab .lm-TabBar-tabLabel, .jp-OutputArea .widget-label'))
+                .filter(e => e.classList.contains('lm-TabBar-tabLabel') || /learning rate$/.test(e.innerText))
+                .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)""")
+            assert cut == [], f"cut off: {cut}"
+            if os.environ.get("LIVETUNE_SHOTS"):
+                shots = Path(os.environ["LIVETUNE_SHOTS"])
+                page.locator(".jp-OutputArea .widget-tab").first.screenshot(path=str(shots / "test-notebook-form.png"))
+                lr = page.locator(".jp-OutputArea .widget-label", has_text="learning rate").last.locator("xpath=../..")
+                lr.screenshot(path=str(shots / "test-notebook-lr.png"))
             wait_for(lambda: (panel_step() or 0) > first, 120, "the panel to follow the run's steps")
         finally:
             browser.close()

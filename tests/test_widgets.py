@@ -225,9 +225,15 @@ def wait_until(predicate, what, timeout=120):
         time.sleep(0.1)
 
 h = panel.history
-panel.lr.value = 5e-4
+# the learning-rate box is empty; its placeholder follows the run's present rate
+from app.notebook.panel import lr_placeholder
+wait_until(lambda: panel.lr.placeholder == lr_placeholder(h.latest("lr")), "the present lr in the box")
+assert panel.lr.value == ""
+panel.lr.value = "5e-4"
 panel.lr_button.click()
 panel.wait_idle(120)
+assert panel.lr.value == ""  # sent: the placeholder shows the present rate again
+wait_until(lambda: panel.lr.placeholder == "now 5.00e-04", "the box to follow the new lr")
 wait_until(lambda: h.settings, "the change to reach the event log")
 assert abs(h.settings[-1]["lr"] - 5e-4) < 1e-12, (h.settings, panel.messages)
 set_at = h.settings[-1]["step"]
@@ -345,9 +351,11 @@ def test_the_panel_refuses_to_set_an_untouched_learning_rate_box(tmp_path):
 
     panel = RunPanel(output_dir=tmp_path / "runs", attach_live=False)
     try:
-        panel.lr.value = 0.0  # the box's empty value
-        assert panel.set_lr() is None
-        assert panel.messages[-1] == ("set lr: type a learning rate > 0 first (to stop learning on purpose: "
-                                      "run.set(lr=0))", True)
+        assert panel.lr.value == "" and panel.lr.style.description_width == "initial"  # its label shown whole
+        for typed in ("", "0", "-1e-3", "fast", "inf"):
+            panel.lr.value = typed
+            assert panel.set_lr() is None, typed
+            assert panel.messages[-1] == ("set lr: type a learning rate > 0 first (to stop learning on purpose: "
+                                          "run.set(lr=0))", True)
     finally:
         panel.close()

@@ -22,6 +22,14 @@ from contract.presets import PRESETS
 
 _ERROR_STYLE = "color:#b00020;font-size:90%"
 _HELP_STYLE = "color:#666;font-size:85%"
+# ipywidgets gives every tab the same 144 px and shrinks them to fit one row, cutting the titles
+# ("Optimizat", "Parallelis"): the sections' tabs take their titles' widths and wrap onto more rows
+TABS_CLASS = "lt-form-tabs"
+PAGE_STYLE = f"""<style>
+.{TABS_CLASS} > .lm-TabBar, .{TABS_CLASS} > .p-TabBar {{ height: auto !important; overflow: visible !important; }}
+.{TABS_CLASS} > .lm-TabBar .lm-TabBar-content, .{TABS_CLASS} > .p-TabBar .p-TabBar-content {{ flex-wrap: wrap; }}
+.{TABS_CLASS} > .lm-TabBar .lm-TabBar-tab, .{TABS_CLASS} > .p-TabBar .p-TabBar-tab {{ flex: 0 0 auto !important; max-width: none !important; }}
+</style>"""
 
 
 def _field_widget(entry: dict) -> widgets.ValueWidget:
@@ -65,7 +73,8 @@ class ConfigForm:
         if validate_live:
             for w in self.widgets.values():
                 w.observe(self._on_change, names="value")
-        self.widget = widgets.VBox([self.preset, self._tabs(), self.summary])
+        # the style rides along in an HTML widget: a notebook takes no page CSS from a kernel otherwise
+        self.widget = widgets.VBox([widgets.HTML(PAGE_STYLE), self.preset, self._tabs(), self.summary])
 
     def _row(self, f: dict) -> widgets.VBox:
         """A field: its widget (labelled with its human name), its config key and help beside it."""
@@ -87,6 +96,7 @@ class ConfigForm:
                 rows.append(fold)
             pages.append((title, widgets.VBox(rows)))
         tabs = widgets.Tab(children=[page for _, page in pages])
+        tabs.add_class(TABS_CLASS)
         for i, (title, _) in enumerate(pages):
             tabs.set_title(i, title)
         return tabs

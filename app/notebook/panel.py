@@ -55,7 +55,7 @@ class RunPanel:
         self._lock = threading.Lock()
         self._commands = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-commands")
         self._futures: list[Future] = []
-        self._plotted_version, self._plotted_at, self._lr_filled = -1, 0.0, False
+        self._plotted_version, self._plotted_at = -1, 0.0
         self._build_widgets()
         self.refresh_runs()
         if attach_live:
@@ -80,8 +80,10 @@ class RunPanel:
         self.evaluate_button = button("Evaluate", "check", self.evaluate)
         self.save_on_stop = widgets.Checkbox(value=STOP_SAVES, description="save on stop", indent=False,
                                              layout=widgets.Layout(width="120px"))
-        self.lr = widgets.FloatText(value=0.0, description="learning rate",
-                                    layout=widgets.Layout(width="230px"))
+        # empty until typed in (a number shown there would be sent by Set as it is); its
+        # placeholder follows the run's present rate (`_on_tick`), as the progress line does
+        self.lr = widgets.Text(value="", description="new learning rate", placeholder="e.g. 0.001",
+                               style={"description_width": "initial"}, layout=widgets.Layout(width="340px"))
         self.lr_button = button("Set lr", "sliders", self.set_lr)
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="progress",
                                             layout=widgets.Layout(width="420px"))
@@ -133,7 +135,8 @@ class RunPanel:
             run = api.attach(run, self.output_dir)
         self.detach()
         self.run = run
-        self._plotted_version, self._lr_filled = -1, False
+        self._plotted_version = -1
+        self.lr.placeholder = "e.g. 0.001"
         self.chat.clear()
         self._update_buttons(run.info().state)
         self.watcher = Watcher(run.handle.folder, self._on_tick, is_alive=lambda: run.info().alive,
@@ -183,12 +186,17 @@ class RunPanel:
         return self._command("evaluate", lambda run: run.evaluate())
 
     def set_lr(self) -> Future | None:
-        """Send the box's learning rate; 0 (the box's empty value) is refused: a click on an
+        """Send the box's learning rate and empty the box (its placeholder shows the present
+        rate again). An empty box, or anything but a number > 0, is refused: a click on an
         untouched box must not stop learning (from code, `run.set(lr=0)` does it on purpose)."""
-        lr = float(self.lr.value)
-        if not lr > 0:
+        try:
+            lr = float(self.lr.value.strip())
+        except ValueError:
+            lr = float("nan")
+        if not 0 < lr < float("inf"):
             self._error("set lr: type a learning rate > 0 first (to stop learning on purpose: run.set(lr=0))")
             return None
+        self.lr.value = ""
         return self._command("set lr", lambda run: run.set(lr=lr))
 
     def wait_idle(self, timeout: float | None = None) -> None:
@@ -225,8 +233,8 @@ class RunPanel:
             self.progress.value = min(s.step, s.total_steps)
         self.progress_label.value = _progress_text(history)
         lr = history.latest("lr")
-        if not self._lr_filled and lr is not None:
-            self.lr.value, self._lr_filled = lr, True
+        if lr is not None and self.lr.placeholder != (now := lr_placeholder(lr)):
+            self.lr.placeholder = now
         due = time.monotonic() - self._plotted_at >= self.plot_interval or s.final
         if history.version != self._plotted_version and due:
             self._plotted_version = history.version
@@ -268,6 +276,12 @@ class RunPanel:
         """Stop following the run and drop the widgets' threads (the run goes on)."""
         self.detach()
         self._commands.shutdown(wait=False)
+
+
+def lr_placeholder(lr: float) -> str:
+    """The learning-rate box's placeholder: the run's present rate, written as the progress line
+    writes it."""
+    return f"now {lr:.2e}"
 
 
 def _run_label(info: RunInfo) -> str:
