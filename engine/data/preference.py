@@ -72,10 +72,16 @@ def _ids(out: Any) -> list[int]:
     return list(ids)
 
 
-def _encode_text(tokenizer, prompt_ids: list[int], fulls: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+def _auto_eos(tokenizer) -> bool:
+    """Whether the tokenizer ends every encoded text with eos (T5-style)."""
+    eos = tokenizer.eos_token_id
+    return eos is not None and _ids(tokenizer("a"))[-1:] == [eos]
+
+
+def _encode_text(tokenizer, prompt_ids: list[int], fulls: list[list[int]],
+                 auto_eos: bool) -> tuple[list[int], list[list[int]]]:
     """From the encodings of the prompt and of prompt + each answer (with special tokens)."""
     eos = tokenizer.eos_token_id
-    auto_eos = eos is not None and _ids(tokenizer("a"))[-1:] == [eos]  # T5-style: every text ends in eos
     if auto_eos:
         prompt_ids = prompt_ids[:-1]
     elif eos is not None:
@@ -100,7 +106,7 @@ def _split(prompt_ids: list[int], fulls: list[list[int]]) -> tuple[list[int], li
     return prompt_ids[:cut], [full[cut:] for full in fulls]
 
 
-def encode_row(tokenizer, row: PreferenceRow, text_ids: tuple | None = None) -> dict:
+def encode_row(tokenizer, row: PreferenceRow, text_ids: tuple | None = None, auto_eos: bool | None = None) -> dict:
     """The sample of one checked preference row (RowIssue if an answer has no token);
     `text_ids`: a text row's (prompt ids, [prompt + answer ids]) when already encoded."""
     if row.chat:
@@ -108,7 +114,8 @@ def encode_row(tokenizer, row: PreferenceRow, text_ids: tuple | None = None) -> 
     else:
         if text_ids is None:
             text_ids = (_ids(tokenizer(row.prompt)), [_ids(tokenizer(row.prompt + a)) for a in row.answers])
-        prompt_ids, answers = _encode_text(tokenizer, *text_ids)
+        auto = _auto_eos(tokenizer) if auto_eos is None else auto_eos
+        prompt_ids, answers = _encode_text(tokenizer, *text_ids, auto)
     if any(not a for a in answers):
         raise RowIssue("empty", "an answer encodes to no token after the prompt")
     if row.label is None:
@@ -123,9 +130,10 @@ def encode_preference(tokenizer, rows: list[PreferenceRow]) -> list[dict | RowIs
     fulls = iter(_batched(tokenizer, [r.prompt + a for r in texts for a in r.answers]))
     encoded = {id(r): (p, [next(fulls) for _ in r.answers]) for r, p in zip(texts, prompts)}
     out: list[dict | RowIssue] = []
+    auto_eos = _auto_eos(tokenizer)
     for row in rows:
         try:
-            out.append(encode_row(tokenizer, row, encoded.get(id(row))))
+            out.append(encode_row(tokenizer, row, encoded.get(id(row)), auto_eos))
         except RowIssue as issue:
             out.append(issue)
     return out
