@@ -11,8 +11,27 @@ import pytest
 
 from nb_utils import REPO, errors_in, run_notebook
 
+pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
+
 NOTEBOOKS = REPO / "notebooks"
 REQUIRED = ("quickstart", "lora_local_model", "lomo", "trainer_api")
+# what the tests set after a notebook's parameters cell (papermill's convention: a cell tagged
+# "parameters", the values injected in a cell after it): a user's run is long enough to watch,
+# the tests' short
+PARAMETERS = {"quickstart": "WATCH_STEPS = 20"}
+
+
+def parameters_cell(nb: nbformat.NotebookNode) -> int | None:
+    return next((i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])), None)
+
+
+def with_parameters(nb: nbformat.NotebookNode, source: str | None) -> nbformat.NotebookNode:
+    """`nb` with `source` injected after its parameters cell (as papermill does)."""
+    if source is not None:
+        at = parameters_cell(nb)
+        assert at is not None, "the notebook has no cell tagged 'parameters'"
+        nb.cells.insert(at + 1, nbformat.v4.new_code_cell(source))
+    return nb
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +52,24 @@ def test_the_examples_are_there_and_stored_without_outputs():
                 assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
 
 
+def test_the_quickstart_trains_long_enough_to_watch_unless_told_otherwise():
+    """Left as it is, the quickstart's run trains hundreds of steps before its Stop cell (a
+    minute to watch its plots grow); its parameters cell says so, and the tests shorten it."""
+    nb = nbformat.read(NOTEBOOKS / "quickstart.ipynb", as_version=4)
+    at = parameters_cell(nb)
+    assert at is not None
+    namespace: dict = {}
+    exec(nb.cells[at].source, namespace)  # the cell only sets values
+    assert namespace["WATCH_STEPS"] >= 300
+    assert any("run.wait(step=WATCH_STEPS)" in c.source for c in nb.cells[at + 1:])
+
+
 @pytest.mark.parametrize("name", REQUIRED)
 def test_the_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch, cache):
     monkeypatch.setenv("LIVETUNE_OUTPUT_DIR", str(tmp_path / "runs"))
     monkeypatch.setenv("LIVETUNE_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    nb = with_parameters(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4), PARAMETERS.get(name))
     run_notebook(nb, cwd=tmp_path, tmp=tmp_path, timeout=600)
     assert errors_in(nb) == []
     assert list((tmp_path / "runs").iterdir()), "the notebook made a run folder"
