@@ -22,7 +22,7 @@ from contract.events import EventType
 from supervisor import procs, stopping
 from supervisor.judgement import LOST_PEER, Facts, RankExit, Verdict, VerdictKind, exited, judge, last_exception, post_mortem
 from supervisor.remote import RemoteLog
-from supervisor.records import (Failure, RunInfo, child_running, launcher_reported_failure,
+from supervisor.records import (Failure, RunInfo, child_running, launcher_reported_failure, launcher_spawned,
                                 launcher_reported_success, log_tail, mark_stopping, read_pid, reap,
                                 stop_in_progress)
 from supervisor.stopping import DEFAULT_SAVE
@@ -218,25 +218,34 @@ class RunHandle:
     # -- judging --------------------------------------------------------------------------------
     def _facts(self) -> Facts:
         s = self._summary
+        exits = tuple(self._exits.values()) or self._unwatched_exits()
         return Facts(
             now=time.monotonic(), state=s.run_state, step=s.step, error=s.error,
             error_rank=s.error_rank, events=s.events, pid=self._pid, alive=self._alive,
             seen_alive=self._seen_alive, stopping=self._is_stopping(),
             launcher_alive=self._launcher_alive, launcher_gone_since=self._launcher_gone_since,
-            launcher_code=self._launcher_code, ranks_seen=len(self._ranks),
-            exits=tuple(self._exits.values()),
-            clean_pids=frozenset(launcher_reported_success(self.folder)) if self._exits else frozenset(),
+            launcher_code=self._launcher_code, ranks_seen=len(self._ranks), exits=exits,
+            clean_pids=frozenset(launcher_reported_success(self.folder)) if exits else frozenset(),
             last_progress=self._last_progress, hang_timeout=self.hang_timeout,
-            final_since=self._final_seen_at, remote=self._remote.multi_host, **self._exit_evidence())
+            final_since=self._final_seen_at, remote=self._remote.multi_host, **self._exit_evidence(exits))
 
-    def _exit_evidence(self) -> dict:
+    def _unwatched_exits(self) -> tuple[RankExit, ...]:
+        """The ranks of a failed run that ended before this process ever saw one of them (it was
+        not watching: a detached run, a front end started later), as their launcher started them
+        on this machine: gone, how unknown. The launcher's report and the rank logs then say who
+        died first, as for a watched run."""
+        if self._ranks or self._alive or (self._summary.final and self._summary.state != RunState.FAILED):
+            return ()
+        return tuple(RankExit(rank, pid, None, 0.0) for rank, pid in launcher_spawned(self.folder).items())
+
+    def _exit_evidence(self, exits: tuple[RankExit, ...]) -> dict:
         """What the launcher and the rank logs say of how the ranks seen gone ended (read only once
         a rank is gone: a few log tails)."""
-        if not self._exits:
+        if not exits:
             return {}
         status, pid = launcher_reported_failure(self.folder)
         raised, lost = set(), set()
-        for rank in self._exits:
+        for rank in {e.rank for e in exits}:
             error = last_exception(log_tail(self.folder, rank, self.log_lines)[1])
             if error is not None:
                 raised.add(rank)

@@ -79,6 +79,21 @@ _DS_FAILED = re.compile(r"^\[[^\]]*\].*\[launch\.py:\d+:sigkill_handler\] .* exi
 _TORCHRUN_FAILED = re.compile(r"exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
 
 
+_SPAWNED = re.compile(r"^\[[^\]]*\].*\[launch\.py:\d+:main\] process (\d+) spawned with command: .*'--local_rank=(\d+)'")
+
+
+def launcher_spawned(folder: RunFolder) -> dict[int, int]:
+    """rank -> pid of the ranks the run's launcher on this machine started in its latest launch
+    (DeepSpeed's launch.py logs each; on one machine a rank is its local rank)."""
+    lines = tail_lines(folder.logs / "launcher.log", 400)
+    starts = [i for i, line in enumerate(lines) if _LAUNCH_START.search(line) and line.startswith("[")]
+    found = {}
+    for line in lines[starts[-1] if starts else 0:]:
+        if (m := _SPAWNED.match(line)) is not None:
+            found[int(m[2])] = int(m[1])
+    return found
+
+
 def launcher_reported_failure(folder: RunFolder) -> tuple[int | None, int | None]:
     """(wait status, pid or None) of the first rank the run's own launcher reported failing on
     this machine; (None, None) when it reported none."""

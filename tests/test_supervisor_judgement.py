@@ -269,3 +269,40 @@ def test_a_failure_is_worded_cause_first():
            "  - data.train: no such file or folder: /d", "[rank0] exiting"]
     assert last_exception(log) == ("data.train: no such file or folder: /d "
                                    "(contract.config_schema.ConfigError: invalid run config, 1 problem)")
+
+
+def unwatched_run(tmp_path, killed: int, code: int, final: bool):
+    """A 2-rank run folder as a run that nobody watched leaves it: rank `killed` died (SIGKILL),
+    the other lost its peer; the launcher reported `code` (the first rank it saw fail)."""
+    from contract.run_folder import RunFolder
+    folder = RunFolder(tmp_path / "runs" / "r")
+    folder.logs.mkdir(parents=True)
+    events = ['{"type": "state", "state": "starting"}', '{"type": "state", "state": "running"}']
+    if final:  # rank 0 survived and wrote its lost-peer error
+        events.append('{"type": "state", "state": "failed", "rank": 0, "error": "%s"}' % LOST)
+    folder.events.write_text("\n".join(events) + "\n")
+    spawned = "".join(f"[2026-12-04 20:40:0{r},1] [INFO] [launch.py:245:main] process {500 + r} spawned with "
+                      f"command: ['/py', '-u', '-m', 'engine.worker', '--local_rank={r}', '--run-dir', 'r']\n"
+                      for r in (0, 1))
+    (folder.logs / "launcher.log").write_text(
+        "[2026-12-04 20:40:00,1] [INFO] [runner.py:630:main] cmd = /py -u -m deepspeed.launcher.launch\n" + spawned
+        + "[2026-12-04 20:41:00,1] [ERROR] [launch.py:259:sigkill_handler] ['/py', '-u', '-m', 'engine.worker', "
+        f"'--local_rank=1'] exits with return code = {code}\n")
+    for rank in (0, 1):
+        tail = ["step 7"] if rank == killed else ["Traceback (most recent call last):", LOST]
+        folder.rank_log(rank).write_text("\n".join(tail) + "\n")
+    (folder.root / "launcher.pid").write_text("999999")  # long gone
+    return folder
+
+
+@pytest.mark.parametrize("killed,code,final", [(1, -9, True), (1, 1, True), (0, -9, False), (0, 1, False)])
+def test_a_run_nobody_watched_is_judged_from_its_launcher_s_log(tmp_path, killed, code, final):
+    """Looked at after the end by a front end that never saw its processes: the rank that died
+    is named from what the launcher logged (which ranks it started, the first failure it saw) and
+    the rank logs, whichever rank's code the launcher happened to report."""
+    from supervisor import RunManager
+    unwatched_run(tmp_path, killed, code, final)
+    failure = RunManager(tmp_path / "runs").failure("r")
+    assert failure.rank == killed, failure
+    assert failure.log.endswith(f"rank{killed}.log") and failure.lines == ("step 7",)
+    assert ("SIGKILL" in failure.message) == (code == -9), failure.message
