@@ -15,6 +15,8 @@ import torch
 
 from dist_utils import REPO_ROOT, tail
 
+pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
+
 PROMPT = "sort: dcba"
 
 

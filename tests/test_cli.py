@@ -189,6 +189,7 @@ def test_warnings_and_failed_saves_of_a_run_are_printed(capsys):
     assert "checkpoint failed (save): disk full at /runs/r/checkpoints/step-4: needs 9 MB, 1 MB free" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
 def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing(tmp_path, sig, cleanup):
     proc, run_dir, out = start_cli(tmp_path, "signalled", "max_steps=5000")
@@ -219,6 +220,7 @@ def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing
     assert "finished (stopped by the user)" in text
 
 
+@pytest.mark.slow
 def test_a_killed_command_takes_its_run_with_it(tmp_path, cleanup):
     """SIGKILL runs no handler: the run's launcher gets SIGTERM from the kernel instead (a
     parent-death signal) and ends its rank. Nothing can be saved then; nothing is left either."""
@@ -266,6 +268,7 @@ def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path, cle
     assert final["state"] == "failed" and final.get("rank") == 0, final
 
 
+@pytest.mark.slow
 def test_a_detached_run_outlives_its_command_is_listed_and_stopped_from_its_folder(tmp_path, cleanup):
     from supervisor import RunManager
     proc, run_dir, out = start_cli(tmp_path, "detached", "--detach", "max_steps=5000")

@@ -211,6 +211,7 @@ def test_exact_match_against_a_reference_decoder(tokenizer):
         dt.exact_match(model, tokenizer, [])
 
 
+@pytest.mark.slow
 def test_exact_match_rises_with_training(tokenizer):
     rows = dt.make_examples(8, seed=11)
     model = _tiny_model(tokenizer)

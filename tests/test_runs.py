@@ -131,6 +131,7 @@ def test_the_manager_imports_neither_torch_nor_deepspeed():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
 
+@pytest.mark.slow
 def test_default_run_finishes_and_is_listed_with_its_metrics(tmp_path, env):
     manager = RunManager(tmp_path / "runs")
     manager.start_monitor(interval=0.2)
@@ -161,6 +162,7 @@ def test_default_run_finishes_and_is_listed_with_its_metrics(tmp_path, env):
         manager.attach("short")
 
 
+@pytest.mark.slow
 def test_a_second_manager_reattaches_and_stops_the_run(tmp_path, env):
     first = RunManager(tmp_path / "runs")
     handle = first.start(config(tmp_path, "long", "max_steps=5000"), env=env)
@@ -220,6 +222,7 @@ def test_a_killed_rank_is_reported_within_seconds_and_nothing_is_left(tmp_path, 
     assert again.rank == 1 and again.lines
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_reported_as_a_hang_and_stopped(tmp_path, env):
     manager = RunManager(tmp_path / "runs", hang_timeout=3.0)
     handle = manager.start(config(tmp_path, "frozen", "max_steps=5000", "control.enabled=false"), env=env)
@@ -236,6 +239,7 @@ def test_a_frozen_rank_is_reported_as_a_hang_and_stopped(tmp_path, env):
     assert info.state == "finished" and info.stopped_by_user
 
 
+@pytest.mark.slow
 def test_a_run_whose_model_config_is_broken_is_refused_before_start(tmp_path, env):
     """A config.json cut off half-way is found by the pre-flight check (contract.preflight):
     no rank starts, no run folder is made, and the reason names the file."""

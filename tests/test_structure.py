@@ -296,6 +296,7 @@ def test_no_import_cycles(graph):
     assert not cycles, f"{len(cycles)} import cycles (the imports inside each):\n" + "\n".join(report)
 
 
+@pytest.mark.slow
 def test_mypy_passes_on_contract_and_supervisor():
     proc = subprocess.run([sys.executable, "-m", "mypy", "contract", "supervisor"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)

@@ -21,6 +21,8 @@ import yaml
 
 from supervisor.procs import group_alive
 
+pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
+
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]

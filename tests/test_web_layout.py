@@ -15,7 +15,10 @@ from contract.events import EventType
 from contract.presets import DEFAULT
 from contract.protocol import RunState
 from contract.run_folder import EventLog, RunFolder
+import pytest
 from test_web import SLOW, app, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
+
+pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
 
 NAME = "embedded-default-with-a-rather-long-run-name-20261204-203011"
 STEPS = 30

@@ -281,6 +281,7 @@ print("stopped at step", h.summary.step)
 """
 
 
+@pytest.mark.slow
 def test_the_panel_drives_a_run_by_clicks_while_other_cells_run(tmp_path, monkeypatch):
     monkeypatch.setenv("LIVETUNE_OUTPUT_DIR", str(tmp_path / "runs"))
     monkeypatch.setenv("LIVETUNE_CACHE", str(tmp_path / "cache"))
