@@ -182,6 +182,10 @@ class EvalConfig:
                                "ROUGE, predictions saved in the run folder).")
     max_new_tokens: int = _f(32, "Tokens generated per sample by generating evaluators.", minimum=1)
     max_samples: int = _f(0, "Evaluate on at most this many samples; 0: all.", minimum=0)
+    lm_eval_tasks: list[str] = _f([], "lm-evaluation-harness tasks run on the live weights at each "
+                                  "evaluation: task names, or paths of task YAML files; metrics "
+                                  "lm_eval/<task>/<metric> (needs the lm-eval package).",
+                                  label="lm-eval tasks")
     early_stopping_patience: int = _f(0, "Stop training after this many evaluations in a row "
                                       "without improvement of checkpoint.monitor; 0: never stop early.",
                                       minimum=0, label="Early stopping patience")

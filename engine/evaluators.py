@@ -294,4 +294,18 @@ def from_config(cfg: RunConfig) -> list[Evaluator]:
             wanted = dict.fromkeys(m for g in generating for m in GENERATION_METRICS[g])
             built.append(Generation(list(wanted), e.max_new_tokens, e.batch_size, e.max_samples,
                                     save_predictions="generation" in generating, name=name))
+    if e.lm_eval_tasks:
+        built.append(_lm_eval_tasks(cfg))
     return built
+
+
+def _lm_eval_tasks(cfg: RunConfig) -> Evaluator:
+    """The evaluator of eval.lm_eval_tasks (engine.lm_eval_tasks), imported only when asked for:
+    lm-evaluation-harness is an optional package."""
+    try:
+        from engine.lm_eval_tasks import LmEvalTasks
+    except ImportError as e:
+        raise ValueError("eval.lm_eval_tasks needs lm-evaluation-harness: pip install 'lm-eval>=0.4.9' "
+                         f"({e})") from None
+    e = cfg.eval
+    return LmEvalTasks(e.lm_eval_tasks, e.batch_size, e.max_new_tokens, e.max_samples)

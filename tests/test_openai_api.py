@@ -137,10 +137,10 @@ def _task(name: str) -> dict:
     return config
 
 
-def _evaluate(model: str, model_args: dict) -> dict:
+def _evaluate(model: str, model_args: dict, names: tuple[str, ...] = ("choice.yaml", "generate.yaml")) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    return simple_evaluate(model=model, model_args=model_args, tasks=[_task("choice.yaml"), _task("generate.yaml")],
+    return simple_evaluate(model=model, model_args=model_args, tasks=[_task(n) for n in names],
                            task_manager=TaskManager(include_defaults=False), log_samples=True, batch_size=4,
                            device="cpu")
 
