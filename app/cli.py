@@ -88,7 +88,7 @@ def say(text: str, style: str | None = None) -> None:
 def train(argv: list[str]) -> int:
     """`train [--detach] [CONFIG.yaml] [key=value ...]`; returns the exit code."""
     if any(a in ("-h", "--help") for a in argv):
-        save = " (saving a checkpoint and the final model first)" if Stop().save else ""
+        save = " (saving a checkpoint and the final model first)" if Stop.save else ""
         print(TRAIN_HELP.format(shortcuts="\n  ".join(f"{k:<11} {v}" for k, v in SHORTCUTS.items()),
                                 save=save))
         return 0
@@ -139,7 +139,7 @@ def _stop_on_signal(handle: RunHandle, signum: int) -> int:
 
     for sig in HANDLED_SIGNALS:
         signal.signal(sig, end_now)
-    how = "saving, then stopping" if Stop().save else "stopping"
+    how = "saving, then stopping" if Stop.save else "stopping"
     say(f"{signal.Signals(signum).name}: {how} the run (again to end it at once) ...", "yellow")
     info = handle.stop(timeout=STOP_TIMEOUT_S)
     say(f"stopped at step {info.step}")
@@ -345,7 +345,7 @@ def stop(argv: list[str]) -> int:
     if not argv or any(a not in ("save=false", "save=true") for a in argv[1:]):
         say("usage: ./launch.sh stop RUN_FOLDER [save=false]", "red")
         return 2
-    save = "save=false" not in argv[1:] and ("save=true" in argv[1:] or Stop().save)
+    save = "save=false" not in argv[1:] and ("save=true" in argv[1:] or Stop.save)
     try:
         handle = _handle_of(argv[0])
     except RunError as e:

@@ -37,7 +37,6 @@ from supervisor.slurm import SlurmError, SlurmOptions, submit as submit_job
 
 COMMAND_TIMEOUT_S = 120.0  # a command waits for the next step boundary (an evaluation may be running)
 INFO_TTL_S = 0.5           # several pages polling one run share one look at its processes
-STOP_SAVES: bool = Stop().save  # what Stop means when the user says nothing more: the contract's default
 
 
 class SessionError(RuntimeError):
@@ -309,7 +308,7 @@ class Session:
         return self.send(ref, command)
 
     # -- stopping -------------------------------------------------------------------------------
-    def stop(self, ref: str | Path | None, save: bool = STOP_SAVES, wait: bool = False,
+    def stop(self, ref: str | Path | None, save: bool = Stop.save, wait: bool = False,
              timeout: float = 60.0) -> RunInfo:
         """Stop a run at its next step boundary, saving first unless `save` is False (the
         contract's Stop default); then every rank and the launcher end. Without `wait` the stop

@@ -15,7 +15,7 @@ import fcntl
 import threading
 import time
 
-from contract.protocol import RunState
+from contract.protocol import RunState, Stop
 from contract.run_folder import EventLog, EventTail, RunFolder
 from contract.events import EventType
 
@@ -25,7 +25,6 @@ from supervisor.remote import RemoteLog
 from supervisor.records import (Failure, RunInfo, child_running, launcher_reported_failure, launcher_spawned,
                                 launcher_reported_success, log_tail, mark_stopping, read_pid, reap,
                                 stop_in_progress)
-from supervisor.stopping import DEFAULT_SAVE
 from supervisor.summary import RunSummary
 
 # How often `wait` looks again for processes it cannot wait on yet (ranks not started when it
@@ -343,7 +342,7 @@ class RunHandle:
         finally:
             watch.close()
 
-    def stop(self, save: bool = DEFAULT_SAVE, timeout: float = 60.0) -> RunInfo:
+    def stop(self, save: bool = Stop.save, timeout: float = 60.0) -> RunInfo:
         """Stop the run: ask it through its control socket (it stops at the next step boundary,
         saving first with `save`: the contract's `Stop` default) and give it `timeout` s to end
         by itself, then end whatever is left of its process group. Returns the run's info once

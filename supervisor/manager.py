@@ -24,14 +24,13 @@ from contract.config import RunConfig
 from contract.preflight import PreflightError, PreflightReport, fingerprint, preflight
 from supervisor.launch import launch_problems, make_run_folder, spawn
 from contract.run_folder import EventLog, RunFolder
-from contract.protocol import RunState
+from contract.protocol import RunState, Stop
 from contract.events import StateEvent
 
 from supervisor import procs
 from supervisor.handle import RunHandle
 from supervisor.records import Failure, RunInfo, adopt_child
 from supervisor.slurm import handle_for
-from supervisor.stopping import DEFAULT_SAVE
 
 
 class RunError(RuntimeError):
@@ -144,7 +143,7 @@ class RunManager:
             infos.append(handle.info(refresh=False))
         return sorted(infos, key=lambda i: i.start_time or 0.0, reverse=True)
 
-    def stop(self, name: str, save: bool = DEFAULT_SAVE, timeout: float = 60.0) -> RunInfo:
+    def stop(self, name: str, save: bool = Stop.save, timeout: float = 60.0) -> RunInfo:
         """Stop run `name`: gracefully through its control socket when it has one (saving
         first with `save`, by default as the contract's `Stop` command says), within `timeout`
         s; then every rank and the launcher are ended."""

@@ -19,7 +19,6 @@ from supervisor import procs, remote_stop
 from supervisor.records import child_running, reap
 
 # What `stop()` does when not told: the one default, declared by the contract's Stop command.
-DEFAULT_SAVE: bool = Stop().save
 
 
 def ask_to_stop(folder: RunFolder, save: bool, timeout: float) -> bool:

@@ -123,11 +123,10 @@ def test_stop_means_the_same_in_the_web_app_and_the_notebook(runs, monkeypatch):
     """The web app's Stop button and the notebook's `Run.stop()`, each with nothing more said:
     both take the contract's default (Stop().save), so both save and end the same way."""
     from app.notebook import api
-    from app.session import STOP_SAVES
     from app.web.train import _act
     from contract.protocol import Stop
 
-    assert STOP_SAVES is Stop().save is True
+    assert Stop.save is True
     monkeypatch.setenv("LIVETUNE_OUTPUT_DIR", str(runs))
     web = Backend(runs)
     try:

@@ -26,11 +26,12 @@ from typing import Any, Iterator
 
 from app.form import make_config
 from app.series import RunHistory
-from app.session import STOP_SAVES, Session, SessionError
+from app.session import Session, SessionError
 from contract.config import RunConfig, load_config
 from contract.protocol import (AddSource, Branch, Branches, Evaluate, Forget, Generate, Inbox, Pause, ProtocolError,
                                RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight, Snapshot, Status, Teach)
 from contract.run_folder import read_events
+from contract.protocol import Stop
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager
 from supervisor.client import Generation, RunClient
 
@@ -279,7 +280,7 @@ class Run:
         """The run's branch tree, the present branch, its checkpoints and the snapshots kept."""
         return self._send(Branches())
 
-    def stop(self, save: bool = STOP_SAVES, timeout: float = 60.0) -> RunInfo:
+    def stop(self, save: bool = Stop.save, timeout: float = 60.0) -> RunInfo:
         """Stop at the next step boundary (unless `save` is False: a checkpoint and the final
         export first, the contract's Stop default), then end every process of the run; returns
         the final RunInfo."""

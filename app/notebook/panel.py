@@ -31,9 +31,9 @@ from app.notebook.form import ConfigForm
 from app.notebook.plots import render_png
 from app.notebook.watch import Watcher
 from app.series import RunHistory, format_seconds
-from app.session import STOP_SAVES, allowed
+from app.session import allowed
 from contract.config import ConfigError
-from contract.protocol import RunState
+from contract.protocol import RunState, Stop
 from supervisor import RunInfo
 
 _MESSAGES_SHOWN = 6
@@ -78,7 +78,7 @@ class RunPanel:
         self.stop_button = button("Stop", "stop", self.stop, "danger")
         self.save_button = button("Save", "save", self.save)
         self.evaluate_button = button("Evaluate", "check", self.evaluate)
-        self.save_on_stop = widgets.Checkbox(value=STOP_SAVES, description="save on stop", indent=False,
+        self.save_on_stop = widgets.Checkbox(value=Stop.save, description="save on stop", indent=False,
                                              layout=widgets.Layout(width="120px"))
         # empty until typed in (a number shown there would be sent by Set as it is); its
         # placeholder follows the run's present rate (`_on_tick`), as the progress line does

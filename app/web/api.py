@@ -18,10 +18,10 @@ from typing import Any, Iterator
 import gradio as gr
 
 from app.form import DEFAULT_PRESET, config_from_text
-from app.session import STOP_SAVES, SessionError
+from app.session import SessionError
 from app.web.backend import Backend
 from contract.config import ConfigError
-from contract.protocol import Evaluate, Pause, ProtocolError, Resume, Save, Set
+from contract.protocol import Evaluate, Pause, ProtocolError, Resume, Save, Set, Stop
 from supervisor import RunInfo
 
 
@@ -47,7 +47,7 @@ def register(backend: Backend) -> None:
         cfg = _call(config_from_text, config, preset, str(backend.output_dir))
         return _info(_call(backend.session.start, cfg))
 
-    def stop(run: str = "", save: bool = STOP_SAVES) -> dict:
+    def stop(run: str = "", save: bool = Stop.save) -> dict:
         """Stop a run (with `save`, the default as in every front end: a checkpoint first and the
         final model); waits until every process of it has ended. Returns its final info."""
         return _info(_call(backend.session.stop, run, save=save, wait=True))

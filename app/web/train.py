@@ -18,13 +18,13 @@ from typing import Any
 
 import gradio as gr
 
-from app.session import STOP_SAVES, SessionError, allowed
+from app.session import SessionError, allowed
 from app.web import chat_side, data, feed
 from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import Plots, make_plots
 from app.web.widgets import banner_html, readable, status_html
-from contract.protocol import Evaluate, Pause, Resume, RunState, Save, Set
+from contract.protocol import Evaluate, Pause, Resume, RunState, Save, Set, Stop
 
 # Read in the page as each look leaves: the run it shows, whether the user has clicked a tab yet
 # (set by a click listener, NAVIGATION_HEAD, given to launch(); a page state updated through the
@@ -57,7 +57,7 @@ CONFIRM_LR_JS = ("(lr) => String(lr ?? '').trim() === '' || Number(lr) !== 0 || 
 COMMAND_OF = {"pause": "pause", "resume": "resume", "stop": "stop", "stop_other": "stop",
               "save": "save", "evaluate": "evaluate", "set_lr": "set"}
 # "stop" is Stop() as the contract defines it; "stop_other" is the same with the save the other way
-OTHER_SAVE = not STOP_SAVES
+OTHER_SAVE = not Stop.save
 
 
 def _stop_label(save: bool) -> str:
@@ -84,7 +84,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
         buttons = {
             "pause": gr.Button("Pause", interactive=False, elem_id="train-pause", min_width=90),
             "resume": gr.Button("Resume", interactive=False, elem_id="train-resume", min_width=90),
-            "stop": gr.Button(_stop_label(STOP_SAVES), variant="stop", interactive=False,
+            "stop": gr.Button(_stop_label(Stop.save), variant="stop", interactive=False,
                               elem_id="train-stop", min_width=120),
             "stop_other": gr.Button(_stop_label(OTHER_SAVE), variant="stop", interactive=False,
                                     elem_id="train-stop-save" if OTHER_SAVE else "train-stop-nosave",
@@ -271,7 +271,7 @@ def _number(text: Any) -> float:
 def _act(backend: Backend, what: str, path: str | None, new_lr: Any = None, confirmed: bool = True) -> None:
     session = backend.session
     if what in ("stop", "stop_other"):
-        save = STOP_SAVES if what == "stop" else OTHER_SAVE
+        save = Stop.save if what == "stop" else OTHER_SAVE
         info = session.stop(path, save=save)
         # closed by the page once the run shows finished (AFTER_TICK_JS)
         gr.Info(f"Stopping {info.name}{' (saving first)' if save else ''} ...", duration=60)
