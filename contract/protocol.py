@@ -70,7 +70,7 @@ class RunState(str, Enum):
 
 
 STATES = tuple(s.value for s in RunState)
-# the data commands (issue 13): sources and the inbox of taught answers
+# the data commands: sources and the inbox of taught answers
 DATA_COMMANDS = ("add_source", "set_weight", "remove_source", "teach", "inbox", "forget")
 
 # The commands a front end may send in each state (status and subscribe are always answered while
@@ -248,13 +248,6 @@ def parse_command(msg: Any) -> tuple[str, Command]:
     if not isinstance(args, dict):
         raise ProtocolError("field `args` must be an object")
     return str(req_id), command_from_wire(msg.get("cmd"), args)
-
-
-def check_command(msg: Any) -> tuple[str, str, dict]:
-    """The older form of :func:`parse_command`: (id, command name, wire arguments).
-    Kept until the control server has moved to parse_command."""
-    req_id, command = parse_command(msg)
-    return req_id, command.name, command.args()
 
 
 # -- bytes on the wire ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from contract import protocol as P
 from contract.events import EventType, run_state, state_event
 from contract.protocol import (ALLOWED_COMMANDS, COMMANDS, GENERATION_DEFAULTS, Generate, GenerationParams,
                                Pause, ProtocolError, RunState, Set, Status, Stop, Subscribe, allowed_commands,
-                               check_command, parse_command)
+                               parse_command)
 from contract.run_folder import EventLog, EventTail, read_events
 from supervisor.client import CommandError, RunClient
 
@@ -35,7 +35,7 @@ def test_the_defaults_a_user_relies_on():
                                    "repetition_penalty": 1.0, "seed": None, "stop": []}
     assert P.GENERATION_PARAMS == tuple(GENERATION_DEFAULTS)
     assert sorted(COMMANDS) == sorted(["evaluate", "generate", "pause", "resume", "save", "set", "status", "stop",
-                                       "rewind", "branch", "snapshot", "branches",  # issue 12
+                                       "rewind", "branch", "snapshot", "branches",
                                        "add_source", "set_weight", "remove_source", "teach", "inbox", "forget",
                                        "complete"])
     assert P.IMMEDIATE == {"status", "subscribe"}
@@ -148,8 +148,6 @@ def test_a_command_survives_the_wire(command):
     line = P.encode({"token": "t", "id": 7, **command.to_wire()})
     req_id, back = parse_command(P.decode(line))
     assert req_id == "7" and back == command and type(back) is type(command)
-    # the older entry point gives the same command, by name and wire arguments
-    assert check_command(P.decode(line)) == ("7", command.name, command.args())
 
 
 def test_the_wire_form_leaves_out_what_was_not_given():
@@ -173,8 +171,8 @@ def test_the_client_refuses_a_bad_command_before_sending_it(tmp_path):
 # -- states ----------------------------------------------------------------------------------------
 def test_the_commands_allowed_in_each_state():
     everything = {"generate", "complete", "stop", "save", "evaluate", "set", "status",
-                  "rewind", "branch", "snapshot", "branches",  # issue 12
-                  "add_source", "set_weight", "remove_source", "teach", "inbox", "forget"}  # issue 13
+                  "rewind", "branch", "snapshot", "branches",
+                  "add_source", "set_weight", "remove_source", "teach", "inbox", "forget"}
     assert allowed_commands("running") == everything | {"pause"}
     assert allowed_commands(RunState.PAUSED) == everything | {"resume"}
     assert allowed_commands("starting") == {"status", "stop"}
