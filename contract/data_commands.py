@@ -62,7 +62,8 @@ class RemoveSource(Command):
 class Teach(Command):
     """Append (the prompt as the model saw it, the corrected answer) to the run's inbox, durably,
     and mix it into the next batches: `per_step` samples in each of the next `steps` batches
-    (teach.* in the config by default), and/or the inbox source's `weight`."""
+    (teach.* in the config by default), and/or the inbox source's `weight`. With `rejected` it is
+    a preference: the answer is better than the rejected one (a preference run's pair)."""
     name: ClassVar[str] = "teach"
     answer: str = _arg("", "The answer the model should have given.")
     prompt: str | None = _arg(None, "The prompt, as given to generate (give this or `messages`).")
@@ -74,10 +75,16 @@ class Teach(Command):
                                    "teach.check_after; 0: never).", minimum=0, maximum=1 << 20)
     weight: float | None = _arg(None, "The inbox source's weight from now on (all its entries, "
                                 "round robin); default: left as it is (0 at first).", minimum=0.0, maximum=1e9)
+    rejected: str | None = _arg(None, "A worse answer to the same prompt: the pair (answer preferred "
+                                "over rejected) trains a preference run (dpo, orpo, simpo) at once.")
 
     def _check(self) -> None:
         if not self.answer.strip():
             raise ProtocolError("teach: argument 'answer' is empty; write the answer the model should have given")
+        if self.rejected is not None and not self.rejected.strip():
+            raise ProtocolError("teach: argument 'rejected' is empty; give the worse answer, or leave it out")
+        if self.rejected is not None and self.rejected == self.answer:
+            raise ProtocolError("teach: 'answer' and 'rejected' are the same answer (nothing to prefer)")
         if (self.prompt is None) == (self.messages is None):
             raise ProtocolError("teach: give exactly one of `prompt` or `messages`")
         if self.prompt is not None and not self.prompt:

@@ -2,6 +2,7 @@
 
     {"op": "add", "id": "t3", "prompt": "<s>capital: zorb\\n", "answer": "qux", "step": 40, "time": ...}
     {"op": "forget", "id": "t3", "step": 52, "time": ...}
+    {"op": "add", "id": "t4", "prompt": "...", "answer": "better", "rejected": "worse", ...}  (a preference)
 
 `prompt` is the text the model continued (its chat template applied), `answer` the corrected
 answer. An entry is never rewritten: forgetting appends a line. Every write is flushed and
@@ -34,9 +35,13 @@ class InboxEntry:
     step: int
     time: float
     removed: bool = False
+    rejected: str | None = None  # a preference: `answer` is better than this one
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.rejected is None:  # a taught answer's line stays as it always was
+            del out["rejected"]
+        return out
 
 
 def inbox_path(run_dir: str | Path) -> Path:
@@ -79,10 +84,11 @@ def check_pair(prompt: str, answer: str) -> None:
         raise InboxError("teach: `prompt` is empty")
 
 
-def add_entry(path: Path, entry_id: str, prompt: str, answer: str, step: int) -> InboxEntry:
-    """Append a taught pair durably; returns the entry."""
+def add_entry(path: Path, entry_id: str, prompt: str, answer: str, step: int,
+              rejected: str | None = None) -> InboxEntry:
+    """Append a taught pair (a preference with `rejected`) durably; returns the entry."""
     check_pair(prompt, answer)
-    entry = InboxEntry(entry_id, prompt, answer, int(step), time.time())
+    entry = InboxEntry(entry_id, prompt, answer, int(step), time.time(), rejected=rejected)
     _append(path, {"op": "add", **entry.to_dict()})
     return entry
 
@@ -97,8 +103,9 @@ def read_inbox(path: str | Path) -> list[InboxEntry]:
     entries: dict[str, InboxEntry] = {}
     for r in _records(Path(path)):
         if r["op"] == "add" and isinstance(r.get("prompt"), str) and isinstance(r.get("answer"), str):
+            rejected = r.get("rejected") if isinstance(r.get("rejected"), str) else None
             entries[r["id"]] = InboxEntry(r["id"], r["prompt"], r["answer"], int(r.get("step", 0)),
-                                          float(r.get("time", 0.0)))
+                                          float(r.get("time", 0.0)), rejected=rejected)
         elif r["op"] == "forget" and r.get("id") in entries:
             entries[r["id"]].removed = True
     return list(entries.values())

@@ -1,9 +1,13 @@
 """What the preference objectives cannot do, refused before launch (each problem names its field
-and why). The objectives themselves are engine.objectives; docs/preferences.md has the table."""
+and why): the layout x method cells from the capability table (contract.capabilities,
+Feature.PREFERENCE), and the rules that depend on values (batching, micro-batch size, the
+parameters, the data formats). The objectives themselves are engine.objectives."""
 
 from __future__ import annotations
 
-from contract.config_schema import FUSED_METHODS, OBJECTIVE_FORMATS, RunConfig
+from contract import capabilities
+from contract.capabilities import Feature, Layout, Method
+from contract.config_schema import OBJECTIVE_FORMATS, RunConfig
 
 
 def preference_problems(c: RunConfig) -> list[tuple[str, str]]:
@@ -14,14 +18,11 @@ def preference_problems(c: RunConfig) -> list[tuple[str, str]]:
         return _unused_parameters(c)
     problems: list[tuple[str, str]] = []
     name = pref.objective
-    if c.parallel.pp_size > 1:
-        problems.append(("preference.objective", f"{name} compares the log-probabilities of whole answers "
-                         "(chosen with rejected, or with the reference), but the pipeline schedule computes "
-                         "a per-token loss in its last stage; use pp_size 1 (ZeRO or tensor parallel)"))
-    if c.method.name in FUSED_METHODS:
-        problems.append(("preference.objective", f"{c.method.name} updates each weight inside its backward "
-                         f"with the SFT loss of its fused step; {name} needs the engine step (full or a "
-                         "PEFT method)"))
+    if c.method.name in {m.value for m in Method}:  # the layout x method cell: the capability table's
+        refused = capabilities.problem(Layout.of(c.parallel.tp_size, c.parallel.pp_size), c.method.name,
+                                       Feature.PREFERENCE, field="preference.objective")
+        if refused is not None:
+            problems.append(refused)
     if c.data.batching == "packing":
         problems.append(("data.batching", f"{name} pads each pair (or answer) to its own row; packing "
                          "would put several in one row. Use group_by_length or random"))

@@ -232,8 +232,17 @@ class RunClient:
             args["prompt"] = prompt
         return self.send(_build(lambda: Teach.from_args(args)))
 
+    def prefer(self, prompt: str | None, chosen: str, rejected: str, *, messages: list[dict] | None = None,
+               **rate: Any) -> dict:
+        """A preference from the chat: for `prompt` (as given to generate) or chat `messages`,
+        `chosen` is the better answer and `rejected` the worse (say the model's own answer, edited
+        into `chosen`). Into the inbox durably, as teach; a preference run (dpo, orpo, simpo)
+        trains on the pair from the next step. rate as for teach."""
+        return self.teach(prompt, chosen, messages=messages, rejected=rejected, **rate)
+
     def inbox(self) -> dict:
-        """The inbox: `entries` ({id, prompt, answer, removed, steps_left}) and the `sources`."""
+        """The inbox: `entries` ({id, prompt, answer, removed, steps_left, and a preference's
+        rejected}) and the `sources`."""
         return self.send(Inbox())
 
     def forget(self, entry_id: str) -> dict:

@@ -160,11 +160,14 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     """`prompt`: the text the model continues (handlers.prompt_text: the chat template applied)."""
     trainer, cfg = control.trainer, control.trainer.config.teach
     mixture = mixture_of(control, "teach")
-    problem = rows_problem(trainer.config, "input_output", "a taught answer")  # one kind of sample per batch
+    # one kind of sample per batch: a preference (with `rejected`) for a preference run, else an answer
+    kind, what = ("preference", "a preference") if cmd.rejected is not None else ("input_output", "a taught answer")
+    problem = rows_problem(trainer.config, kind, what)
     if problem:
-        raise DataRefused(f"teach: {problem}; a preference run learns from pairs (the live `prefer` is not there yet)")
+        hint = "; teach with `rejected` (RunClient.prefer)" if kind == "input_output" else ""
+        raise DataRefused(f"teach: {problem}{hint}")
     try:
-        encode_pair(trainer.tokenizer, prompt, cmd.answer, trainer.config.data.max_length)
+        encode_pair(trainer.tokenizer, prompt, cmd.answer, trainer.config.data.max_length, cmd.rejected)
     except inbox_file.InboxError as e:
         raise DataRefused(str(e)) from None
     step = trainer.state.global_step
@@ -174,13 +177,13 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     if control.rank == 0:  # durable before anything changes in memory, and before the answer
         try:
             entry_id = inbox_file.next_id(Path(source.path))
-            inbox_file.add_entry(Path(source.path), entry_id, prompt, cmd.answer, step)
+            inbox_file.add_entry(Path(source.path), entry_id, prompt, cmd.answer, step, cmd.rejected)
         except OSError as e:
             error = f"teach: the inbox {source.path} could not be written: {e}"
     entry_id, error = _from_rank0(control, (entry_id, error))
     if error:
         raise DataRefused(error)
-    index = source.dataset.add(entry_id, prompt, cmd.answer)
+    index = source.dataset.add(entry_id, prompt, cmd.answer, cmd.rejected)
     per_step = cfg.per_step if cmd.per_step is None else cmd.per_step
     steps = cfg.steps if cmd.steps is None else cmd.steps
     if per_step and steps:
@@ -194,7 +197,8 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
         mixture.checks.append({"id": entry_id, "prompt": prompt, "answer": cmd.answer, "old": old,
                                "taught_at_step": step, "due_step": step + check_after})
     event = {"id": entry_id, "prompt": prompt, "answer": cmd.answer, "old": old, "per_step": per_step,
-             "steps": steps, "check_at_step": step + check_after if check_after else None}
+             "steps": steps, "check_at_step": step + check_after if check_after else None,
+             **({"rejected": cmd.rejected} if cmd.rejected is not None else {})}
     trainer.emit({"type": EventType.TEACH.value, "step": step, **event})
     return {"step": step, **event, "applies_from_step": step + 1, "sources": mixture.describe()}
 
@@ -213,10 +217,11 @@ def inbox(control: Plane, cmd: Inbox, reply: Reply) -> dict:
             continue
         data = source.dataset
         left = {p["id"]: p["steps_left"] for p in mixture.schedules}
-        for entry_id, (prompt, answer) in zip(data.ids, data.pairs):
+        for entry_id, (prompt, answer), rejected in zip(data.ids, data.pairs, data.rejected):
             entries.append({"id": entry_id, "prompt": prompt, "answer": answer,
                             "removed": entry_id in data.forgotten or source.removed,
-                            "steps_left": left.get(entry_id, 0)})
+                            "steps_left": left.get(entry_id, 0),
+                            **({"rejected": rejected} if rejected is not None else {})})
     return {"step": control.trainer.state.global_step, "entries": entries,
             "sources": mixture.describe()}
 

@@ -18,18 +18,24 @@ from contract.inbox import InboxError, read_inbox
 from engine.data.formats import IGNORE
 
 
-def encode_pair(tokenizer, prompt: str, answer: str, max_length: int) -> dict:
-    """One training sample of a taught pair, or InboxError naming the field too long."""
+def encode_pair(tokenizer, prompt: str, answer: str, max_length: int, rejected: str | None = None) -> dict:
+    """One training sample of a taught pair, or InboxError naming the field too long. With
+    `rejected`, a preference sample (engine.data.preference's pair: prompt, chosen, rejected)."""
     prompt_ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    answer_ids = list(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    answer_ids += [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    if len(answer_ids) > max_length:
-        raise InboxError(f"teach: `answer` is {len(answer_ids)} tokens (with EOS), longer than "
-                         f"data.max_length={max_length}")
-    if len(prompt_ids) + len(answer_ids) > max_length:
-        raise InboxError(f"teach: `prompt` and `answer` together are {len(prompt_ids) + len(answer_ids)} "
-                         f"tokens, longer than data.max_length={max_length}; shorten the prompt")
-    return {"input_ids": prompt_ids + answer_ids, "labels": [IGNORE] * len(prompt_ids) + answer_ids}
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    answers = {"answer": answer} if rejected is None else {"answer": answer, "rejected": rejected}
+    ids = {}
+    for name, text in answers.items():
+        ids[name] = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + eos
+        if len(ids[name]) > max_length:
+            raise InboxError(f"teach: `{name}` is {len(ids[name])} tokens (with EOS), longer than "
+                             f"data.max_length={max_length}")
+        if len(prompt_ids) + len(ids[name]) > max_length:
+            raise InboxError(f"teach: `prompt` and `{name}` together are {len(prompt_ids) + len(ids[name])} "
+                             f"tokens, longer than data.max_length={max_length}; shorten the prompt")
+    if rejected is not None:
+        return {"prompt_ids": prompt_ids, "chosen_ids": ids["answer"], "rejected_ids": ids["rejected"]}
+    return {"input_ids": prompt_ids + ids["answer"], "labels": [IGNORE] * len(prompt_ids) + ids["answer"]}
 
 
 class InboxDataset(Dataset):
@@ -39,6 +45,7 @@ class InboxDataset(Dataset):
         self.tokenizer, self.max_length, self.path = tokenizer, max_length, Path(path)
         self.ids: list[str] = []
         self.pairs: list[tuple[str, str]] = []
+        self.rejected: list[str | None] = []  # a preference's worse answer, None for a taught answer
         self.samples: list[dict] = []
         self.forgotten: set[str] = set()
 
@@ -50,13 +57,15 @@ class InboxDataset(Dataset):
 
     @property
     def lengths(self) -> list[int]:
-        return [len(s["input_ids"]) for s in self.samples]
+        return [len(s["input_ids"]) if "input_ids" in s else
+                len(s["prompt_ids"]) + max(len(s["chosen_ids"]), len(s["rejected_ids"])) for s in self.samples]
 
-    def add(self, entry_id: str, prompt: str, answer: str) -> int:
-        """Take a taught pair (already checked with encode_pair); its index."""
-        self.samples.append(encode_pair(self.tokenizer, prompt, answer, self.max_length))
+    def add(self, entry_id: str, prompt: str, answer: str, rejected: str | None = None) -> int:
+        """Take a taught pair or preference (already checked with encode_pair); its index."""
+        self.samples.append(encode_pair(self.tokenizer, prompt, answer, self.max_length, rejected))
         self.ids.append(entry_id)
         self.pairs.append((prompt, answer))
+        self.rejected.append(rejected)
         return len(self.samples) - 1
 
     def index_of(self, entry_id: str) -> int:
@@ -82,7 +91,7 @@ class InboxDataset(Dataset):
         missing = [i for i in state["ids"] if i not in known]
         if missing:
             raise InboxError(f"{self.path} lacks the entries {', '.join(missing)} the checkpoint trained on")
-        self.ids, self.pairs, self.samples = [], [], []
+        self.ids, self.pairs, self.samples, self.rejected = [], [], [], []
         for entry_id in state["ids"]:
-            self.add(entry_id, known[entry_id].prompt, known[entry_id].answer)
+            self.add(entry_id, known[entry_id].prompt, known[entry_id].answer, known[entry_id].rejected)
         self.forgotten = set(state.get("forgotten", []))

@@ -2,7 +2,8 @@
 same model, data, order and DeepSpeed config (run under the DeepSpeed launcher; prints RESULT
 lines: one per cell, {"cell", "ours", "trl"} with per-step dicts of loss and metrics).
 
-Cells are "<objective>:<zero stage>". Our run goes first; the exact micro-batches our sampler
+Cells are "<objective>:<zero stage>", the objective optionally with DPO's loss ("dpo-ipo:0",
+"dpo-hinge:0", "dpo-robust:0", robust with label smoothing 0.1). Our run goes first; the exact micro-batches our sampler
 gave each rank are then laid out for TRL's sequential sampler (accelerate hands rank r the
 batches r, r + world, ...), so that TRL trains on the same rows in the same order.
 """
@@ -22,17 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import report  # noqa: E402
 
 STEPS, MICRO, LR, WARMUP = 5, 4, 5e-3, 2  # a few steps, enough for the weights to move apart from the reference
-BETA, GAMMA, LAMBDA = 0.2, 0.3, 0.3
+BETA, GAMMA, LAMBDA, SMOOTHING = 0.2, 0.3, 0.3, 0.1
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "kl", "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
-def ours(work: Path, objective: str, zero: int, accum: int, data: Path):
+def ours(work: Path, objective: str, zero: int, accum: int, data: Path, loss: str = "sigmoid"):
     from contract.config import load_config
     from engine.trainer import Trainer
     cfg = load_config(overrides=[
         f"model.path={work / 'model'}", f"data.train={data}", "data.batching=random", f"objective={objective}",
         f"preference.beta={BETA}", f"preference.simpo_gamma={GAMMA}", f"preference.orpo_lambda={LAMBDA}",
+        f"preference.dpo_loss={loss}", f"preference.label_smoothing={SMOOTHING if loss == 'robust' else 0}",
         f"max_steps={STEPS}", f"batch_size={MICRO}", f"train.grad_accum={accum}", f"lr={LR}",
         f"optim.warmup_steps={WARMUP}", "optim.scheduler=cosine", "optim.weight_decay=0", f"zero_stage={zero}",
         "precision=fp32", "eval.at_end=false", "checkpoint.save_at_end=false", "control.enabled=false",
@@ -65,7 +67,8 @@ def trl_order(order: list[list[int]]) -> list[int]:
     return [i for k in range(len(order)) for r in range(world) for i in every[r][k]]
 
 
-def trl(work: Path, objective: str, zero: int, accum: int, rows: list[dict], ds: dict) -> list[dict]:
+def trl(work: Path, objective: str, zero: int, accum: int, rows: list[dict], ds: dict,
+        loss: str = "sigmoid") -> list[dict]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from engine.model import load_tokenizer
@@ -77,7 +80,7 @@ def trl(work: Path, objective: str, zero: int, accum: int, rows: list[dict], ds:
             if logs and "loss" in logs:
                 logged.append({k: v for k, v in logs.items() if k == "loss" or k in METRICS})
 
-    common = dict(output_dir=str(work / f"trl-{objective}-{zero}"), per_device_train_batch_size=MICRO,
+    common = dict(output_dir=str(work / f"trl-{objective}-{loss}-{zero}"), per_device_train_batch_size=MICRO,
                   gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=LR, warmup_steps=WARMUP,
                   lr_scheduler_type="cosine", weight_decay=0.0, max_grad_norm=1.0, bf16=False, fp16=False,
                   deepspeed=ds, logging_steps=1, save_strategy="no", report_to=[], optim="adamw_torch",
@@ -86,7 +89,8 @@ def trl(work: Path, objective: str, zero: int, accum: int, rows: list[dict], ds:
                   remove_unused_columns=False)
     if objective == "dpo":
         from trl import DPOConfig, DPOTrainer
-        args, trainer_class = DPOConfig(beta=BETA, **common), DPOTrainer
+        args, trainer_class = DPOConfig(beta=BETA, loss_type=[loss], label_smoothing=SMOOTHING if loss == "robust"
+                                        else 0.0, **common), DPOTrainer
     elif objective == "kto":
         from trl import KTOConfig, KTOTrainer
         args, trainer_class = KTOConfig(beta=BETA, **common), KTOTrainer
@@ -115,15 +119,17 @@ def main() -> None:
     work = Path(a.work)
     import json
     for cell in a.cells.split(","):
-        objective, zero = cell.split(":")
+        name, zero = cell.split(":")
+        objective, _, loss = name.partition("-")
+        loss = loss or "sigmoid"
         data = work / ("unpaired.jsonl" if objective == "kto" else "pairs.jsonl")
         raw = [json.loads(line) for line in data.read_text().splitlines()]
-        steps, order, ds, kept = ours(work, objective, int(zero), a.accum, data)
+        steps, order, ds, kept = ours(work, objective, int(zero), a.accum, data, loss)
         assert kept == len(raw), "every row is kept, so that index i is row i"
         sequence = trl_order(order)
-        theirs = trl(work, objective, int(zero), a.accum, [raw[i] for i in sequence], ds)
+        theirs = trl(work, objective, int(zero), a.accum, [raw[i] for i in sequence], ds, loss)
         if dist.get_rank() == 0:  # the figures are too long for a result line: a file, named by one
-            out = work / f"parity-{objective}-{zero}.json"
+            out = work / f"parity-{name}-{zero}.json"
             out.write_text(json.dumps({"cell": cell, "ours": steps, "trl": theirs}))
             report(cell=cell, path=str(out))
         dist.barrier()
