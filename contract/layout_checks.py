@@ -106,10 +106,14 @@ def hostfile_problems(cfg: Any) -> list[tuple[str, str]]:
         return []  # a missing file is reported by the config's own check
     hosts, errors = parse_hostfile(Path(p.hostfile).read_text())
     problems = [("parallel.hostfile", f"{p.hostfile}: {e}") for e in errors]
-    short = {h: n for h, n in hosts.items() if n < p.nproc}
-    if short:
-        problems.append(("parallel.nproc", f"{p.nproc} processes per machine, but the hostfile gives "
-                         + ", ".join(f"{h} only {n} slots" for h, n in short.items())))
+    # each machine runs nproc ranks: fewer slots cannot hold them, and with more DeepSpeed would
+    # start only nproc there, against the hostfile's word
+    other = {h: n for h, n in hosts.items() if n != p.nproc}
+    if other:
+        given = ", ".join(f"{h} slots={n}" for h, n in other.items())
+        problems.append(("parallel.nproc", f"parallel.nproc is {p.nproc} (ranks per machine), but the hostfile "
+                         f"{p.hostfile} gives {given}: make every line's slots= equal nproc, or set nproc to "
+                         "the slots"))
     if p.launcher != "deepspeed":
         problems.append(("parallel.launcher", f"a hostfile is read by the DeepSpeed launcher; "
                          f"{p.launcher} cannot use it (set launcher deepspeed)"))

@@ -77,24 +77,6 @@ def runs_on_other_machines(cfg: RunConfig) -> bool:
         parse_hostfile(Path(p.hostfile).read_text())[0])
 
 
-def launch_problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    """What would make a launch across the hostfile's machines go other than the config says,
-    as (field, message) problems to refuse it with: a machine given more `slots=` than
-    `parallel.nproc` (DeepSpeed would start only nproc ranks there, against the hostfile's word;
-    fewer slots than nproc are refused by the config's own check)."""
-    p = cfg.parallel
-    if not p.hostfile or not Path(p.hostfile).is_file():
-        return []
-    hosts, _ = parse_hostfile(Path(p.hostfile).read_text())
-    more = {h: n for h, n in hosts.items() if n > p.nproc}
-    if not more:
-        return []
-    given = ", ".join(f"{h} slots={n}" for h, n in more.items())
-    return [("parallel.nproc", f"parallel.nproc is {p.nproc} (ranks per machine), but the hostfile "
-             f"{p.hostfile} gives {given}: make every line's slots= equal nproc, or set nproc to "
-             "the slots (each machine runs nproc ranks)")]
-
-
 # What reaches the ranks on the other machines from the launching machine's environment: the
 # prefixes DeepSpeed's own runner forwards (deepspeed/launcher/runner.py EXPORT_ENVS, plus NCCL,
 # which its CUDA accelerator adds), and the network settings of torch.distributed's backends.

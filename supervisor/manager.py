@@ -22,7 +22,7 @@ from typing import Callable
 
 from contract.config import RunConfig
 from contract.preflight import PreflightError, PreflightReport, fingerprint, preflight
-from supervisor.launch import launch_problems, make_run_folder, spawn
+from supervisor.launch import make_run_folder, spawn
 from contract.run_folder import EventLog, RunFolder
 from contract.protocol import RunState, Stop
 from contract.events import StateEvent
@@ -85,9 +85,6 @@ class RunManager:
             checked.problems = [*checked.problems, ("parallel.nodes", f"{cfg.parallel.nodes} nodes without a "
                                 "hostfile is for a Slurm job (submit --slurm); a run started here spans "
                                 "this machine, or the machines parallel.hostfile lists")]
-        if launch_problems(cfg):  # the hostfile against the config (supervisor.launch says why)
-            checked = copy.copy(checked)
-            checked.problems = [*checked.problems, *launch_problems(cfg)]
         if not checked.ok:
             raise RunRefused(checked)
         cfg = copy.deepcopy(cfg)

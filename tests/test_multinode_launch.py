@@ -59,7 +59,7 @@ def test_hostfile_problems_are_named(tmp_path):
         with pytest.raises(ConfigError) as err:
             load_config(overrides=[*overrides, f"parallel.hostfile={hostfile(tmp_path, *lines)}"])
         got.update(dict(err.value.problems))
-    assert "localhost only 1 slots" in got["parallel.nproc"]
+    assert "parallel.nproc is 2" in got["parallel.nproc"] and "localhost slots=1" in got["parallel.nproc"]
     assert "not `HOST slots=N`" in got["parallel.hostfile"]
     assert "DeepSpeed launcher" in got["parallel.launcher"]
     with pytest.raises(ConfigError, match="control.host"):  # beyond loopback only with a hostfile
