@@ -47,12 +47,18 @@ class EventType(str, Enum):
     BRANCH = "branch"            # the run goes on as a new branch of the run folder's tree (contract.branches)
     SNAPSHOT = "snapshot"        # the training state kept in host memory, or one evicted
 
+    def __str__(self) -> str:  # its value in messages and f-strings, as in the log
+        return self.value
+
 
 class CommandStatus(str, Enum):
     """A control command's life in `command` events."""
     QUEUED = "queued"
     DONE = "done"
     FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Event(BaseModel):

@@ -59,6 +59,9 @@ class RunState(str, Enum):
     FINISHED = "finished"
     FAILED = "failed"
 
+    def __str__(self) -> str:  # its value in messages and f-strings, as on the wire
+        return self.value
+
     @property
     def final(self) -> bool:
         """The run is over; nothing can be asked of it any more."""

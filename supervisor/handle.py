@@ -193,7 +193,7 @@ class RunHandle:
                 elif not self._alive:
                     failure = self._failure_of(exited(self._facts()))
                     state, error, rank = RunState.FAILED.value, failure.message, failure.rank
-            return RunInfo(self.name, str(self.folder.root), state, self._alive, s.step, s.total_steps,
+            return RunInfo(self.name, str(self.folder.root), RunState(state), self._alive, s.step, s.total_steps,
                            dict(s.metrics), s.start_time, s.end_time, error, rank, self._pid,
                            s.stopped_by_user, s.reason if state == RunState.FINISHED else None)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.run_folder import RunFolder, tail_lines
+from contract.protocol import RunState
 
 from supervisor.procs import read_proc, running
 from supervisor.remote import wait_status
@@ -21,7 +22,7 @@ class RunInfo:
     """One run, as a listing shows it."""
     name: str
     path: str
-    state: str                    # a contract.protocol.RunState value
+    state: RunState
     alive: bool                   # whether any process of the run's group is still there
     step: int
     total_steps: int | None

@@ -241,7 +241,7 @@ class SlurmHandle(RunHandle):
     def info(self, refresh: bool = True) -> RunInfo:
         info = super().info(refresh)
         if self.job is not None and self.job.pending and not self._summary.final:
-            return replace(info, state=RunState.QUEUED.value)
+            return replace(info, state=RunState.QUEUED)
         return info
 
     def _failure_of(self, verdict: Verdict) -> Failure:
