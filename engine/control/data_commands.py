@@ -31,6 +31,7 @@ from engine.data.mixture import Mixture, Source
 from engine.data.report import DataError
 from engine.generation import generate as generate_text
 from engine.objectives import rows_problem
+from engine.scoring import score
 
 INBOX_SOURCE = "inbox"
 
@@ -184,6 +185,8 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     if error:
         raise DataRefused(error)
     index = source.dataset.add(entry_id, prompt, cmd.answer, cmd.rejected)
+    pair = _pair_rows(source.dataset.samples[index]) if cmd.rejected is not None else None
+    margin = {"margin": _margin(control, pair)} if pair is not None else {}
     per_step = cfg.per_step if cmd.per_step is None else cmd.per_step
     steps = cfg.steps if cmd.steps is None else cmd.steps
     if per_step and steps:
@@ -195,12 +198,26 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     check_after = cfg.check_after if cmd.check_after is None else cmd.check_after
     if check_after:
         mixture.checks.append({"id": entry_id, "prompt": prompt, "answer": cmd.answer, "old": old,
-                               "taught_at_step": step, "due_step": step + check_after})
+                               "taught_at_step": step, "due_step": step + check_after,
+                               **({"pair": pair, **margin} if pair is not None else {})})
     event = {"id": entry_id, "prompt": prompt, "answer": cmd.answer, "old": old, "per_step": per_step,
              "steps": steps, "check_at_step": step + check_after if check_after else None,
-             **({"rejected": cmd.rejected} if cmd.rejected is not None else {})}
+             **({"rejected": cmd.rejected} if cmd.rejected is not None else {}), **margin}
     trainer.emit({"type": EventType.TEACH.value, "step": step, **event})
     return {"step": step, **event, "applies_from_step": step + 1, "sources": mixture.describe()}
+
+
+def _pair_rows(sample: dict) -> dict:
+    """A preference sample's two token rows and where their answers start."""
+    prompt = sample["prompt_ids"]
+    return {"rows": [prompt + sample["chosen_ids"], prompt + sample["rejected_ids"]], "start": len(prompt)}
+
+
+def _margin(control: Plane, pair: dict) -> float:
+    """log p(chosen) - log p(rejected) under the live weights, answers' tokens summed (collective)."""
+    chosen, rejected = score(control.trainer.ctx, pair["rows"])
+    start = pair["start"]
+    return float(sum(chosen.logprobs[start:]) - sum(rejected.logprobs[start:]))  # type: ignore[arg-type]
 
 
 def _greedy(control: Plane, prompt: str) -> str:
@@ -262,11 +279,16 @@ def at_boundary(control: Plane) -> None:
     mixture.checks = [c for c in mixture.checks if c["due_step"] > step]
     for check in due:
         new = _greedy(control, check["prompt"])
+        margins = {}
+        if "pair" in check:  # a preference: which answer the model now prefers, by how much
+            after = _margin(control, check["pair"])
+            margins = {"margin_before": check["margin"], "margin_after": after,
+                       "prefers": "chosen" if after > 0 else "rejected"}
         control.trainer.emit({
             "type": EventType.TEACH_CHECK.value, "step": step, "id": check["id"], "prompt": check["prompt"],
             "answer": check["answer"], "old": check["old"], "new": new,
             "taught_at_step": check["taught_at_step"], "steps": step - check["taught_at_step"],
-            "learned": new.strip() == check["answer"].strip()})
+            "learned": new.strip() == check["answer"].strip(), **margins})
 
 
 def sources_snapshot(control: Plane) -> list[dict] | None:
