@@ -6,7 +6,9 @@
    against the same request through the control plane's own client (RunClient.generate), on the
    same run at the same moments (alternating, mid-training), medians (target: at most 1.2x).
 2. Training tokens/s while one `openai` client keeps streaming chats, against the same run with
-   no client (two runs one after the other, never at once; target: at least 0.95x).
+   no client (two runs one after the other, never at once; target: at least 0.95x), and, for
+   reference, while the control plane's own client streams the same chats: each chat is a
+   generation at a step boundary, so what it costs is the generation's, API or not.
 3. lm-evaluation-harness wall time for the tests' small task (tests/lm_eval_task) through the
    live API (the run paused) against its own `hf` model on the same weights, exported.
 """
@@ -69,34 +71,51 @@ def served_run(tmp: Path, task: dict, steps: int, requests: int) -> dict:
     server = ApiServer(tmp / "runs").start()
     client = RunClient.connect(run.folder.root, timeout=300)
     api = OpenAI(base_url=server.url, api_key=key_of(run.folder.root), max_retries=0)
-    streaming, stop = [0], threading.Event()
+    messages = [{"role": "user", "content": PROMPT}]
 
-    def keep_streaming() -> None:
-        while not stop.is_set():
-            for _ in api.chat.completions.create(model="served", max_tokens=16, stream=True,
-                                                 messages=[{"role": "user", "content": PROMPT}]):
-                pass
-            streaming[0] += 1
+    def through_api() -> None:
+        for _ in api.chat.completions.create(model="served", max_tokens=16, stream=True, messages=messages):
+            pass
+
+    def through_client() -> None:
+        for _ in client.generate(messages=messages, max_new_tokens=16):
+            pass
 
     reach_step(run, WINDOW_SKIP)
-    streamer = threading.Thread(target=keep_streaming, daemon=True)
-    streamer.start()
-    reach_step(run, steps)
-    stop.set()
-    streamer.join()
+    streams = streaming_window(run, through_api, steps)
     tps = throughput(run, WINDOW_SKIP, steps)
+    client_streams = streaming_window(run, through_client, 2 * steps - WINDOW_SKIP)
+    client_tps = throughput(run, steps, 2 * steps - WINDOW_SKIP)
     through_api, through_client = [], []
     for _ in range(requests):
         through_api.append(api_first_token_s(api, "served"))
         through_client.append(client_first_token_s(client))
     client.pause()
     saved = client.save()
-    result = {"tps": tps, "streams": streaming[0], "api": statistics.median(through_api),
+    result = {"tps": tps, "streams": streams, "client_tps": client_tps, "client_streams": client_streams,
+              "api": statistics.median(through_api),
               "client": statistics.median(through_client), **lm_eval_times(tmp, server, run, saved, api)}
     client.stop(save=False)
     wait_exit(run, timeout=600)
     server.close()
     return result
+
+
+def streaming_window(run, stream_once, until_step: int) -> int:
+    """Stream chats one after another until the run reaches `until_step`; how many."""
+    count, stop = [0], threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            stream_once()
+            count[0] += 1
+
+    streamer = threading.Thread(target=loop, daemon=True)
+    streamer.start()
+    reach_step(run, until_step)
+    stop.set()
+    streamer.join()
+    return count[0]
 
 
 def lm_eval_times(tmp: Path, server: ApiServer, run, saved: dict, api: OpenAI) -> dict:
@@ -133,6 +152,9 @@ def main() -> None:
           f"{served['client'] * 1e3:.1f} ms, ratio {served['api'] / served['client']:.3f} (target <= 1.2)")
     print(f"training tokens/s: {served['tps']:.0f} with a client streaming ({served['streams']} chats) vs "
           f"{quiet:.0f} without, ratio {served['tps'] / quiet:.3f} (target >= 0.95)")
+    print(f"  the same chats through the control plane's own client ({served['client_streams']}): "
+          f"{served['client_tps']:.0f} tokens/s, ratio {served['client_tps'] / quiet:.3f} (what generating "
+          "at every boundary costs, API or not)")
     print(f"lm-evaluation-harness, tests/lm_eval_task: {served['lm_eval_api_s']:.1f} s through the live API, "
           f"{served['lm_eval_hf_s']:.1f} s with its hf model on the export")
 

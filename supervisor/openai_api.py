@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import uvicorn
 import yaml
@@ -82,6 +82,26 @@ def key_of(folder: Path) -> str:
         return key
 
 
+class _ByMtime:
+    """A value read from a file, read again only when the file changes (every request looks up
+    names and keys: parsing YAML and JSON each time would cost each answer milliseconds)."""
+
+    def __init__(self, read: Callable[[Path], str]):
+        self.read = read
+        self._seen: dict[Path, tuple[float, str]] = {}
+
+    def __call__(self, folder: Path, file: str) -> str:
+        try:
+            mtime = (folder / file).stat().st_mtime
+        except FileNotFoundError:
+            mtime = -1.0
+        seen = self._seen.get(folder)
+        if seen is None or seen[0] != mtime:
+            seen = (mtime, self.read(folder))
+            self._seen[folder] = seen
+        return seen[1]
+
+
 def model_name(run: Path) -> str:
     """A run's model name: its folder name; a chat-only session `<run>@<checkpoint or model>`."""
     try:
@@ -120,6 +140,10 @@ class Runs:
         self._clients: dict[Path, RunClient] = {}
         self._busy: dict[Path, threading.BoundedSemaphore] = {}
         self._lock = threading.Lock()
+        self._names, self._keys = _ByMtime(model_name), _ByMtime(key_of)
+
+    def key(self, folder: Path) -> str:
+        return self._keys(folder, KEY_FILE)
 
     def live(self) -> dict[str, Path]:
         """{model name: run folder} of every run whose control server is up."""
@@ -130,15 +154,15 @@ class Runs:
             except (OSError, json.JSONDecodeError):
                 continue
             if _alive(pid):
-                found.setdefault(model_name(control.parent), control.parent)
+                found.setdefault(self._names(control.parent, "config.yaml"), control.parent)
         return found
 
     def granted(self, key: str) -> set[Path] | None:
         """The run folders `key` opens (None: every one, the output folder's key); raises 401."""
-        if key and secrets.compare_digest(key, key_of(self.root)):
+        if key and secrets.compare_digest(key, self.key(self.root)):
             return None
         for path in self.root.glob(f"*/{KEY_FILE}"):
-            if key and secrets.compare_digest(key, key_of(path.parent)):
+            if key and secrets.compare_digest(key, self.key(path.parent)):
                 return {path.parent}
         raise ApiError(401, "Incorrect API key provided (see api_key.json in the run folder, or the "
                             "output folder's for every run)", "invalid_request_error", code="invalid_api_key")
@@ -174,10 +198,11 @@ def create_app(root: str | Path) -> FastAPI:
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
         granted = runs.granted(_bearer(request))
-        for run in runs.live().values():
-            key_of(run)  # a new run gets its key as soon as it is listed
+        live = runs.live()
+        for run in live.values():
+            runs.key(run)  # a new run gets its key as soon as it is listed
         models = [{"id": name, "object": "model", "created": int(run.stat().st_mtime), "owned_by": "livetune"}
-                  for name, run in runs.live().items() if granted is None or run in granted]
+                  for name, run in live.items() if granted is None or run in granted]
         return JSONResponse({"object": "list", "data": models})
 
     @app.post("/v1/completions")
@@ -222,7 +247,7 @@ def _model(runs: Runs, request: Request, name: str) -> Path:
     if run is None or (granted is not None and run not in granted):
         raise ApiError(404, f"The model `{name}` does not exist or is not answering now (GET /v1/models "
                             "lists the live runs and chat sessions)", code="model_not_found", param="model")
-    key_of(run)
+    runs.key(run)
     return run
 
 
@@ -237,8 +262,7 @@ async def _answer(runs: Runs, request: Request, body: ChatRequest | CompletionRe
         raise ApiError(429, f"{MAX_IN_FLIGHT} requests to `{body.model}` are waiting already; try again later",
                        "rate_limit_error", code="rate_limit_exceeded")
     try:
-        generation = await run_in_threadpool(_send, runs.client(run), command)
-        first = await run_in_threadpool(_first, generation)
+        generation, first = await run_in_threadpool(_start, runs.client(run), command)
     except BaseException:
         slot.release()
         raise
@@ -248,6 +272,12 @@ async def _answer(runs: Runs, request: Request, body: ChatRequest | CompletionRe
         return JSONResponse(made.response(generation.result or {}))
     return StreamingResponse(_released(made.stream(generation, first, command, body.include_usage), slot),
                              media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+
+def _start(client: RunClient, command: Complete) -> tuple[Generation, list[str]]:
+    """Send the command and wait for its first piece (one thread hop for both)."""
+    generation = _send(client, command)
+    return generation, _first(generation)
 
 
 def _send(client: RunClient, command: Complete) -> Generation:

@@ -2,11 +2,12 @@
 against a 2-rank ZeRO-3 run started through the real entry point: the official `openai` client
 (chat and completions, streamed and not, a wrong key, an unknown model), lm-evaluation-harness's
 `local-completions` model, whose log-likelihoods equal its own `hf` model's on the same weights
-saved at the same step, and the run's losses, equal to those of a run that served nothing."""
+saved at the same step, and the run's losses, equal to those of a run that served nothing. The
+same run evaluates the harness's tasks itself at its end (`eval.lm_eval_tasks`), and a chat-only
+session of its checkpoint answers as transformers does from the export."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import types
@@ -26,6 +27,7 @@ openai = pytest.importorskip("openai")
 
 STEPS = 120  # the served run is held paused between tests, so it cannot end before the last
 TASKS = Path(__file__).parent / "lm_eval_task"
+LM_EVAL_TASKS = ("choice.yaml", "generate.yaml", "loglikelihood.yaml")
 SAME = ("zero_stage=3", f"max_steps={STEPS}", "optim.scheduler=constant", "optim.warmup_steps=0",
         "optim.lr=0.003", "seed=7")
 
@@ -35,7 +37,12 @@ def served(tmp_path_factory):
     """The served run (`api`), a quiet twin that serves nothing, and the API over both."""
     tmp = tmp_path_factory.mktemp("api")
     task = task_files(tmp / "task")
-    run = launch(tmp, "api", task, *SAME)
+    lm_eval_tasks = []  # the served run also runs the tests' tasks in its evaluation at the end
+    for name in LM_EVAL_TASKS:
+        (tmp / name).write_text(yaml.safe_dump(_task(name)))
+        lm_eval_tasks.append(str(tmp / name))
+    run = launch(tmp, "api", task, *SAME, "eval.at_end=true", "checkpoint.save_at_end=true",
+                 f"eval.lm_eval_tasks=[{','.join(lm_eval_tasks)}]")
     quiet = launch(tmp, "quiet", task, *SAME, "control.enabled=false")
     server = ApiServer(tmp / "runs").start()
     client = RunClient.connect(run.folder.root, timeout=CONNECT_S)
@@ -223,3 +230,18 @@ def test_a_run_that_served_the_api_trained_exactly_as_one_that_did_not(served):
                 if e["type"] == "command" and e["cmd"] == "complete" and e["status"] == "done"]
     assert len(answered) >= 8
     assert losses(served.run) == losses(served.quiet) and len(losses(served.run)) == STEPS
+
+
+@pytest.mark.slow
+def test_lm_eval_tasks_in_the_runs_evaluation_equal_the_harness_on_its_saved_model(served):
+    """eval.lm_eval_tasks: the harness's tasks on the live weights, evaluated at the end of the
+    served run, as evaluation metrics equal to the harness's hf model on the final model saved."""
+    evaluated = [e for e in read_events(served.run.folder.events) if e["type"] == "eval"][-1]
+    reference = _evaluate("hf", {"pretrained": str(served.run.folder.model), "dtype": "float32"},
+                          names=LM_EVAL_TASKS)["results"]
+    assert evaluated["step"] == STEPS and "eval/loss" in evaluated  # beside the run's other evaluators
+    assert evaluated["eval/lm_eval/livetune_choice/acc"] == reference["livetune_choice"]["acc,none"]
+    assert evaluated["eval/lm_eval/livetune_generate/exact_match"] == \
+        reference["livetune_generate"]["exact_match,none"]
+    assert math.isclose(evaluated["eval/lm_eval/livetune_loglikelihood/perplexity"],
+                        reference["livetune_loglikelihood"]["perplexity,none"], rel_tol=1e-4)
