@@ -42,6 +42,8 @@ sys.path.insert(0, str(SCRIPTS))
 import architectures as arch_script  # noqa: E402  (the tiny folders and the cells' run configs)
 from architectures_zero import CHAT_STEP, STEPS  # noqa: E402  (8 steps: two passes over the rows)
 
+pytestmark = pytest.mark.slow  # engine processes: the slow tier
+
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPECTED = {  # the linear layers of one block, by their short names
     "gpt2": ["c_attn", "c_proj", "c_fc"],

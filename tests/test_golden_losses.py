@@ -31,6 +31,8 @@ import pytest
 from contract.config import load_config
 from contract.presets import DEFAULT
 
+pytestmark = pytest.mark.slow  # engine processes: the slow tier
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 16
 

@@ -19,6 +19,8 @@ import pytest
 from contract.config import load_config
 from contract.presets import DEFAULT
 
+pytestmark = pytest.mark.slow  # engine processes: the slow tier
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS, WARMUP, LR = 7, 3, 1e-3
 

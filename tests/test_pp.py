@@ -13,6 +13,8 @@ from dist_utils import free_port
 from parallel_runs import (CKPT_STEP, STEPS, assert_close_losses, assert_learns, data_files, hf_logits,
                            losses_of, run_layout)
 
+pytestmark = pytest.mark.slow  # engine processes: the slow tier
+
 FAMILIES = {
     "llama": ("LlamaConfig", {}),
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),

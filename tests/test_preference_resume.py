@@ -15,6 +15,8 @@ import pytest
 from contract.config import load_config
 from engine.callbacks import Callback
 
+pytestmark = pytest.mark.slow  # engine processes: the slow tier
+
 STEPS = 6
 
 

@@ -19,6 +19,8 @@ import torch
 
 from dist_utils import SCRIPTS, run_deepspeed
 
+pytestmark = pytest.mark.slow  # engine processes: the slow tier
+
 # fp32 on CPU: the splits reorder sums; what is left is rounding
 LOSS_TOL, NORM_TOL, WEIGHT_TOL = 2e-6, 2e-5, 1e-6
 
