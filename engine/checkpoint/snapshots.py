@@ -140,13 +140,16 @@ class SnapshotStore:
                                 "memory (use save and rewind to the checkpoint instead)")
         if self.get(name) is not None:
             raise SnapshotError(f"snapshot: a snapshot named {name!r} exists already (kept: {', '.join(self.names())})")
+        if run.engine.checkpoint_engine is None:  # DeepSpeed's ZeRO-3 engine without an optimizer of its own
+            raise SnapshotError(f"snapshot: {run.config.method.name} under ZeRO 3 keeps no state DeepSpeed can "
+                                "write (its ZeRO-3 engine writes the weights through an optimizer of its own); "
+                                "use zero_stage 0, 1 or 2; nothing was kept")
         started = time.perf_counter()
         folder = self._base(comm) / name
         record = ckpt.record_of(run, sampler)
         problem = None
         try:
-            run.engine.save_checkpoint(str(folder), tag=record["ds_tag"],
-                                       client_state=run.layout.checkpoint_client_state(), save_latest=False)
+            ckpt.save_engine_state(run.engine, str(folder), record["ds_tag"], run.layout.checkpoint_client_state())
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             problem = f"{type(e).__name__}: {e}"
         problems = [p for p in comm.all_gather(problem) if p]

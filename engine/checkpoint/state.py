@@ -47,6 +47,7 @@ from engine.checkpoint.atomic import (CheckpointError, Comm, CorruptCheckpointEr
                                       MissingFilesError)
 from engine.model import count_parameters
 from engine.rng import rng_state, set_rng_state
+from contract.events import CheckpointEvent, ResumeEvent
 
 STATE_FILE = "trainer_state.json"
 CALLBACKS_FILE = "callbacks.pt"
@@ -130,8 +131,22 @@ def load_loop_state(run: RunContext, state: dict | None) -> None:
         return
     if "optimizer" in state:
         run.optimizer.load_state_dict(state["optimizer"])
+        _keep_saved_dtypes(run.optimizer, state["optimizer"])
     if "lr_scheduler" in state:
         run.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def _keep_saved_dtypes(optimizer, saved: dict) -> None:
+    """torch's Optimizer.load_state_dict casts floating-point state to its parameter's dtype, but
+    a fused optimizer keeps fp32 state for bf16 weights (AdaLomo's second-moment factors): put
+    those back as they were saved, bit for bit."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in saved.get("param_groups", []) for i in group["params"]]
+    for pid, param in zip(ids, params):
+        for key, value in saved.get("state", {}).get(pid, {}).items():
+            now = optimizer.state.get(param, {}).get(key)
+            if torch.is_tensor(value) and torch.is_tensor(now) and now.dtype != value.dtype:
+                optimizer.state[param][key] = value.to(now.device, copy=True)
 
 
 @contextlib.contextmanager
@@ -164,6 +179,11 @@ def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampl
     """
     started, comm = time.perf_counter(), Comm.current()
     state, engine = run.state, run.engine
+    if engine.checkpoint_engine is None:  # every rank alike, before any collective of the save
+        raise CheckpointError(f"{run.config.method.name} under ZeRO 3 cannot save training checkpoints: DeepSpeed's "
+                              "ZeRO-3 engine writes the partitioned weights through an optimizer of its own, and "
+                              f"{run.config.method.name} has none (use zero_stage 0, 1 or 2, or save the model "
+                              "alone with save_model); nothing was written")
     record = record_of(run, sampler)
     meta = {"step": state.global_step, "epoch": state.epoch, "saved_by": saved_by,
             "metrics": dict(metrics or {})}
@@ -174,8 +194,7 @@ def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampl
         # agreed by every rank); DeepSpeed's own `latest` is written below, outside them
         with ds_config.recording_checkpoint_files(engine) as written, \
                 w.deferring(engine.checkpoint_engine, "save"), w.deferring(engine, "_copy_recovery_script"):
-            engine.save_checkpoint(str(w.local), tag=record["ds_tag"],
-                                   client_state=run.layout.checkpoint_client_state(), save_latest=False)
+            save_engine_state(engine, str(w.local), record["ds_tag"], run.layout.checkpoint_client_state())
         w.claim_paths(written)
         if comm.rank == 0:
             (w.local / "latest").write_text(record["ds_tag"])  # what save_latest=True writes
@@ -191,8 +210,8 @@ def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampl
             (w.local / STATE_FILE).write_text(json.dumps(record, indent=1, default=str))
             torch.save(states, w.local / CALLBACKS_FILE)
     url = atomic.location(path).url
-    run.emit({"type": "checkpoint", "step": state.global_step, "epoch": state.epoch, "path": url,
-                  "saved_by": saved_by, "seconds": round(time.perf_counter() - started, 3)})
+    run.emit(CheckpointEvent(step=state.global_step, epoch=state.epoch, path=url,
+                                 saved_by=saved_by, seconds=round(time.perf_counter() - started, 3)))
     return url
 
 
@@ -311,10 +330,10 @@ def load_checkpoint(run: RunContext, path: str, *, sampler, restore_states: Call
                 restore_states, what=folder.url)
     if announce:
         changes = _config_changes(record.get("config", {}), run.config.to_dict())
-        run.emit({"type": "resume", "checkpoint": folder.url, "step": run.state.global_step,
-                  "epoch": run.state.epoch, "batch_in_epoch": run.state.batch_in_epoch,
-                  "config_changes": changes, "seconds": round(time.perf_counter() - started, 3),
-                  **(fields or {})})
+        run.emit(ResumeEvent(checkpoint=folder.url, step=run.state.global_step,
+                             epoch=run.state.epoch, batch_in_epoch=run.state.batch_in_epoch,
+                             config_changes=changes, seconds=round(time.perf_counter() - started, 3),
+                             **(fields or {})))
     return marker
 
 
@@ -338,6 +357,30 @@ class RestoreError(CheckpointError):
     part that failed and the cause; the traceback is in the rank's log)."""
 
 
+def _placeholder_optimizer(engine) -> bool:
+    """True when DeepSpeed's optimizer holds no state at all: LOMO / AdaLomo (whose fused
+    optimizer the loop saves itself, loop/) at bf16, where DeepSpeed wraps a placeholder (its
+    DummyOptim, without a state_dict) in a BF16_Optimizer it leaves uninitialised."""
+    from deepspeed.runtime.utils import DummyOptim
+    optimizer = engine.optimizer
+    return isinstance(optimizer, DummyOptim) or isinstance(getattr(optimizer, "optimizer", None), DummyOptim)
+
+
+def save_engine_state(engine, folder: str, tag: str, client_state: dict) -> None:
+    """DeepSpeed's part of a checkpoint (model, optimizer, schedule) into `folder`/`tag`
+    (collective). A placeholder optimizer (`_placeholder_optimizer`) is kept out of it: DeepSpeed
+    would ask it for the state it does not have."""
+    if not _placeholder_optimizer(engine):
+        engine.save_checkpoint(folder, tag=tag, client_state=client_state, save_latest=False)
+        return
+    optimizer, zero_file = engine.optimizer, engine.save_zero_checkpoint
+    engine.optimizer, engine.save_zero_checkpoint = None, False
+    try:
+        engine.save_checkpoint(folder, tag=tag, client_state=client_state, save_latest=False)
+    finally:
+        engine.optimizer, engine.save_zero_checkpoint = optimizer, zero_file
+
+
 def load_engine_state(engine, local: Path, tag: str, *, scheduler: bool = True) -> None:
     """DeepSpeed's part of a checkpoint (`local`/`tag`) into the running `engine`: the model, the
     optimizer and, when `scheduler`, the learning-rate schedule. Collective.
@@ -350,9 +393,10 @@ def load_engine_state(engine, local: Path, tag: str, *, scheduler: bool = True) 
     and the optimizer is handed its own file, in the form it reads (its fp32 master weights too).
     """
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    own_file = isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization()
+    placeholder = _placeholder_optimizer(engine)  # nothing was saved of it (save_engine_state)
+    own_file = isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization() and not placeholder
     load_path, _ = engine.load_checkpoint(str(local), tag=tag, load_module_strict=True,
-                                          load_optimizer_states=not own_file,
+                                          load_optimizer_states=not (own_file or placeholder),
                                           load_lr_scheduler_states=scheduler)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint {tag} in {local}")
