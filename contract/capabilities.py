@@ -81,13 +81,13 @@ _PP_SKIP = Refusal("guard.on_spike", "skip needs the update to wait for the guar
 _VIRTUAL_PACKING = Refusal("data.batching", "{method} puts virtual tokens in front of each row and drops "
                            "position_ids, which packed rows need to keep samples apart; use group_by_length "
                            "or random")
-_PREF_PP = Refusal("train.objective", "a preference objective scores chosen and rejected answers of one "
+_PREF_PP = Refusal("preference.objective", "a preference objective scores chosen and rejected answers of one "
                    "batch together, which the pipeline schedule's fixed micro-batches do not allow; use "
                    "pp_size 1")
-_PREF_FUSED = Refusal("train.objective", "{method} updates inside backward from one loss at a time; a "
+_PREF_FUSED = Refusal("preference.objective", "{method} updates inside backward from one loss at a time; a "
                       "preference objective needs the chosen and rejected answers' log-probabilities "
                       "first; use method full or lora")
-_PREF_VIRTUAL = Refusal("train.objective", "{method}'s virtual tokens have no adapters-off reference "
+_PREF_VIRTUAL = Refusal("preference.objective", "{method}'s virtual tokens have no adapters-off reference "
                         "model to compare with; use method lora or full")
 
 

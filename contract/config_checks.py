@@ -1,16 +1,19 @@
-"""Checking a run config: paths made absolute, bounds of single fields, then the combinations
-that cannot work together (the parallel layout, data sources, the spike guard)."""
+"""Checking a run config: the schema's own validation (pydantic: types, bounds, unknown keys) in
+this project's words, paths made absolute, then the combinations that cannot work together (the
+parallel layout, data sources, the spike guard)."""
 
 from __future__ import annotations
 
-import dataclasses
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
 
 from contract.branches import names_branch, resume_problem
 from contract import capabilities
 from contract.capabilities import Feature, Layout, Method
-from contract.config_schema import EVALUATORS, FUSED_METHODS, DataConfig, RunConfig
+from contract.config_schema import EVALUATORS, FUSED_METHODS, DataConfig, RunConfig, Section
 from contract.hub import is_hub_id
 
 
@@ -39,7 +42,7 @@ def absolute_paths(c: RunConfig) -> None:
 
 def validate(c: RunConfig) -> list[tuple[str, str]]:
     """Bounds of single fields, then the combinations that cannot work together."""
-    problems = _check_bounds(c, "")
+    problems = schema_problems(c)
     p, t = c.parallel, c.train
     if p.nproc % (p.tp_size * p.pp_size):
         problems.append(("parallel.nproc", f"{p.nproc} processes cannot be split into tp_size "
@@ -220,17 +223,96 @@ def guard_problems(c: RunConfig) -> list[tuple[str, str]]:
     return problems
 
 
-def _check_bounds(obj: Any, prefix: str) -> list[tuple[str, str]]:
-    problems = []
-    for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            problems += _check_bounds(value, key + ".")
-            continue
-        lo, hi = f.metadata.get("minimum"), f.metadata.get("maximum")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if lo is not None and value < lo:
-                problems.append((key, f"must be at least {lo}, got {value}"))
-            if hi is not None and value > hi:
-                problems.append((key, f"must be at most {hi}, got {value}"))
-    return problems
+# -- the schema's validation, in this project's words --------------------------------------------
+
+def build(raw: Any) -> tuple[RunConfig, list[tuple[str, str]]]:
+    """A RunConfig from a nested dict, and every problem pydantic found, each naming its field.
+    The fields at fault are left at their defaults, so the combination checks still run on the
+    rest (every problem at once)."""
+    if not isinstance(raw, dict):
+        return RunConfig(), [("config", f"expected a mapping, got {raw!r}")]
+    problems: list[tuple[str, str]] = []
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for _ in range(3):  # each round drops what the last one refused; nested faults need two
+        try:
+            return RunConfig.model_validate(raw), problems
+        except ValidationError as e:
+            found = [_in_words(err, raw) for err in e.errors()]
+            problems += [p for p in found if p not in problems]
+            for err in e.errors():
+                _drop(raw, err["loc"])
+    return RunConfig(), problems
+
+
+def schema_problems(c: RunConfig) -> list[tuple[str, str]]:
+    """The schema's validation of a config built (or changed) in code: types and bounds."""
+    raw = c.model_dump()
+    try:
+        RunConfig.model_validate(raw)
+    except ValidationError as e:
+        return [_in_words(err, raw) for err in e.errors()]
+    return []
+
+
+def _drop(raw: dict, loc: tuple) -> None:
+    node: Any = raw
+    for part in loc[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            return
+        if not isinstance(node[part], dict):  # a section given as a non-mapping: drop it whole
+            node.pop(part, None)
+            return
+        node = node[part]
+    if isinstance(node, dict):
+        node.pop(loc[-1], None)
+
+
+def _in_words(err: Any, raw: dict) -> tuple[str, str]:
+    """A pydantic error as (dotted field, message), as this project has always worded them."""
+    loc = list(err["loc"])
+    field_path = [str(x) for x in loc if isinstance(x, str)]
+    key = ".".join(field_path[:2]) if len(field_path) >= 2 else (field_path[0] if field_path else "config")
+    kind, given = err["type"], err.get("input")
+    model, name = _owner(field_path[:2])
+    if kind == "extra_forbidden":
+        known = list(model.model_fields) if model is not None else []
+        close = [k for k in known if k.startswith(str(loc[-1])[:3])]
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; allowed: {', '.join(known)}"
+        return key, f"unknown key{hint}"
+    if kind == "greater_than_equal":
+        return key, f"must be at least {err['ctx']['ge']}, got {given}"
+    if kind == "less_than_equal":
+        return key, f"must be at most {err['ctx']['le']}, got {given}"
+    annotation = model.model_fields[name].annotation if model is not None and name in model.model_fields else None
+    if len(field_path) == 1 and isinstance(annotation, type) and issubclass(annotation, Section):
+        return key, f"expected a mapping, got {given!r}"
+    given = _value_at(raw, field_path[:2]) if any(isinstance(x, int) for x in loc) else given
+    return key, f"expected {_type_name(annotation)}, got {given!r}"  # a list: the whole list named
+
+
+def _owner(path: list[str]) -> tuple[type[BaseModel] | None, str]:
+    """The model that declares the field at `path` ([section, field] or [field]), and its name."""
+    if not path:
+        return None, ""
+    if len(path) == 1:
+        return RunConfig, path[0]
+    section = RunConfig.model_fields.get(path[0])
+    owner = section.annotation if section is not None else None
+    return (owner if isinstance(owner, type) and issubclass(owner, BaseModel) else None), path[1]
+
+
+def _value_at(raw: dict, path: list[str]) -> Any:
+    node: Any = raw
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            dict: "a mapping"}.get(tp, str(tp))

@@ -3,38 +3,40 @@ with a human label. A field added to contract.config_schema shows up in every fo
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from typing import Any, Literal
 
-from contract.config_schema import RunConfig
+from pydantic.fields import FieldInfo
+
+from contract.config_schema import RunConfig, Section
 
 
 def schema() -> list[dict]:
     """One entry per leaf field: key, group, kind, default, label (a human name: the field's
-    `label=`, else `field_label`), help, choices, minimum, maximum."""
+    `label=`, else `field_label`), help, choices, minimum, maximum -- all read from the pydantic
+    declaration in contract.config_schema."""
     entries = []
-    hints = typing.get_type_hints(RunConfig)
-    for section in dataclasses.fields(RunConfig):
-        tp = hints[section.name]
-        if dataclasses.is_dataclass(tp):
-            sub_hints = typing.get_type_hints(tp)
-            for f in dataclasses.fields(tp):
-                entries.append(_entry(f"{section.name}.{f.name}", section.name, f, sub_hints[f.name]))
+    for name, section in RunConfig.model_fields.items():
+        tp = section.annotation
+        if isinstance(tp, type) and issubclass(tp, Section):
+            for key, f in tp.model_fields.items():
+                entries.append(_entry(f"{name}.{key}", name, f))
         else:
-            entries.append(_entry(section.name, "run", section, tp))
+            entries.append(_entry(name, "run", section))
     return entries
 
 
-def _entry(key: str, group: str, f: dataclasses.Field, tp: Any) -> dict:
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+def _entry(key: str, group: str, f: FieldInfo) -> dict:
+    tp: Any = f.annotation
     origin = typing.get_origin(tp)
     kind = ("choice" if origin is Literal else "list" if origin is list else
             {bool: "bool", int: "int", float: "float", str: "str", dict: "dict"}.get(tp, "str"))
-    return {"key": key, "group": group, "kind": kind, "default": default,
-            "label": f.metadata.get("label") or field_label(key), "help": f.metadata.get("help", ""),
+    extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+    bounds = {type(m).__name__: m for m in f.metadata}
+    return {"key": key, "group": group, "kind": kind, "default": f.get_default(call_default_factory=True),
+            "label": extra.get("label") or field_label(key), "help": f.description or "",
             "choices": list(typing.get_args(tp)) if origin is Literal else None,
-            "minimum": f.metadata.get("minimum"), "maximum": f.metadata.get("maximum")}
+            "minimum": getattr(bounds.get("Ge"), "ge", None), "maximum": getattr(bounds.get("Le"), "le", None)}
 
 
 # words a field's name abbreviates, spelled out in its human label

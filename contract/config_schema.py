@@ -1,24 +1,46 @@
-"""The run config's declaration: one typed dataclass per section, each field documented where it
-is declared (litgpt style), with its bounds and label in the field's metadata. Loading lives in
-contract.config_load, the checks in contract.config_checks, the form entries in
-contract.config_form; import them all through contract.config. Torch-free.
+"""The run config's declaration: one pydantic model per section, each field documented where it
+is declared (litgpt style), with its bounds and label on the field. Pydantic validates types and
+bounds (strictly: unknown keys are refused); contract.config_load turns its errors into this
+project's messages, contract.config_checks adds the combinations that cannot work, and
+contract.config_form lists the fields for the forms and the generated reference. Torch-free.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+import copy
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
-def _f(default: Any, help: str, **meta: Any) -> Any:
-    """A dataclass field with its documentation (and optional bounds) in the metadata."""
+def _f(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
+       **meta: Any) -> Any:
+    """A field with its documentation (`description`), its bounds (`ge` / `le`, which pydantic
+    enforces) and its form label and other hints (`json_schema_extra`): one declaration that the
+    validation, the forms and the reference all read."""
+    bounds: dict[str, Any] = {k: v for k, v in (("ge", minimum), ("le", maximum)) if v is not None}
+    extra: Any = meta or None
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **meta})
-    return field(default=default, metadata={"help": help, **meta})
+        return Field(default_factory=lambda: copy.deepcopy(default), description=help,
+                     json_schema_extra=extra, **bounds)
+    return Field(default=default, description=help, json_schema_extra=extra, **bounds)
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are refused; a number given where a string is expected is
+    taken as its text (`run_name=123`); a list may be given as `a,b` (the command line, a form)."""
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _comma_separated_lists(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and typing.get_origin(field.annotation) is list and isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
 
 
 METHODS = ("full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo")
@@ -28,8 +50,7 @@ PEFT_METHODS = ("lora", "prompt_tuning", "p_tuning")
 EVALUATORS = ("perplexity", "choice", "exact_match", "generation")
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Section):
     path: str = _f("", "Local Hugging Face model folder, or a hub ID (owner/name) read from the Hugging "
                    "Face cache. Empty: the embedded tiny default model.", label="Model folder or hub ID")
     tokenizer: str = _f("", "Tokenizer folder or hub ID. Empty: the model's own tokenizer.")
@@ -41,8 +62,7 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "Allow model code shipped inside the model folder to run.")
 
 
-@dataclass
-class DataConfig:
+class DataConfig(Section):
     train: str = _f("", "Training data file or saved dataset folder (JSON lines, JSON, CSV, "
                     "Parquet, or `datasets` save_to_disk). Empty: the embedded default task.",
                     label="Training data")
@@ -67,8 +87,7 @@ class DataConfig:
                              label="Training sources")
 
 
-@dataclass
-class TeachConfig:
+class TeachConfig(Section):
     per_step: int = _f(4, "Samples of a taught answer in each of the next global batches.", minimum=1)
     steps: int = _f(20, "Batches a taught answer is mixed into.", minimum=1)
     check_after: int = _f(20, "Steps after a teach when the model is asked the prompt again "
@@ -76,8 +95,7 @@ class TeachConfig:
     max_new_tokens: int = _f(32, "Tokens generated for the answers before and after teaching.", minimum=1)
 
 
-@dataclass
-class MethodConfig:
+class MethodConfig(Section):
     name: Literal["full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo"] = _f(
         "full", "Fine-tuning method: all parameters with an optimizer, a PEFT adapter, or the "
         "fused low-memory LOMO / AdaLomo update.", label="Method")
@@ -94,8 +112,7 @@ REFERENCE_OBJECTIVES = ("dpo", "kto")  # compare the policy with a frozen refere
 OBJECTIVE_FORMATS = {"dpo": "preference", "orpo": "preference", "simpo": "preference", "kto": "unpaired"}
 
 
-@dataclass
-class PreferenceConfig:
+class PreferenceConfig(Section):
     """The training objective (docs/preferences.md): imitation (sft) or learning from preferences.
     The defaults are TRL's."""
     objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = _f(
@@ -120,8 +137,7 @@ class PreferenceConfig:
                                        label="KTO undesirable weight")
 
 
-@dataclass
-class OptimConfig:
+class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = _f("adamw", "Optimizer (ignored by LOMO / AdaLomo).", label="Optimizer")
     lr: float = _f(1e-3, "Peak learning rate.", minimum=0.0)
     weight_decay: float = _f(0.0, "Decoupled weight decay.", minimum=0.0)
@@ -133,8 +149,7 @@ class OptimConfig:
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables.", minimum=0.0)
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(Section):
     epochs: int = _f(1, "Passes over the training data (max_steps wins when > 0).", minimum=0)
     max_steps: int = _f(0, "Optimizer steps to train; 0: as many as the epochs give.", minimum=0)
     micro_batch_size: int = _f(8, "Samples per rank per forward pass.", minimum=1)
@@ -149,8 +164,7 @@ class TrainConfig:
         "micro_batch = the mean of the micro-batches' mean losses (each micro-batch weighs the same).")
 
 
-@dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     nproc: int = _f(1, "Processes (ranks) on this machine.", minimum=1)
     zero_stage: int = _f(0, "DeepSpeed ZeRO stage: 0 off, 1 optimizer, 2 +gradients, 3 +parameters.",
                          minimum=0, maximum=3)
@@ -170,8 +184,7 @@ class ParallelConfig:
     master_port: int = _f(0, "Rendezvous port; 0 picks a free one.", minimum=0, maximum=65535)
 
 
-@dataclass
-class EvalConfig:
+class EvalConfig(Section):
     every_n_steps: int = _f(0, "Evaluate every n optimizer steps; 0 never.", minimum=0)
     every_n_epochs: int = _f(0, "Evaluate every n epochs; 0 never.", minimum=0)
     at_end: bool = _f(True, "Evaluate once more when training ends (if there is evaluation data).")
@@ -194,8 +207,7 @@ class EvalConfig:
                                          label="Early stopping threshold")
 
 
-@dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     every_n_steps: int = _f(0, "Save a training checkpoint every n steps; 0 never.", minimum=0)
     every_n_epochs: int = _f(0, "Save a training checkpoint every n epochs; 0 never.", minimum=0)
     keep_last: int = _f(2, "Keep the newest k step checkpoints; 0 keeps all.", minimum=0)
@@ -212,8 +224,7 @@ class CheckpointConfig:
                                 minimum=0, label="Snapshot memory (MiB)")
 
 
-@dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
     output_dir: str = _f("runs", "Folder that holds the run folders.")
     run_name: str = _f("", "Name of this run's folder. Empty: a timestamp.")
     log_every_n_steps: int = _f(1, "Write a training record every n steps.", minimum=1)
@@ -228,8 +239,7 @@ class LoggingConfig:
     progress_bar: bool = _f(True, "Show a progress bar on rank 0 when attached to a terminal.")
 
 
-@dataclass
-class ControlConfig:
+class ControlConfig(Section):
     enabled: bool = _f(True, "Open the control socket on rank 0 (chat, pause, set lr ...).",
                        label="Control socket on")
     host: str = _f("127.0.0.1", "Address the control socket listens on. Anything but loopback "
@@ -241,8 +251,7 @@ class ControlConfig:
                         "loaded into the engine before chat starts.", label="Chat with (folder)")
 
 
-@dataclass
-class GuardConfig:
+class GuardConfig(Section):
     """The spike guard (engine.spike_guard): every step's loss and gradient norm are judged, and
     a non-finite value, a loss spike or a gradient norm above the bound triggers an action."""
     enabled: bool = _f(False, "Judge every step and act by itself on a non-finite loss, a loss "
@@ -281,21 +290,20 @@ class GuardConfig:
                                      label="Guard snapshot every N steps")
 
 
-@dataclass
-class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    method: MethodConfig = field(default_factory=MethodConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    control: ControlConfig = field(default_factory=ControlConfig)
-    teach: TeachConfig = field(default_factory=TeachConfig)
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+class RunConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    teach: TeachConfig = Field(default_factory=TeachConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     resume: str = _f("", "Continue from a training checkpoint folder, `latest` in the run folder (the "
                      "present branch's newest), or a branch's name (its newest checkpoint).",
                      label="Resume from checkpoint")
@@ -315,7 +323,7 @@ class RunConfig:
         return not self.data.train and not self.data.sources
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
