@@ -35,12 +35,13 @@ SCHEMA_DEFAULTS = "schema defaults"  # the "preset" of no preset: every field at
 GROUP_TITLES = {"model": "Model", "data": "Data", "method": "Method", "optim": "Optimization",
                 "train": "Training", "parallel": "Parallelism and DeepSpeed", "eval": "Evaluation",
                 "checkpoint": "Checkpoints", "logging": "Logging", "control": "Control socket",
-                "run": "Resume"}
+                "preference": "Objective (SFT or preferences)", "run": "Resume"}
 
 # The fields most runs set, most used first in each section; the others of a section go into its
 # "Advanced" fold (both front ends). A section with none of these shows only its fold.
 COMMON = ("model.path", "data.train", "data.eval", "data.format", "data.max_length",
           "method.name", "method.lora_r", "method.lora_alpha", "method.lora_target_modules",
+          "preference.objective", "preference.beta",
           "optim.lr", "optim.scheduler", "optim.warmup_steps", "optim.warmup_ratio", "optim.weight_decay",
           "train.max_steps", "train.epochs", "train.micro_batch_size", "train.grad_accum",
           "train.precision", "train.seed",
