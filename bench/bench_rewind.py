@@ -90,7 +90,7 @@ def resume_worker(args) -> None:
     import torch.distributed as dist
 
     from contract.config import load_config
-    from engine.callbacks import Callback
+    from engine.callbacks import Callback, Signal
     from engine.trainer import Trainer
     from tests.dist_utils import report
 
@@ -99,7 +99,7 @@ def resume_worker(args) -> None:
             dist.barrier()  # ready = the slower rank is ready
             if trainer.env.rank == 0:
                 report(ready=time.time(), entered=entered, built=built[0])
-            trainer.should_stop = True
+            return Signal(stop=True)  # ready is all this run is for
 
     cfg = load_config(overrides=config_overrides(args, "relaunched", resume=args.resume))
     built = [0.0]

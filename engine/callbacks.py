@@ -1,13 +1,42 @@
-"""Callbacks: objects that react to the trainer's events (CoLLie's hook names).
+"""Callbacks: objects that react to the trainer's events (CoLLie's hook names), and the Signal
+they answer with.
 
 Subclass :class:`Callback` and override the hooks you need; the trainer calls every callback in
-the order given. State a callback returns from `on_save_checkpoint` is stored in the training
+the order given. A hook may return a :class:`Signal` -- stop, pause, rewind to X, skip -- and the
+loop acts on it (as the Hugging Face Trainer's TrainerControl): no hook sets flags on the trainer
+or swaps its parts. State a callback returns from `on_save_checkpoint` is stored in the training
 checkpoint under the callback's `state_key` and handed back to `on_load_checkpoint`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Signal:
+    """What a hook, a command handler, the spike guard or early stopping asks of the loop; the
+    loop (engine.trainer) is the one that acts on it."""
+    stop: bool = False               # end training after this step's boundary
+    pause: bool = False              # hold at this step's boundary until a resume (the control plane)
+    rewind: str | None = None        # go back to this checkpoint / snapshot now (Trainer.rewind) ...
+    reason: str = "user"             # ... why (the rewind's event); also the pause's
+    then_lr_scale: float | None = None  # ... and then scale the learning rate by this (the guard)
+    skip: bool = False               # (before the update) neither back-propagate nor apply the step
+
+    def __or__(self, other: "Signal | None") -> "Signal":
+        """Both signals' asks (the first rewind wins)."""
+        if other is None:
+            return self
+        first = self if self.rewind is not None else other
+        return replace(self, stop=self.stop or other.stop, pause=self.pause or other.pause,
+                       skip=self.skip or other.skip, rewind=first.rewind, then_lr_scale=first.then_lr_scale,
+                       reason=first.reason if first.rewind is not None else
+                       (self.reason if self.reason != "user" else other.reason))
+
+
+NOTHING = Signal()  # a hook with nothing to ask
 
 
 class Callback:
@@ -22,9 +51,11 @@ class Callback:
     def on_train_epoch_begin(self, trainer) -> None: ...
     def on_train_epoch_end(self, trainer) -> None: ...
     def on_train_batch_begin(self, trainer, batch: list) -> None: ...
-    def on_train_batch_end(self, trainer, loss: float) -> None: ...
+    def on_train_batch_end(self, trainer, loss: float) -> Signal | None: ...
+    def on_before_backward(self, trainer, loss) -> Signal | None: ...  # the engine step, one micro-batch
+    def on_before_optimizer_step(self, trainer) -> None: ...  # the engine step, gradients reduced
     def on_evaluate_begin(self, trainer) -> None: ...
-    def on_evaluate_end(self, trainer, results: dict[str, float]) -> None: ...
+    def on_evaluate_end(self, trainer, results: dict[str, float]) -> Signal | None: ...
     def on_save_model(self, trainer, path: str) -> None: ...
     def on_load_model(self, trainer, path: str) -> None: ...
     def on_save_checkpoint(self, trainer) -> Any: return None
@@ -40,9 +71,14 @@ class CallbackList:
     def __iter__(self):
         return iter(self.callbacks)
 
-    def fire(self, hook: str, trainer, *args) -> None:
+    def fire(self, hook: str, trainer, *args) -> Signal:
+        """Call `hook` of every callback; what they ask of the loop, together."""
+        signal = NOTHING
         for cb in self.callbacks:
-            getattr(cb, hook)(trainer, *args)
+            answer = getattr(cb, hook)(trainer, *args)
+            if isinstance(answer, Signal):
+                signal = signal | answer
+        return signal
 
     def state_dict(self, trainer) -> dict[str, Any]:
         states = {}

@@ -22,7 +22,7 @@ def serve(trainer) -> None:
     if cfg.control.chat_load:
         checkpoint.load_model(trainer.ctx, cfg.control.chat_load)  # an adapter lands on the base model
     trainer.engine.eval()
-    trainer.paused = True
+    trainer.control.paused = True  # the boundary holds (its own paused event below)
     trainer.emit(state_event(RunState.PAUSED, step=trainer.state.global_step, chat_only=True,
                              model=cfg.control.chat_load or cfg.resume or cfg.model.path or "default"))
     trainer.control.at_boundary()  # holds while paused: chat, evaluate, status ... until stop

@@ -1,11 +1,13 @@
 """The spike guard in the training loop: a callback the config adds (engine.assembly.config_callbacks).
 
-The decisions are engine.spike_guard's (pure); this module feeds it and carries its actions out.
+The decisions are engine.spike_guard's (pure); this module feeds it and answers the loop with a
+Signal (engine.callbacks): skip, rewind to X then scale the learning rate, or pause. The loop
+carries it out (engine.trainer); the guard sets nothing on the trainer and swaps none of its parts.
 
 When the guard judges
     Before the update, where the step lets it in: the run's DeepSpeed engine step (full and
-    PEFT methods, not the pipeline) with one micro-batch per step. The guard stands between the
-    step strategy and the engine (`Gate`): at the backward it takes the loss, makes it the same
+    PEFT methods, not the pipeline) with one micro-batch per step. The engine step hands the guard
+    its loss before the backward (`on_before_backward`); the guard makes it the same
     on every rank (one all-reduce of one number: the mean over the ranks, which is the step's
     loss as the trainer logs it), and judges it. A loss that passes goes on to backward and
     update as usual; one that does not is neither back-propagated nor applied, whatever the
@@ -17,16 +19,16 @@ When the guard judges
     of your own), and always for the gradient norm, which exists only once the gradients are
     reduced. The norm is DeepSpeed's (`get_global_grad_norm`, ZeRO 1-3 and bf16/fp16), LOMO's,
     or, where DeepSpeed keeps none (ZeRO 0 in fp32: a plain torch optimizer), the norm of the
-    reduced gradients taken by the gate just before the update. Loss and norm are made equal
+    reduced gradients taken just before the update (`on_before_optimizer_step`). Loss and norm are made equal
     on every rank by one all-reduce (max) of two numbers.
 
 What an action does (every rank alike, at the end of the step, before the control boundary)
-    skip      nothing more: the update did not happen (only possible before the update; after
-              it the event says the update was applied).
-    rewind    engine.checkpoint.rewind.rewind_in_place to the newest checkpoint (of the present
-              branch or its ancestors) or snapshot at step s - 2 or before (spike_guard.newest_good),
-              then the control plane's `set lr_scale` times guard.lr_scale. Nothing to rewind to,
-              or a rewind refused: it pauses instead, saying why.
+    skip      the engine step neither back-propagates nor applies (only possible before the
+              update; after it the event says the update was applied).
+    rewind    the loop's Trainer.rewind to the newest checkpoint (of the present branch or its
+              ancestors) or snapshot at step s - 2 or before (spike_guard.newest_good), then the
+              control plane's `set lr_scale` times guard.lr_scale. Nothing to rewind to: it
+              pauses instead, saying why; a rewind refused: the loop pauses, saying why.
     pause     the control plane's pause: the run holds at this step's boundary, the model in
               memory, until a `resume` (or `rewind`, `branch`, `stop`).
 Each is a `guard` event (contract.events.GuardEvent) with its trigger, value, threshold and
@@ -36,128 +38,70 @@ reason, written before what the action itself writes (`rewind`, `set`, `state` p
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from contract.config import GuardConfig, RunConfig
-from contract.protocol import RunState, Set
 from contract.events import WarningEvent
-from engine.callbacks import Callback
+from engine.callbacks import Callback, Signal
 from engine.checkpoint import rewind as rewinding
-from engine.control.handlers import CommandRefused, set_values
-from engine.control.pending import NO_REPLY
 from engine.spike_guard import SpikeGuard, Verdict, newest_good
-from engine.steps import EngineStep
-
-
-class Gate:
-    """Stands between an engine step strategy and the DeepSpeed engine: the strategy's
-    `trainer.engine.backward` / `.step` come here. Judges the loss before the backward (one
-    micro-batch per step); measures the gradient norm before the update where DeepSpeed keeps none."""
-
-    def __init__(self, engine, guard: SpikeGuard, world_size: int, norm_of_grads: bool):
-        self.engine, self.guard, self.world_size = engine, guard, world_size
-        self.norm_of_grads = norm_of_grads
-        self.judge_first = False
-        self.verdict: Verdict | None = None  # this step's, when judged before the update
-        self.loss = math.nan
-        self.grad_norm: float | None = None
-
-    def start(self, micro_batches: int) -> None:
-        self.judge_first, self.verdict, self.grad_norm = micro_batches == 1, None, None
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
-        if self.judge_first:
-            self.loss = _mean_over_ranks(float(loss.detach()), self.world_size)
-            self.verdict = self.guard.judge_loss(self.loss)
-            if not self.verdict.ok:
-                return None  # no backward: nothing to reduce, nothing to apply
-        return self.engine.backward(loss, **kwargs)
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.verdict is not None and not self.verdict.ok:
-            return None
-        if self.norm_of_grads and self.engine.is_gradient_accumulation_boundary():
-            self.grad_norm = _norm_of_grads(self.engine.module)
-        return self.engine.step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:  # everything else is the engine's
-        return getattr(self.engine, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-
-class _GatedRun:
-    """The trainer as the step strategy sees it: the same, but its `engine` is the gate."""
-
-    def __init__(self, trainer, gate: Gate):
-        object.__setattr__(self, "_trainer", trainer)
-        object.__setattr__(self, "engine", gate)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._trainer, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._trainer, name, value)
-
-
-class GatedStep:
-    """An engine step strategy run through a Gate."""
-
-    def __init__(self, inner, gate: Gate):
-        self.inner, self.gate = inner, gate
-
-    @property
-    def metrics(self) -> dict:
-        """The inner strategy's numbers of the last step (engine.monitors.StepMetricsMonitor)."""
-        return getattr(self.inner, "metrics", None) or {}
-
-    def __call__(self, trainer, micro_batches: list[dict]):
-        self.gate.start(len(micro_batches))
-        self.gate.engine = trainer.engine  # the engine of now (a rewind keeps it, a test may not)
-        return self.inner(_GatedRun(trainer, self.gate), micro_batches)
 
 
 class GuardCallback(Callback):
-    """The spike guard of a run (every rank has one); `from_config` gives None when it is off."""
+    """The spike guard of a run (every rank has one); `from_config` gives None when it is off.
+    It judges, emits its `guard` event and answers with a Signal; the loop carries it out."""
 
     def __init__(self, cfg: GuardConfig):
         self.cfg = cfg
         self.guard = SpikeGuard(cfg)
-        self.gate: Gate | None = None
+        self.norm_of_grads = False       # measure the reduced gradients' norm (DeepSpeed keeps none)
+        self.verdict: Verdict | None = None  # this step's, when judged before the update
+        self.grad_norm: float | None = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "GuardCallback | None":
         return cls(cfg.guard) if cfg.guard.enabled else None
 
     def on_after_trainer_initialized(self, trainer) -> None:
-        if isinstance(trainer.train_fn, EngineStep):  # the assembled engine step: the guard goes first
-            engine = trainer.engine
-            # ZeRO 0 in fp32 steps a plain torch optimizer, and DeepSpeed then keeps no norm
-            plain = engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled())
-            self.gate = Gate(engine, self.guard, trainer.env.world_size, norm_of_grads=plain)
-            trainer.train_fn = GatedStep(trainer.train_fn, self.gate)
+        engine = trainer.engine
+        # ZeRO 0 in fp32 steps a plain torch optimizer, and DeepSpeed then keeps no norm
+        self.norm_of_grads = engine.zero_optimization_stage() == 0 and not (
+            engine.bfloat16_enabled() or engine.fp16_enabled())
 
-    def on_train_batch_end(self, trainer, loss: float) -> None:
-        if trainer.rewound:  # a callback before this one rewound: the step was abandoned
-            return
-        gate = self.gate
-        before = gate.verdict if gate is not None else None  # judged before the update
+    # -- inside the engine step (engine.steps.EngineStep) --------------------------------------
+    def on_train_batch_begin(self, trainer, batch: list) -> None:
+        self.verdict, self.grad_norm = None, None
+
+    def on_before_backward(self, trainer, loss: torch.Tensor) -> Signal | None:
+        """One micro-batch per step: judge the loss (the same on every rank) before anything is
+        back-propagated; one that does not pass is neither back-propagated nor applied."""
+        self.verdict = self.guard.judge_loss(_mean_over_ranks(float(loss.detach()), trainer.env.world_size))
+        return None if self.verdict.ok else Signal(skip=True, reason=f"guard: {self.verdict.trigger}")
+
+    def on_before_optimizer_step(self, trainer) -> None:
+        if self.norm_of_grads:
+            self.grad_norm = _norm_of_grads(trainer.engine.module)
+
+    # -- after the step ----------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer, loss: float) -> Signal | None:
+        before = self.verdict  # judged before the update
         applied = before is None or before.ok
         loss, norm = _same_everywhere(loss, self._grad_norm(trainer) if applied else None, trainer.env.world_size)
         verdict = before if before is not None else self.guard.judge_loss(loss)
         if verdict.ok and applied:
             verdict = self.guard.judge_grad_norm(norm)
         step = trainer.state.global_step
+        signal = None
         if not verdict.ok:
-            verdict = self._act(trainer, self._feasible(trainer, verdict, applied), step, applied)
+            verdict = self._feasible(trainer, verdict, applied)
+            signal = self._announce(trainer, verdict, step, applied)
         self.guard.settle(loss, verdict)
         every = self.cfg.snapshot_every_n_steps
         if verdict.ok and every and step % every == 0:
             self._snapshot(trainer, step)
+        return signal
 
     def _snapshot(self, trainer, step: int) -> None:
         """The guard's own snapshot; one that cannot be taken is a warning, not the run's end."""
@@ -181,37 +125,20 @@ class GuardCallback(Callback):
                                        f"{trainer.state.global_step - 2} or before to rewind to")
         return verdict
 
-    def _act(self, trainer, verdict: Verdict, step: int, applied: bool) -> Verdict:
-        """Carry `verdict` out (its `guard` event first); the verdict as done."""
+    def _announce(self, trainer, verdict: Verdict, step: int, applied: bool) -> Signal | None:
+        """The `guard` event of `verdict`, and what it asks of the loop: rewind to the target and
+        scale the learning rate (should the rewind be refused, the loop pauses, saying why), or
+        pause. A skip has happened already (the step's update was held back)."""
         counts = {"rewinds": self.guard.rewinds + (verdict.action == "rewind"), "max_rewinds": self.cfg.max_rewinds,
                   "skips_in_a_row": self.guard.skips_in_a_row + (verdict.action == "skip"),
                   "update_applied": applied}
+        reason = f"guard: {verdict.trigger}"
         if verdict.action == "rewind":
             name, target_step = self._target(trainer, step)  # type: ignore[misc]  # _feasible found one
             trainer.emit(verdict.event(step, target=name, target_step=target_step, lr_scale=self.cfg.lr_scale, **counts))
-            if self._rewind(trainer, verdict, name):
-                return verdict
-            verdict = self.guard.fallback(verdict, f"the rewind to {name} was refused")
-            counts["rewinds"] -= 1
+            return Signal(rewind=name, reason=reason, then_lr_scale=self.cfg.lr_scale)
         trainer.emit(verdict.event(step, **counts))
-        if verdict.action == "pause" and not trainer.paused:
-            trainer.paused = True
-            trainer.control.emit_state(RunState.PAUSED)
-        return verdict
-
-    def _rewind(self, trainer, verdict: Verdict, target: str) -> bool:
-        """Rewind to `target` and scale the learning rate; False (and a warning event) when refused."""
-        try:
-            rewinding.rewind_in_place(trainer, target, reason=f"guard: {verdict.trigger}")
-        except rewinding.RewindError as e:
-            trainer.emit(WarningEvent(message=f"guard: rewind to {target} refused: {e}"))
-            return False
-        control = trainer.control
-        try:  # the control plane's own `set`: recorded as a `set` event and in later checkpoints
-            set_values(control, Set(lr_scale=control.settings.lr_scale * self.cfg.lr_scale), NO_REPLY)
-        except CommandRefused as e:
-            trainer.emit(WarningEvent(message=f"guard: the learning rate was not scaled: {e}"))
-        return True
+        return Signal(pause=True, reason=reason) if verdict.action == "pause" else None
 
     def _target(self, trainer, step: int) -> tuple[str, int] | None:
         """The newest checkpoint or snapshot at step - 2 or before (same list on every rank)."""
@@ -224,15 +151,13 @@ class GuardCallback(Callback):
             found = (str(found[1]), found[1])  # a step number: the present branch's, else an ancestor's
         return found
 
-    @staticmethod
-    def _grad_norm(trainer) -> float | None:
+    def _grad_norm(self, trainer) -> float | None:
         optimizer = trainer.optimizer
         if hasattr(optimizer, "last_grad_norm"):  # LOMO / AdaLomo measure it in their clipping pass
             return optimizer.last_grad_norm
         norm = trainer.engine.get_global_grad_norm()
         if norm is None:
-            gate = getattr(trainer.train_fn, "gate", None)
-            norm = gate.grad_norm if gate is not None else None
+            norm = self.grad_norm
         return None if norm is None else float(norm)
 
 

@@ -41,18 +41,29 @@ def step_window(trainer, micro_batches: list[dict]) -> Window:
 
 class EngineStep:
     """The DeepSpeed engine's own forward / backward / step; it accumulates across micro-batches
-    and steps the optimizer and the scheduler at the accumulation boundary."""
+    and steps the optimizer and the scheduler at the accumulation boundary.
+
+    Two callback hooks let the spike guard in (engine.guard_hook): with one micro-batch per step,
+    `on_before_backward` sees the loss first (this rank's share; the ranks' mean is the step's
+    loss), and a `skip` signal from it means neither backward nor update (DeepSpeed's counters do
+    not move, as for its own skipped fp16 steps); `on_before_optimizer_step` comes once the
+    gradients are reduced, before they are applied."""
 
     def __call__(self, trainer, micro_batches):
         window = step_window(trainer, micro_batches)
         # token-weighted: each loss is already its share of the whole step, so DeepSpeed must not
         # divide by the accumulation steps, and `scale` undoes its mean over the ranks
         scale_wrt_gas = window.num_items is None
-        losses, tokens = [], 0
+        judged_first = len(micro_batches) == 1  # later micro-batches would judge after gradients exist
+        engine, losses, tokens = trainer.engine, [], 0
         for batch in micro_batches:
             loss = trainer.compute_loss(batch, window=window)
-            trainer.engine.backward(loss * window.scale, scale_wrt_gas=scale_wrt_gas)
-            trainer.engine.step()
+            share = loss * window.scale  # this rank's part of the step's loss: the ranks' mean is the loss
+            if not (judged_first and trainer.callbacks.fire("on_before_backward", trainer, share).skip):
+                engine.backward(share, scale_wrt_gas=scale_wrt_gas)
+                if engine.is_gradient_accumulation_boundary():
+                    trainer.callbacks.fire("on_before_optimizer_step", trainer)
+                engine.step()
             losses.append(loss.detach().float())
             tokens += count_tokens(batch)
         if window.num_items is None:

@@ -1,11 +1,15 @@
 """The Trainer: a CoLLie-style training loop on a real DeepSpeed engine.
 
-Read `train()` top to bottom: epochs, optimizer steps of `grad_accum` micro-batches, and after
-each step its phases in one fixed order -- step, record, evaluate if due, checkpoint if due,
-control boundary. Callbacks are for user extensions; the checkpoint schedule, the control plane,
-`resume` and the final save are parts of the loop, built by the composition root
-(`engine.assembly`) from the config, so a Trainer made in a script is the same run as a
-launched one.
+Read `train()` top to bottom: epochs of optimizer steps, and in `_train_step` one step's phases
+in their fixed order -- data, forward and loss, backward, optimizer step (the step strategy,
+engine.steps), record, evaluate if due, checkpoint if due, control boundary. The loop owns its
+control flow, as the Hugging Face Trainer does with its TrainerControl: callbacks (early
+stopping, the spike guard) and the control plane's commands answer with a Signal
+(engine.callbacks: stop, pause, rewind to X, skip), and `_act` is the one place that carries it
+out. Rewinding is a public method (`rewind`, `branch`). Callbacks are for user extensions; the
+checkpoint schedule, the control plane, `resume` and the final save are parts of the loop, built
+by the composition root (`engine.assembly`) from the config, so a Trainer made in a script is
+the same run as a launched one.
 """
 
 from __future__ import annotations
@@ -17,9 +21,14 @@ import torch
 import torch.distributed as dist
 
 from contract.config import RunConfig
+from contract.protocol import RunState
+from contract.events import EvalEvent, EventType, SetupEvent, StateEvent, WarningEvent
 from engine import assembly, chat_only, checkpoint
-from engine.callbacks import Callback, CallbackList
+from engine.callbacks import NOTHING, Callback, CallbackList, Signal
+from engine.checkpoint import rewind as rewinding
 from engine.checkpoint import state as checkpoint_state
+from engine.checkpoint.atomic import CheckpointError
+from engine.checkpoint.snapshots import SnapshotStore
 from engine.context import RunContext, TrainerState
 from engine.control.settings import live_settings
 from engine.losses import PER_MICRO_BATCH, Window, call_by_names
@@ -74,10 +83,11 @@ class Trainer:
         self.callbacks = CallbackList([*callbacks, *assembly.config_callbacks(self.config)])
         self.loss_fn, self.eval_fn = loss_fn, eval_fn
         self.monitors = list(monitors) if monitors is not None else [m() for m in DEFAULT_MONITORS]
-        self.should_stop = False
-        self.paused = False
-        self.rewound = False  # a rewind / branch moved the position: the loop starts its epoch again
-        self.snapshots = None  # in-memory snapshots (engine.checkpoint.rewind.snapshot_store)
+        self._stopping = False  # a stop signal came: training ends after this step's boundary
+        self._restart = False   # a rewind moved the position: the loop starts its epoch again there
+        self._pending = NOTHING  # what hooks asked inside a public method (evaluate), acted on next
+        self.snapshots = SnapshotStore(self.config.checkpoint.snapshots_keep,
+                                       self.config.checkpoint.snapshots_max_mib)  # in host memory
         parts = assembly.assemble(
             self.config, model=model, tokenizer=tokenizer, loss_fn=loss_fn, optimizer=optimizer,
             lr_scheduler=lr_scheduler, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -106,68 +116,114 @@ class Trainer:
         if cfg.control.chat_only and self.control is not None:  # hold the model for chat, train nothing
             chat_only.serve(self)
             return
-        self.callbacks.fire("on_train_begin", self)
-        self._control_boundary()  # a pause sent before the first step holds it back
-        self.emit({"type": "state", "state": "running", "step": state.global_step})
-        while state.epoch < self._epochs():
-            self.rewound = False
-            epoch = state.epoch
+        self._act(self.callbacks.fire("on_train_begin", self))
+        self._act(self._boundary())  # a pause sent before the first step holds it back
+        self.emit(StateEvent(state=RunState.RUNNING, step=state.global_step))
+        while state.epoch < self._epochs() and not self._done():
+            self._restart, epoch = False, state.epoch
             loader = self.train_loader(epoch, start_batch=state.batch_in_epoch)
-            self.callbacks.fire("on_train_epoch_begin", self)
+            self._act(self.callbacks.fire("on_train_epoch_begin", self))
             for micro_batches in _chunks(loader, cfg.train.grad_accum):
-                if self._done() or self.rewound:
+                self._train_step(epoch, micro_batches)
+                if self._done() or self._restart:
                     break
-                self.callbacks.fire("on_train_batch_begin", self, micro_batches)
-                started = time.perf_counter()
-                lr = self.current_lr()  # the step's own rate: every strategy advances the schedule
-                loss, tokens = self._step(micro_batches)                          # step
-                self._record(StepInfo(state.global_step, epoch, loss, tokens,    # record
-                                      time.perf_counter() - started, lr))
-                self.callbacks.fire("on_train_batch_end", self, loss)
-                if self.rewound:  # a hook rewound (the guard): this step's later phases are abandoned
-                    continue
-                live = live_settings(self)  # the schedule, as the control plane may have changed it
-                if _due(state.global_step, live.eval_every(cfg)):                # evaluate if due
-                    self.evaluate()
-                self.checkpoints.after_step(self, live.save_every(cfg))          # checkpoint if due
-                self._control_boundary()                                         # control boundary
-            if self.rewound:  # a rewind at a boundary: go on from the restored (epoch, batch)
-                continue
-            if self._done():
-                break
-            state.batch_in_epoch = 0
-            state.epoch = epoch + 1
-            if _due(epoch + 1, cfg.eval.every_n_epochs):
-                self.evaluate()
-            self.checkpoints.after_epoch(self)
-            self.callbacks.fire("on_train_epoch_end", self)
+            else:  # the epoch ran to its end
+                self._end_epoch(epoch)
+        self._end_training()
+
+    def _train_step(self, epoch: int, micro_batches: list[dict]) -> None:
+        """One optimizer step, its phases in order."""
+        cfg, state = self.config, self.state
+        self._act(self.callbacks.fire("on_train_batch_begin", self, micro_batches))
+        started, lr = time.perf_counter(), self.current_lr()  # the step's own rate (the schedule moves)
+        self.engine.train()
+        loss, tokens = self._reduce(*self.train_fn(self, micro_batches))  # data, forward, loss, backward, update
+        state.global_step += 1
+        state.batch_in_epoch += len(micro_batches)
+        self._record(StepInfo(state.global_step, epoch, loss, tokens, time.perf_counter() - started, lr))
+        self._act(self.callbacks.fire("on_train_batch_end", self, loss))  # the guard: rewind, pause
+        if self._restart:  # rewound: this step's later phases are abandoned
+            return
+        live = live_settings(self)  # the schedule, as the control plane may have changed it
+        if _due(state.global_step, live.eval_every(cfg)):
+            self.evaluate()                                               # evaluate if due
+        self.checkpoints.after_step(self, live.save_every(cfg))           # checkpoint if due
+        self._act(self._boundary())                                       # control boundary
+
+    def _end_epoch(self, epoch: int) -> None:
+        state = self.state
+        state.batch_in_epoch, state.epoch = 0, epoch + 1
+        if _due(epoch + 1, self.config.eval.every_n_epochs):
+            self.evaluate()
+        self.checkpoints.after_epoch(self)
+        self._act(self.callbacks.fire("on_train_epoch_end", self))
+
+    def _end_training(self) -> None:
+        """The end: last evaluation, the schedule's last checkpoint, the final boundary, the final
+        model -- but a stop with save=false writes nothing (no checkpoint, no model)."""
+        cfg, state, live = self.config, self.state, live_settings(self)
         if cfg.eval.at_end and self.eval_dataset is not None and self._last_eval_step != state.global_step:
             self.evaluate()
-        self.checkpoints.at_end(self, live_settings(self).save_every(cfg))
+        if live.final_save is not False:
+            self.checkpoints.at_end(self, live.save_every(cfg))
         if self.control is not None:
             self.control.end_of_training()
         self.callbacks.fire("on_train_end", self)
         if live_settings(self).save_at_end(cfg):
             self.save_model(str(self.folder.model))
-        self.emit({"type": "state", "state": "finished", "step": state.global_step})
+        self.emit(StateEvent(state=RunState.FINISHED, step=state.global_step))
         if self.control is not None:  # as a launched run ends: no control socket, no control.json left
             self.control.close()
 
+    def _boundary(self) -> Signal:
+        """The control boundary (commands run here, a pause holds here); what they ask of the loop."""
+        return self.control.at_boundary() if self.control is not None else NOTHING
+
+    def _act(self, signal: Signal) -> None:
+        """Carry out what hooks and commands asked: the one place the loop's course changes."""
+        signal, self._pending = signal | self._pending, NOTHING
+        if signal.stop:
+            self._stopping = True
+        if signal.rewind is not None:  # a hook's rewind (the guard); a command's ran at the boundary
+            signal = self._rewind_for_hook(signal)
+        if signal.pause and self.control is not None:
+            self.control.pause(signal.reason)
+
+    def _rewind_for_hook(self, signal: Signal) -> Signal:
+        try:
+            self.rewind(signal.rewind, reason=signal.reason)  # type: ignore[arg-type]
+        except CheckpointError as e:  # refused (or failed and undone): the guard's fallback is a pause
+            self.emit(WarningEvent(message=f"{signal.reason}: the rewind to {signal.rewind} was refused ({e}), "
+                                           "so the run pauses"))
+            return Signal(pause=True, reason=signal.reason)
+        if signal.then_lr_scale is not None and self.control is not None:
+            self.control.scale_lr(signal.then_lr_scale, signal.reason)
+        return signal
+
     def _done(self) -> bool:
-        return self.should_stop or self.state.global_step >= self.state.total_steps
+        return self._stopping or self.state.global_step >= self.state.total_steps
 
-    def _step(self, micro_batches: list[dict]) -> tuple[float, int]:
-        """One optimizer step (the step strategy, or the user's train_fn); the loss averaged and
-        the tokens summed over the data-parallel group."""
-        self.engine.train()
-        loss, tokens = self.train_fn(self, micro_batches)
-        self.state.global_step += 1
-        self.state.batch_in_epoch += len(micro_batches)
-        return self._reduce(loss, tokens)
+    # -- going back (engine.checkpoint.rewind) --------------------------------------------------
+    def rewind(self, target: str, reason: str = "user") -> rewinding.RewindResult:
+        """Load a checkpoint or snapshot of this run's present branch (`target`: a snapshot name,
+        `step-N` or N, or a checkpoint folder) into the running engines; training goes on from
+        there. Collective: every rank calls it at the same boundary. A refused or failed rewind
+        changes nothing (RewindError, the same on every rank)."""
+        return self._moving(lambda: rewinding.rewind_in_place(self, target, reason))
 
-    def _control_boundary(self) -> None:
-        if self.control is not None:
-            self.control.at_boundary()
+    def branch(self, target: str, name: str, reason: str = "user",
+               settings: dict[str, Any] | None = None) -> rewinding.RewindResult:
+        """Rewind to `target` (any branch's) and go on as the new branch `name` of the run's tree."""
+        return self._moving(lambda: rewinding.branch_in_place(self, target, name, reason, settings))
+
+    def _moving(self, load: Callable[[], rewinding.RewindResult]) -> rewinding.RewindResult:
+        try:
+            result = load()
+        except CheckpointError as e:
+            self._restart = self._restart or getattr(e, "position_touched", False)  # undone: start the epoch again
+            raise
+        self._restart = True  # the loop starts its epoch again at the restored (epoch, batch)
+        return result
 
     # -- one step's pieces --------------------------------------------------------------------
     def compute_loss(self, batch: dict, model: Callable | None = None,
@@ -196,7 +252,7 @@ class Trainer:
     def _record(self, info: StepInfo) -> None:
         if not _due(info.step, self.config.logging.log_every_n_steps) and info.step != self.state.total_steps:
             return
-        record: dict[str, Any] = {"type": "train", "step": info.step, "epoch": info.epoch,
+        record: dict[str, Any] = {"type": EventType.TRAIN, "step": info.step, "epoch": info.epoch,
                                   "total_steps": self.state.total_steps}
         for monitor in self.monitors:
             record.update(monitor.measure(self, info))
@@ -240,9 +296,9 @@ class Trainer:
                 self.engine.train()
         self._last_eval_step = self.state.global_step
         self.checkpoints.note_evaluation(self.state.global_step, results)
-        self.emit({"type": "eval", "step": self.state.global_step, "epoch": self.state.epoch,
-                   **{f"eval/{k}": v for k, v in results.items()}})
-        self.callbacks.fire("on_evaluate_end", self, results)
+        self.emit(EvalEvent(step=self.state.global_step, epoch=self.state.epoch,
+                            **{f"eval/{k}": v for k, v in results.items()}))
+        self._pending = self._pending | self.callbacks.fire("on_evaluate_end", self, results)  # early stopping
         return results
 
     # -- saving and loading (engine.checkpoint; the run's method and layout decide how) --------
@@ -264,15 +320,15 @@ class Trainer:
     def save_checkpoint(self, path: str, *, saved_by: str = "manual", metrics: dict | None = None) -> str:
         """Everything needed to continue bit for bit (model, optimizer, scheduler, position, RNG,
         the callbacks' and the loop's parts' states); returns the checkpoint's URL."""
-        return checkpoint_state.save_checkpoint(self.ctx, path, states=self._part_states(),
-                                                sampler=self._batch_sampler(), saved_by=saved_by,
+        return checkpoint_state.save_checkpoint(self.ctx, path, states=self.part_states(),
+                                                sampler=self.batch_sampler(), saved_by=saved_by,
                                                 metrics=metrics)
 
     def load_checkpoint(self, path: str) -> None:
-        checkpoint_state.load_checkpoint(self.ctx, path, sampler=self._batch_sampler(),
-                                         restore_states=self._restore_part_states)
+        checkpoint_state.load_checkpoint(self.ctx, path, sampler=self.batch_sampler(),
+                                         restore_states=self.restore_part_states)
 
-    def _part_states(self) -> dict[str, Any]:
+    def part_states(self) -> dict[str, Any]:
         """The states stored in a training checkpoint: each callback's, the checkpoint
         schedule's and the control plane's (on every rank: a callback may be collective)."""
         states = self.callbacks.state_dict(self)
@@ -281,14 +337,15 @@ class Trainer:
             states["control"] = self.control.state_dict()
         return states
 
-    def _restore_part_states(self, states: dict[str, Any]) -> None:
+    def restore_part_states(self, states: dict[str, Any]) -> None:
+        """Put back what `part_states` gave (a resume, a rewind)."""
         self.callbacks.load_state_dict(self, states)
         if self.checkpoints.state_key in states:
             self.checkpoints.load_state_dict(states[self.checkpoints.state_key])
         if self.control is not None and isinstance(states.get("control"), dict):
             self.control.load_state_dict(states["control"])
 
-    def _batch_sampler(self):
+    def batch_sampler(self):
         """The run's batch sampler (built once): its state is the data order's identity."""
         if self._sampler is None:
             self._sampler = self.train_loader(0, start_batch=0).batch_sampler
@@ -328,14 +385,14 @@ class Trainer:
 
     def _announce(self) -> None:
         total, trainable = assembly.parameter_counts(self.ctx)
-        self.emit({"type": "setup", "world_size": self.env.world_size, "dp_size": self.env.dp_size,
-                   "precision": self.precision, "total_steps": self.state.total_steps,
-                   "parameters": total, "trainable_parameters": trainable,
-                   "train_samples": len(self.train_dataset),
-                   "eval_samples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
-                   "data": {k: r.summary() for k, r in self.data_reports.items()},
-                   "warnings": self.ds_setup.warnings, "loss_average": self.config.train.loss_average,
-                   **({"lora_targets": self.method.lora_targets} if self.method.lora_targets else {})})
+        self.emit(SetupEvent(world_size=self.env.world_size, dp_size=self.env.dp_size,
+                             precision=self.precision, total_steps=self.state.total_steps,
+                             parameters=total, trainable_parameters=trainable,
+                             train_samples=len(self.train_dataset),
+                             eval_samples=len(self.eval_dataset) if self.eval_dataset is not None else 0,
+                             data={k: r.summary() for k, r in self.data_reports.items()},
+                             warnings=self.ds_setup.warnings, loss_average=self.config.train.loss_average,
+                             **({"lora_targets": self.method.lora_targets} if self.method.lora_targets else {})))
 
     def __enter__(self) -> "Trainer":
         return self
@@ -348,8 +405,7 @@ class Trainer:
         harmless; `with Trainer(...) as t:` calls it at the block's end)."""
         if self.control is not None:
             self.control.close()
-        if self.snapshots is not None:
-            self.snapshots.close()
+        self.snapshots.close()
         if self.events is not None:
             self.events.close()
             self.events = None

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from contract.config import load_config
+from contract.events import check_event
 from contract.run_folder import read_events
 from control_runs import task_files
 from engine.early_stopping import EarlyStopping
@@ -26,14 +27,15 @@ class _Trainer:
         self.state = type("S", (), {"global_step": 0})()
 
     def emit(self, event):
-        self.events.append(event)
+        self.events.append(check_event(event))  # as the event log records it
 
 
 def _feed(stopping: EarlyStopping, values: list[float]) -> _Trainer:
     t = _Trainer()
     for step, value in enumerate(values, 1):
         t.state.global_step = step
-        stopping.on_evaluate_end(t, {stopping.metric[len("eval/"):]: value, "other": 0.0})
+        signal = stopping.on_evaluate_end(t, {stopping.metric[len("eval/"):]: value, "other": 0.0})
+        t.should_stop = signal is not None and signal.stop  # what the loop acts on
         if t.should_stop:
             break
     return t

@@ -8,13 +8,14 @@
 
 Every rank calls them at the same step boundary, with the same arguments (the control plane's
 handlers do, and so may the loop itself: the spike guard). `trainer` is the Trainer (its
-`load_checkpoint`-side helpers restore the callbacks' and loop parts' states; `ctx` is the run).
+public `part_states` / `restore_part_states` / `batch_sampler` give what a checkpoint holds
+besides DeepSpeed's part; `ctx` is the run). The Trainer's `rewind` and `branch` call these.
 
 A rewind restores exactly what a resume at start restores -- the model, the optimizer, the
 schedule, the data position, every RNG stream and the live settings -- through the same
 function (engine.checkpoint.state.load_checkpoint from disk, state.restore from a snapshot),
-into the engines that are running. It then sets `trainer.rewound`, on which the loop starts its
-epoch again at the restored position. The rewind is an event (`rewind`, or `branch`) naming
+into the engines that are running; the Trainer (its `rewind` / `branch`) then starts its epoch
+again at the restored position. The rewind is an event (`rewind`, or `branch`) naming
 the abandoned steps; nothing already written is changed.
 
 Targets: a snapshot's name; a checkpoint name (`step-40`) or step number (`40`) -- the present
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.branches import ROOT, BranchTree, checkpoints_dir
+from contract.events import EventType
 from engine.checkpoint import atomic
 from engine.checkpoint import state as ckpt
 from engine.checkpoint.atomic import CheckpointError, Comm
@@ -55,7 +57,12 @@ _STEP = re.compile(r"(?:step-)?(\d+)")
 
 class RewindError(CheckpointError):
     """The rewind / branch / snapshot does not apply, or failed and was undone (the same on every
-    rank); the run goes on as it was."""
+    rank); the run goes on as it was. `position_touched`: the data position was put back, so the
+    loop must start its epoch again there."""
+
+    def __init__(self, message: str, position_touched: bool = False):
+        super().__init__(message)
+        self.position_touched = position_touched
 
 
 class StateLost(RuntimeError):
@@ -89,12 +96,8 @@ class RewindResult:
 
 # -- the run's parts ----------------------------------------------------------------------------------
 def snapshot_store(trainer) -> SnapshotStore:
-    """The run's snapshots (made on first use, bounded by the checkpoint config)."""
-    store = getattr(trainer, "snapshots", None)
-    if store is None:
-        c = trainer.config.checkpoint
-        store = trainer.snapshots = SnapshotStore(c.snapshots_keep, c.snapshots_max_mib)
-    return store
+    """The run's snapshots (the Trainer's, bounded by the checkpoint config)."""
+    return trainer.snapshots
 
 
 def current_branch(trainer) -> str:
@@ -218,7 +221,6 @@ def rewind_in_place(trainer, target: str, reason: str = "user", *, emit: bool = 
         _check_on_path(trainer, source, owner)
     _precheck(trainer, source)
     _load_or_undo(trainer, source)
-    trainer.rewound = True  # the loop starts its epoch again at the restored position
     step = trainer.state.global_step
     result = RewindResult(target=str(target), source=source, step=step, from_step=before,
                           abandoned=[step + 1, before] if before > step else [], branch=current_branch(trainer),
@@ -241,11 +243,11 @@ def _precheck(trainer, source: str) -> None:
 
 def _load(trainer, source: str) -> None:
     if source.startswith(SNAPSHOT_PREFIX):
-        snapshot_store(trainer).restore(trainer.ctx, source[len(SNAPSHOT_PREFIX):], trainer._restore_part_states,
-                                        trainer._batch_sampler())
+        snapshot_store(trainer).restore(trainer.ctx, source[len(SNAPSHOT_PREFIX):], trainer.restore_part_states,
+                                        trainer.batch_sampler())
     else:
-        ckpt.load_checkpoint(trainer.ctx, source, sampler=trainer._batch_sampler(),
-                             restore_states=trainer._restore_part_states, announce=False)
+        ckpt.load_checkpoint(trainer.ctx, source, sampler=trainer.batch_sampler(),
+                             restore_states=trainer.restore_part_states, announce=False)
 
 
 def _load_or_undo(trainer, source: str) -> None:
@@ -253,7 +255,7 @@ def _load_or_undo(trainer, source: str) -> None:
     (an in-memory copy taken first: `UNDO`), make the loop start its epoch again there (the data
     position was touched) and raise RewindError naming the cause. When the state cannot be put
     back, raise StateLost on every rank: the run cannot go on."""
-    comm, sampler = Comm.current(), trainer._batch_sampler()
+    comm, sampler = Comm.current(), trainer.batch_sampler()
     position = ckpt.sampler_state(sampler, trainer.ctx)  # the data position, should only it move
     undo, why_no_undo = _undo_point(trainer)
     try:
@@ -275,7 +277,7 @@ def _load_or_undo(trainer, source: str) -> None:
         lost = None
         try:
             if touched:
-                undo.restore(trainer.ctx, UNDO, trainer._restore_part_states, sampler)  # type: ignore[union-attr]
+                undo.restore(trainer.ctx, UNDO, trainer.restore_part_states, sampler)  # type: ignore[union-attr]
             elif position is not None:  # only the checks ran, and they may have moved the data position
                 sampler.load_state_dict(position)
         except Exception as e:  # noqa: BLE001
@@ -286,10 +288,9 @@ def _load_or_undo(trainer, source: str) -> None:
             raise StateLost(f"{cause}; putting back the state from before failed too "
                             f"({_same_text(lost_everywhere)}), so the run cannot go on: resume it from "
                             "its newest checkpoint")
-        trainer.rewound = True  # the data position was touched: the loop starts its epoch again there
         raise RewindError(f"{cause}; the run was put back as it was at step {trainer.state.global_step}"
                           f"{' (from an in-memory copy taken before the load)' if touched else ''} "
-                          "and goes on unchanged")
+                          "and goes on unchanged", position_touched=True)
     finally:
         if undo is not None:
             undo.close()
@@ -301,7 +302,7 @@ def _undo_point(trainer) -> tuple[SnapshotStore | None, str]:
     none can be kept (ranks on several machines, shared memory too small)."""
     store = SnapshotStore(keep=1, max_mib=0)
     try:
-        store.take(trainer.ctx, UNDO, current_branch(trainer), trainer._part_states(), trainer._batch_sampler())
+        store.take(trainer.ctx, UNDO, current_branch(trainer), trainer.part_states(), trainer.batch_sampler())
     except SnapshotError as e:
         store.close()
         return None, str(e)
@@ -383,11 +384,11 @@ def take_snapshot(trainer, name: str | None = None) -> dict[str, Any]:
         raise RewindError(f"a snapshot named {name!r} exists already (kept: {', '.join(store.names())})")
     started = time.perf_counter()
     try:
-        snap, evicted = store.take(trainer.ctx, name, current_branch(trainer), trainer._part_states(),
-                                   trainer._batch_sampler())
+        snap, evicted = store.take(trainer.ctx, name, current_branch(trainer), trainer.part_states(),
+                                   trainer.batch_sampler())
     except SnapshotError as e:
         raise RewindError(str(e)) from None
-    event = {"type": "snapshot", "name": name, "step": snap.step, "branch": snap.branch, "bytes": snap.bytes,
+    event = {"type": EventType.SNAPSHOT, "name": name, "step": snap.step, "branch": snap.branch, "bytes": snap.bytes,
              "total_bytes": store.total_bytes(), "kept": store.names(), "evicted": evicted,
              "seconds": round(time.perf_counter() - started, 4)}
     trainer.emit(dict(event))

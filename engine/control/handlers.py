@@ -96,9 +96,7 @@ def pause(control: Plane, cmd: Pause, reply: Reply) -> dict:
     trainer = control.trainer
     if control.ended:
         raise CommandRefused("pause: training has ended; there is nothing left to pause")
-    if not trainer.paused:
-        trainer.paused = True
-        control.emit_state(RunState.PAUSED)
+    control.pause()
     return {"state": RunState.PAUSED.value, "step": trainer.state.global_step}
 
 
@@ -107,16 +105,14 @@ def resume(control: Plane, cmd: Resume, reply: Reply) -> dict:
     if trainer.config.control.chat_only:
         raise CommandRefused("resume: this is a chat-only run (control.chat_only): it holds the model "
                              "for chat and trains nothing; start a run to train")
-    if trainer.paused:
-        trainer.paused = False
-        control.emit_state(RunState.RUNNING)
+    control.resume()
     return {"state": RunState.RUNNING.value, "step": trainer.state.global_step}
 
 
 def stop(control: Plane, cmd: Stop, reply: Reply) -> dict:
     """Stop after this boundary. `save` (default true, contract.protocol.Stop): a training
-    checkpoint now and the final model when the run ends; false: neither (whatever
-    checkpoint.save_at_end says). A save that fails (every rank alike, engine.checkpoint.atomic)
+    checkpoint now and the final model when the run ends; false: nothing is written, neither
+    these nor the schedule's end-of-training checkpoint (whatever checkpoint.save_at_end says). A save that fails (every rank alike, engine.checkpoint.atomic)
     does not keep the run going: it stops without the final model either, the reply's
     `save_error` says why, and the newest complete checkpoint is where to resume."""
     trainer = control.trainer
@@ -127,9 +123,8 @@ def stop(control: Plane, cmd: Stop, reply: Reply) -> dict:
         except CheckpointError as e:  # a stop must stop (a closed terminal sends one, too)
             error = str(e)
     final = cmd.save and error is None and not trainer.config.control.chat_only
-    control.emit_state(RunState.STOPPING)
     control.settings.final_save = final
-    trainer.should_stop, trainer.paused = True, False
+    control.stop()
     result = {"state": RunState.STOPPING.value, "step": trainer.state.global_step, "checkpoint": path,
               "final_model": final}
     return result if error is None else {**result, "save_error": error}
@@ -222,7 +217,7 @@ def rewind(control: Plane, cmd: Rewind, reply: Reply) -> dict:
     """Load the target into the running engines on every rank; training goes on from there."""
     _not_ended(control, "rewind")
     try:
-        return rewinding.rewind_in_place(control.trainer, cmd.target).event()
+        return control.trainer.rewind(cmd.target).event()
     except CheckpointError as e:  # refused alike on every rank before anything changed
         raise CommandRefused(f"rewind: {e}") from None
 
@@ -234,7 +229,7 @@ def branch(control: Plane, cmd: Branch, reply: Reply) -> dict:
     if changes:  # checked before anything moves: a refused setting refuses the branch
         _check_settable(control, Set(**changes))
     try:
-        result = rewinding.branch_in_place(control.trainer, cmd.target, cmd.branch, settings=changes)
+        result = control.trainer.branch(cmd.target, cmd.branch, settings=changes)
     except (CheckpointError, ValueError) as e:
         raise CommandRefused(f"branch: {e}") from None
     out = result.event("branch")

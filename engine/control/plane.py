@@ -19,14 +19,15 @@ import time
 import traceback
 from typing import Any
 
-from contract.events import EventType, state_event
-from contract.protocol import STATES, RunState, Status
+from contract.events import CommandEvent, CommandStatus, EventType, WarningEvent, state_event
+from contract.protocol import STATES, RunState, Set, Status
+from engine.callbacks import Signal
 from engine.checkpoint.rewind import StateLost
 from engine.control import data_commands, handlers
 from engine.control.boundary import Boundary
 from engine.control.chat_page import ChatPage
 from engine.control.handlers import CommandRefused, HANDLERS
-from engine.control.pending import CommandQueue, Pending
+from engine.control.pending import NO_REPLY, CommandQueue, Pending
 from engine.control.run import ControlledRun
 from engine.control.server import ControlServer, PromptLimit
 from engine.control.settings import LiveSettings
@@ -51,6 +52,8 @@ class Control:
         self.settings = LiveSettings()
         trainer.live_settings = self.settings
         self.ended = False
+        self.paused = False    # held at the boundary (pause; the guard's pause through the loop)
+        self.stopping = False  # a stop was executed: the loop ends after this boundary
         self.state: RunState = RunState.STARTING
         self.last_train: dict | None = None
         self.last_eval: dict | None = None
@@ -76,12 +79,39 @@ class Control:
                 print(f"chat with the model being trained: {self.page.url}", flush=True)
 
     # -- the boundary ------------------------------------------------------------------------------
-    def at_boundary(self) -> None:
-        """Execute what was queued; hold here while paused (collective: every rank calls it)."""
+    def at_boundary(self) -> Signal:
+        """Execute what was queued; hold here while paused (collective: every rank calls it).
+        What the commands ask of the loop is returned (a stop); a rewind or branch has already
+        moved the run (Trainer.rewind / branch, which the loop's epoch follows)."""
         data_commands.at_boundary(self)  # taught prompts asked again when their check is due
         self._execute(self.boundary.exchange())
-        while self.trainer.paused and not self.trainer.should_stop:
+        while self.paused and not self.stopping:
             self._execute(self.boundary.exchange(wait_s=HEARTBEAT_S))
+        return Signal(stop=self.stopping, reason="stop")
+
+    def pause(self, reason: str = "user") -> None:
+        """Hold at the boundary from now on (every rank alike), with a `state` paused event."""
+        if not self.paused:
+            self.paused = True
+            self.emit_state(RunState.PAUSED)
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            self.emit_state(RunState.RUNNING)
+
+    def stop(self) -> None:
+        """End training after this boundary (a pause ends with it)."""
+        self.stopping, self.paused = True, False
+        self.emit_state(RunState.STOPPING)
+
+    def scale_lr(self, factor: float, reason: str) -> None:
+        """Multiply the learning rate by `factor` as a `set lr_scale` would (a `set` event, kept in
+        later checkpoints); refused: a warning event."""
+        try:
+            handlers.set_values(self, Set(lr_scale=self.settings.lr_scale * factor), NO_REPLY)
+        except CommandRefused as e:
+            self.trainer.emit(WarningEvent(message=f"{reason}: the learning rate was not scaled: {e}"))
 
     def end_of_training(self) -> None:
         """The last boundary: answer everything queued, then refuse what comes later."""
@@ -106,27 +136,27 @@ class Control:
                 traceback.print_exc()  # to this rank's log; the answer names the error
                 self._answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
             else:  # recorded first: whoever hears `done` finds the effect in the event log
-                self._record(item, "done", result=result, seconds=round(time.perf_counter() - started, 4))
+                self._record(item, CommandStatus.DONE, result=result, seconds=round(time.perf_counter() - started, 4))
                 item.reply.done(result)
 
     def _answer_error(self, item: Pending, message: str) -> None:
-        self._record(item, "failed", error=message)
+        self._record(item, CommandStatus.FAILED, error=message)
         item.reply.error(message)
 
     # -- events and status -------------------------------------------------------------------------
     def emit_state(self, state: RunState) -> None:
         self.trainer.emit(state_event(state, step=self.trainer.state.global_step))
 
-    def _record(self, item: Pending, status: str, **fields: Any) -> None:
+    def _record(self, item: Pending, status: CommandStatus, **fields: Any) -> None:
         if isinstance(item.command, Status) or self.trainer.events is None:  # reads change nothing
             return
-        self.trainer.emit({"type": EventType.COMMAND.value, "id": item.id, "cmd": item.cmd,
-                           "status": status, "step": self.trainer.state.global_step, **fields})
+        self.trainer.emit(CommandEvent(id=item.id, cmd=item.cmd, status=status,
+                                       step=self.trainer.state.global_step, **fields))
 
     def _on_queued(self, item: Pending) -> None:
         if not isinstance(item.command, Status):
-            self.trainer.emit({"type": EventType.COMMAND.value, "id": item.id, "cmd": item.cmd,
-                               "status": "queued", "args": item.args, "step": self.trainer.state.global_step})
+            self.trainer.emit(CommandEvent(id=item.id, cmd=item.cmd, status=CommandStatus.QUEUED,
+                                           args=item.args, step=self.trainer.state.global_step))
 
     def _on_event(self, event: dict) -> None:
         kind = event.get("type")
@@ -144,7 +174,7 @@ class Control:
         """The run as rank 0 sees it now (read from the server thread: plain values only)."""
         t = self.trainer
         return {"step": t.state.global_step, "epoch": t.state.epoch, "total_steps": t.state.total_steps,
-                "state": self.state.value, "paused": t.paused, "queue": len(self.commands or ()),
+                "state": self.state.value, "paused": self.paused, "queue": len(self.commands or ()),
                 "accepting": self.commands.closed is None if self.commands is not None else False,
                 "last_train": self.last_train, "last_eval": self.last_eval,
                 "settings": handlers.current_settings(self), "world_size": self.world_size,

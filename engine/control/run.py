@@ -30,8 +30,6 @@ class ControlledRun(Protocol):
     method: Any                # engine.methods: the method object (`has_adapter`: a base model to compare)
     optimizer: Any             # the engine's optimizer, or the fused LOMO one (None: no optimizer)
     eval_dataset: Any          # None: the run has no evaluation data
-    paused: bool               # the loop holds at the boundary while true
-    should_stop: bool          # the loop ends after this boundary when true
     live_settings: LiveSettings
 
     def emit(self, event: dict) -> None:
@@ -52,6 +50,12 @@ class ControlledRun(Protocol):
     def save_checkpoint(self, path: str) -> Any:
         """Write a training checkpoint of the present step at `path` (collective)."""
 
+    def rewind(self, target: str, reason: str = "user") -> Any:
+        """Load a checkpoint / snapshot of the present branch in place (collective); its result."""
+
+    def branch(self, target: str, name: str, reason: str = "user", settings: dict | None = None) -> Any:
+        """Rewind to `target` and go on as the new branch `name` (collective); its result."""
+
 
 class Plane(Protocol):
     """What a command handler uses of the control plane (engine.control.plane.Control)."""
@@ -60,6 +64,16 @@ class Plane(Protocol):
     rank: int
     world_size: int
     ended: bool                # training has ended: pause has nothing left to hold
+    paused: bool               # the boundary holds while true
+
+    def pause(self, reason: str = "user") -> None:
+        """Hold at the boundary (a `state` paused event)."""
+
+    def resume(self) -> None:
+        """Stop holding (a `state` running event)."""
+
+    def stop(self) -> None:
+        """End training after this boundary (a `state` stopping event)."""
 
     def emit_state(self, state: RunState) -> None:
         """Record a run state change (a `state` event)."""

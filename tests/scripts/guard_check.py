@@ -84,7 +84,8 @@ def run(name: str, task: dict, out: Path, zero_stage: int | None = None) -> dict
 
         def on_train_batch_end(self, trainer, loss):
             seen.append([trainer.state.global_step, loss])
-            norms.append(GuardCallback._grad_norm(trainer))
+            guard = next(cb for cb in trainer.callbacks if isinstance(cb, GuardCallback))
+            norms.append(guard._grad_norm(trainer))  # the norm the guard reads after this step
             if name == "skip" and len(seen) == max(POISONED):
                 queue(trainer, Resume())  # before the guard's pause: executed at this boundary
             if name in ("rewind", "accum") and len(seen) == TOO_HIGH[0]:
@@ -93,7 +94,7 @@ def run(name: str, task: dict, out: Path, zero_stage: int | None = None) -> dict
     trainer = Trainer(config=cfg, callbacks=[Driver()])
     trainer.train()
     result = {"scenario": name, "rank": trainer.env.rank, "seen": seen, "folder": str(trainer.folder.root),
-              "optimizer_steps": int(trainer.engine.global_steps), "paused": trainer.paused, "norms": norms}
+              "optimizer_steps": int(trainer.engine.global_steps), "paused": trainer.control.paused, "norms": norms}
     trainer.close()
     return result
 
