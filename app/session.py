@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from contract.config import RunConfig
 from contract.preflight import PreflightReport, fingerprint, preflight
-from contract.protocol import (COMMANDS, Command, Generate, ProtocolError, RunState, Stop,
+from contract.protocol import (Command, Generate, ProtocolError, RunState, Stop,
                                allowed_commands)
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, RunRefused, stopping
 from supervisor.client import CommandError, Generation, RunClient, RunGone
@@ -286,8 +286,7 @@ class Session:
             raise SessionError("stop a run with Session.stop, which also ends its processes")
         path = self.resolve(ref)
         try:
-            return self.client(path, connect_timeout).command(command.name, timeout=timeout,
-                                                              **command.args())
+            return self.client(path, connect_timeout).send(command, timeout=timeout)
         except CommandError as e:
             raise SessionError(f"{command.name} refused: {e}") from None
         except TimeoutError:
@@ -295,17 +294,6 @@ class Session:
         except (RunGone, OSError) as e:
             self.forget_client(path)
             raise SessionError(f"{command.name}: the run is not reachable ({e})") from None
-
-    def command(self, ref: str | Path | None, name: str, **args: Any) -> dict:
-        """`send` by wire name and arguments (`command(None, "set", lr=1e-4)`); bad arguments
-        are a SessionError naming them."""
-        if name not in COMMANDS:
-            raise SessionError(f"unknown command {name!r}; commands: {', '.join(COMMANDS)}")
-        try:
-            command = COMMANDS[name].from_args(args)
-        except ProtocolError as e:
-            raise SessionError(str(e)) from None
-        return self.send(ref, command)
 
     # -- stopping -------------------------------------------------------------------------------
     def stop(self, ref: str | Path | None, save: bool = Stop.save, wait: bool = False,

@@ -29,7 +29,7 @@ def ask_to_stop(folder: RunFolder, save: bool, timeout: float) -> bool:
     from supervisor.client import RunClient  # imported late: only a stop needs the client
     try:
         with RunClient.connect(folder.root, timeout=min(5.0, timeout)) as client:
-            client.command("stop", timeout=timeout, save=save)
+            client.send(Stop(save=save), timeout=timeout)
         return True
     except (OSError, RuntimeError, TimeoutError, ValueError):
         return False  # not listening, refused or too slow: the group is ended instead

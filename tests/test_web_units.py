@@ -20,7 +20,7 @@ from app.web.backend.preview import PreviewWorker, describe_data, describe_model
 from app.web.backend.store import human_size, list_saved
 from app.web.backend.views import MAX_POINTS, RunView
 from contract.config import ConfigError, load_config, schema
-from contract.protocol import RunState, allowed_commands
+from contract.protocol import Pause, ProtocolError, RunState, Set, allowed_commands
 from contract.presets import PRESETS
 from contract.run_folder import EventLog, RunFolder
 
@@ -329,10 +329,10 @@ def test_the_session_names_unknown_runs_and_bad_configs(tmp_path):
             session.resolve("")
         with pytest.raises(SessionError, match="no run 'nope'"):
             session.resolve("nope")
-        with pytest.raises(SessionError, match="unknown command 'jump'"):
-            session.command(None, "jump")
-        with pytest.raises(SessionError, match="set: name at least one of lr"):
-            session.command(None, "set")
+        with pytest.raises(ProtocolError, match="set: name at least one of lr"):
+            Set()  # a command is checked where it is made, before any run is asked
+        with pytest.raises(SessionError, match="no run 'nope'"):
+            session.send("nope", Pause())
     finally:
         session.close()
     with pytest.raises(ConfigError, match="no preset 'bogus'"):

@@ -20,6 +20,7 @@ from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from app.web.widgets import readable
 from contract.run_folder import RunFolder
+from contract.branch_commands import Branch, Rewind, Snapshot
 
 PLOTS = ("branch_loss", "branch_lr", "branch_eval")
 
@@ -106,7 +107,7 @@ def do_rewind(backend: Backend, section: BranchesSection, path: str | None, targ
     """Rewind: the run loads the target in place and trains on from its step."""
     if not target:
         raise SessionError("pick a checkpoint or snapshot to rewind to")
-    result = backend.session.command(path, "rewind", target=target)
+    result = backend.session.send(path, Rewind(target=target))
     return {section.result: f"**Rewound** to step {result.get('step')}{_abandoned(result)}.",
             **show(backend, section, path)}
 
@@ -122,7 +123,7 @@ def do_branch(backend: Backend, section: BranchesSection, path: str | None, targ
             args["lr"] = float(str(lr).strip())
         except ValueError:
             raise SessionError(f"branch: the learning rate must be a number, got {str(lr).strip()!r}") from None
-    result = backend.session.command(path, "branch", **args)
+    result = backend.session.send(path, Branch(**args))
     changes = ", ".join(f"{k} {v}" for k, v in (result.get("changes") or {}).items())
     return {section.result: f"**Branch {html.escape(str(result.get('branch', args['branch'])))}** goes on from "
                             f"step {result.get('step')}{' with ' + changes if changes else ''}; the branch it "
@@ -133,7 +134,7 @@ def do_branch(backend: Backend, section: BranchesSection, path: str | None, targ
 def do_snapshot(backend: Backend, section: BranchesSection, path: str | None, name: str) -> dict:
     """Snapshot now: the complete training state kept in host memory."""
     args = {"snapshot": name.strip()} if (name or "").strip() else {}
-    result = backend.session.command(path, "snapshot", **args)
+    result = backend.session.send(path, Snapshot(**args))
     evicted = result.get("evicted") or []
     mib = (result.get("bytes") or 0) / 2**20
     text = f"**Snapshot {result.get('name')}** kept at step {result.get('step')} ({mib:.1f} MiB in host memory)"

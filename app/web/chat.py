@@ -30,6 +30,8 @@ from app.web.backend import Backend
 from app.web.backend.watch import Snapshot
 from app.web.widgets import CHAT_CLASS, readable
 from contract.branches import BranchTree
+from contract.data_commands import Teach
+from contract.command_base import ProtocolError
 
 TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
 LIVE = "Live model (the weights being trained)"
@@ -276,13 +278,13 @@ def teach_answer(backend: Backend, path: str | None, question: str | None, answe
         raise gr.Error("Write the answer you wanted first.", print_exception=False)
     try:
         try:
-            result = backend.session.command(path, "teach", messages=[{"role": "user", "content": question}],
-                                             answer=answer)
+            result = backend.session.send(path, Teach(messages=[{"role": "user", "content": question}],
+                                                      answer=answer))
         except SessionError as e:
             if "chat template" not in str(e):
                 raise
-            result = backend.session.command(path, "teach", prompt=question, answer=answer)
-    except SessionError as e:
+            result = backend.session.send(path, Teach(prompt=question, answer=answer))
+    except (SessionError, ProtocolError) as e:
         raise gr.Error(str(e), print_exception=False) from None
     old = result.get("old")
     text = (f"**Taught {result.get('id', '')}** at step {result.get('step', '?')}: it is mixed into the next "

@@ -21,6 +21,7 @@ from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from contract.run_folder import RunFolder
 from contract.protocol import RunState
+from contract.data_commands import AddSource, Forget, RemoveSource, SetWeight
 
 SOURCE_COLUMNS = ["source", "weight", "samples drawn", "format", "path"]
 INBOX_COLUMNS = ["id", "prompt", "wanted answer", "taught at step", "answer before", "answer after",
@@ -162,7 +163,7 @@ def do_set_weight(backend: Backend, panel: DataPanel, path: str | None, source: 
     if not source:
         raise SessionError("pick a source first")
     value = number(weight, "the weight")
-    backend.session.command(path, "set_weight", source=source, weight=value)
+    backend.session.send(path, SetWeight(source=source, weight=value))
     done = f"**{source}** weighs {value:g} from the next step" + (" (paused)" if value == 0 else "")
     return {panel.result: done + ".", **show(backend, panel, path)}
 
@@ -170,7 +171,7 @@ def do_set_weight(backend: Backend, panel: DataPanel, path: str | None, source: 
 def do_remove(backend: Backend, panel: DataPanel, path: str | None, source: str | None) -> dict:
     if not source:
         raise SessionError("pick a source first")
-    backend.session.command(path, "remove_source", source=source)
+    backend.session.send(path, RemoveSource(source=source))
     return {panel.result: f"**{source}** is no longer drawn from.", **show(backend, panel, path)}
 
 
@@ -182,7 +183,7 @@ def do_add(backend: Backend, panel: DataPanel, path: str | None, file: str, fmt:
     args: dict[str, Any] = {"path": file, "format": fmt or "auto", "weight": number(weight, "the weight")}
     if (name or "").strip():
         args["source"] = name.strip()
-    result = backend.session.command(path, "add_source", **args)
+    result = backend.session.send(path, AddSource(**args))
     added = result.get("source") or {}
     report = result.get("report") or ""
     text = f"**Added {added.get('name', args.get('source', file))}** (weight {args['weight']:g})."
@@ -192,6 +193,6 @@ def do_add(backend: Backend, panel: DataPanel, path: str | None, file: str, fmt:
 def do_forget(backend: Backend, panel: DataPanel, path: str | None, entry: str | None) -> dict:
     if not entry:
         raise SessionError("pick an inbox entry first")
-    backend.session.command(path, "forget", id=entry)
+    backend.session.send(path, Forget(id=entry))
     return {panel.result: f"**{entry}** is no longer trained on (the inbox keeps its record).",
             **show(backend, panel, path)}

@@ -18,6 +18,7 @@ from contract.branches import TREE_FILE, BranchTree
 from contract.config import ConfigError
 from contract.protocol import RunState
 from contract.run_folder import RunFolder
+from contract.command_base import ProtocolError
 from supervisor import Failure
 from supervisor.slurm import recorded_job
 
@@ -68,7 +69,7 @@ def readable(fn: Callable) -> Callable:
                 yield from fn(*args, **kwargs)
             except gr.Error:
                 raise
-            except (SessionError, ConfigError) as e:
+            except (SessionError, ConfigError, ProtocolError) as e:
                 raise gr.Error(str(e), print_exception=False) from None
             except Exception as e:  # noqa: BLE001 - whatever it is, the page says so in words
                 raise gr.Error(f"{type(e).__name__}: {e}", print_exception=False) from None
@@ -80,7 +81,7 @@ def readable(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         except gr.Error:
             raise
-        except (SessionError, ConfigError) as e:
+        except (SessionError, ConfigError, ProtocolError) as e:
             raise gr.Error(str(e), print_exception=False) from None
         except Exception as e:  # noqa: BLE001
             raise gr.Error(f"{type(e).__name__}: {e}", print_exception=False) from None
