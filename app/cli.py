@@ -32,7 +32,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 
 from contract.args import resolve_args
-from contract.config import SHORTCUTS, ConfigError, RunConfig
+from contract.config_schema import ConfigError, RunConfig, SHORTCUTS
 from contract.preflight import PreflightError, PreflightReport, preflight
 from contract.protocol import RunState, Stop
 from contract.run_folder import EventTail

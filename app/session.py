@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from contract.preflight import PreflightReport, fingerprint, preflight
-from contract.protocol import (Command, Generate, ProtocolError, RunState, Stop,
-                               allowed_commands)
+from contract.command_base import Command, ProtocolError
+from contract.protocol import Generate, RunState, Stop, allowed_commands
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, RunRefused, stopping
 from supervisor.client import CommandError, Generation, RunClient, RunGone
 from supervisor.chat_sessions import chat_config

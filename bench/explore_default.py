@@ -30,17 +30,18 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine import default_task as dt  # noqa: E402
-from contract.config import OptimConfig  # noqa: E402
+from contract.config_schema import OptimConfig  # noqa: E402
+from contract import presets
 
 
 def parse_args() -> argparse.Namespace:
-    rec = dt.RECOMMENDED
+    rec = presets.RECOMMENDED
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ops", nargs="+", default=sorted(dt.OPERATIONS), help="instructions to train")
-    p.add_argument("--hidden", type=int, default=dt.MODEL_SIZE["hidden"])
-    p.add_argument("--layers", type=int, default=dt.MODEL_SIZE["layers"])
-    p.add_argument("--heads", type=int, default=dt.MODEL_SIZE["heads"])
-    p.add_argument("--intermediate", type=int, default=dt.MODEL_SIZE["intermediate"])
+    p.add_argument("--hidden", type=int, default=presets.MODEL_SIZE["hidden"])
+    p.add_argument("--layers", type=int, default=presets.MODEL_SIZE["layers"])
+    p.add_argument("--heads", type=int, default=presets.MODEL_SIZE["heads"])
+    p.add_argument("--intermediate", type=int, default=presets.MODEL_SIZE["intermediate"])
     p.add_argument("--lr", type=float, default=rec["lr"])
     p.add_argument("--batch", type=int, default=rec["micro_batch_size"])
     p.add_argument("--steps", type=int, default=rec["max_steps"])

@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from contract.events import EventType  # noqa: E402  (torch-free)
+from contract import deepspeed_config
 
 # dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
@@ -116,7 +117,7 @@ def run_overrides(a, model: Path, data: Path, method: str, name: str) -> list[st
 
 def run_ours(a, model: Path, data: Path, method: str, name: str, chat: bool) -> list[dict]:
     """One run of ours; returns its row (and, with `chat`, the two chat rows)."""
-    from contract.config import load_config
+    from contract.config_load import load_config
     from contract.run_folder import make_run_folder
     from supervisor.client import RunClient
     from supervisor.launch import spawn
@@ -299,7 +300,7 @@ def hf_child(a) -> None:
 def hf_case(a, method: str, case: str) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
-    from contract.config import load_config
+    from contract.config_load import load_config
     from engine import ds_config, methods
     from engine.data import PaddingCollator, build_dataset
     from engine.model import build_model, count_parameters, hidden_size, load_tokenizer
@@ -309,7 +310,7 @@ def hf_case(a, method: str, case: str) -> dict:
     cfg = load_config(overrides=run_overrides(a, a.model, a.data, method, f"hf-{method}"))
     precision = ds_config.resolve_precision(cfg.train.precision)
     steps = a.warmup + a.steps
-    ds = ds_config.build_ds_config(cfg, world_size=1, dp_size=1, total_steps=steps, warmup_steps=0,
+    ds = deepspeed_config.build_ds_config(cfg, world_size=1, dp_size=1, total_steps=steps, warmup_steps=0,
                                    hidden_size=hidden_size(a.model), precision=precision).config
     model = build_model(a.model, seed=cfg.train.seed, precision=precision, attn_implementation=a.attn)
     if method == "lora":

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from contract.config import load_config  # noqa: E402
+from contract.config_load import load_config  # noqa: E402
+from contract import deepspeed_config
 
 WARMUP = 5
 MICRO = 8
@@ -58,7 +59,7 @@ class Clock:
 
 def ds_config_for(cfg, hidden: int) -> dict:
     from engine import ds_config
-    return ds_config.build_ds_config(cfg, world_size=2, dp_size=2, total_steps=cfg.train.max_steps,
+    return deepspeed_config.build_ds_config(cfg, world_size=2, dp_size=2, total_steps=cfg.train.max_steps,
                                      warmup_steps=0, hidden_size=hidden,
                                      precision=ds_config.resolve_precision("auto")).config
 

@@ -30,7 +30,7 @@ from contract.events import Event, check_event, parse_event
 from contract.protocol import jsonable
 
 if TYPE_CHECKING:
-    from contract.config import RunConfig
+    from contract.config_schema import RunConfig
 
 
 @dataclass(frozen=True)

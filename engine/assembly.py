@@ -22,14 +22,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from engine import evaluators as evaluator_layer
 from engine import setup
 from engine.checkpoint import CheckpointSchedule, resolve_resume
 from engine.checkpoint import rewind
 from engine.context import RunContext, TrainerState
 from engine.control import Control
-from engine.ds_config import DeepSpeedSetup
+from contract.deepspeed_config import DeepSpeedSetup
 from engine.early_stopping import EarlyStopping
 from engine.guard_hook import GuardCallback
 from engine.methods import method_of

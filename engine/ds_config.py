@@ -22,14 +22,11 @@ from typing import Any
 
 import torch
 
-from contract.config import ConfigError
+from contract.config_schema import ConfigError
 
 # The config builder ("auto" filling, every contradiction collected) is torch-free and lives in
 # the contract, where the pre-flight check runs it before any rank starts; these names stay.
-from contract.deepspeed_config import (  # noqa: F401
-    AUTO, NO_LOG_STEPS, OFFLOAD_DEVICES, OPTIMIZER_PARAMS, OPTIMIZER_TYPES,
-    PRECISIONS, SCHEDULER_PARAMS, SCHEDULER_TYPES, DeepSpeedConfigError, DeepSpeedSetup,
-    DsConfig, build_ds_config, inference_config, load_user_config)
+from contract.deepspeed_config import PRECISIONS
 
 
 # -- precision ----------------------------------------------------------------------------------

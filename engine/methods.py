@@ -43,11 +43,12 @@ import torch
 
 from contract import capabilities
 from contract.capabilities import Feature
-from contract.config import FUSED_METHODS, PEFT_METHODS, RunConfig
+from contract.config_schema import FUSED_METHODS, PEFT_METHODS, RunConfig
 from engine import ds_config, lomo
 from engine.checkpoint import adapters
 from engine.context import Method, RunContext
 from engine.steps import StepStrategy
+from engine import checkpoint
 
 def _linear_types() -> tuple[type, ...]:
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
@@ -210,7 +211,7 @@ class FullMethod:
         run.layout.load_model(run, path)
 
     def save_peft(self, run: RunContext, path: str, selected_adapters: list[str] | None) -> dict:
-        return self.save_model(run, path, adapters.models.DEFAULT_SHARD_SIZE)  # as in CoLLie
+        return self.save_model(run, path, checkpoint.models.DEFAULT_SHARD_SIZE)  # as in CoLLie
 
     def load_peft(self, run: RunContext, path: str, adapter_name: str, is_trainable: bool) -> None:
         self.load_model(run, path)

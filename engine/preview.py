@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from contract import hub
-from contract.config import ConfigError, RunConfig, load_config
+from contract.config_schema import ConfigError, RunConfig
+from contract.config_load import load_config
 from contract.data_rows import PREFERENCE_FORMATS, preference_columns
+from contract import deepspeed_config
+from contract import presets
 
 MAX_DATA_ROWS_SHOWN = 2
 
@@ -32,7 +35,7 @@ def deepspeed_preview(data: dict) -> dict:
     total, estimated = _total_steps(cfg)
     warmup = cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * total)
     precision = ds_config.resolve_precision(cfg.train.precision)
-    setup = ds_config.build_ds_config(
+    setup = deepspeed_config.build_ds_config(
         cfg, world_size=cfg.world_size, dp_size=cfg.dp_size, total_steps=total, warmup_steps=warmup,
         hidden_size=_hidden_size(cfg), precision=precision)
     return {"config": setup.config, "warnings": setup.warnings, "precision": precision,
@@ -56,7 +59,7 @@ def _hidden_size(cfg: RunConfig) -> int | None:
     if cfg.model.path:
         return _model_config(hub.known_folder(cfg.model.path)).get("hidden_size")
     from engine import default_task
-    return default_task.MODEL_SIZE["hidden"]
+    return presets.MODEL_SIZE["hidden"]
 
 
 def _model_config(folder: Path) -> dict:
@@ -103,15 +106,15 @@ def _parameter_count(folder: Path) -> int:
 
 
 def _rows(path: str) -> list:
-    from engine.data.loading import read_rows
+    from contract.data_rows import read_rows
     return read_rows(path)[1]
 
 
 def data_preview(path: str, fmt: str = "auto") -> dict:
     """Rows, their format and the first rows of a data file (or saved dataset folder)."""
-    from engine.data.dataset import detect_rows_format
-    from engine.data.formats import detect_format
-    from engine.data.loading import UnreadableRow
+    from contract.data_rows import detect_rows_format
+    from contract.data_rows import detect_format
+    from contract.data_rows import UnreadableRow
     rows = _rows(path)
     unreadable = [n for n, row in rows if isinstance(row, UnreadableRow)]
     detected = detect_rows_format(path, rows) if fmt == "auto" else fmt

@@ -18,17 +18,18 @@ import torch.distributed as dist
 from transformers import get_scheduler
 
 from contract import hub
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from contract.run_folder import EventLog, RunFolder, make_run_folder
 from engine import data as data_layer
 from engine import ds_config
 from engine import model as model_layer
 from engine import rendezvous
 from engine.context import DistEnv
-from engine.ds_config import DeepSpeedSetup
+from contract.deepspeed_config import DeepSpeedSetup
 from engine.monitors import open_sinks
 from engine.parallel.groups import Groups, data_groups
 from engine.rng import seed_everything
+from contract import deepspeed_config
 
 
 def init_distributed(make_groups: Callable[[int, int], Groups] = data_groups) -> DistEnv:
@@ -176,7 +177,7 @@ def datasets_of(cfg: RunConfig, tokenizer, train_dataset, eval_dataset):
 def training_sources(cfg: RunConfig, tokenizer, train_src: str, reports: dict):
     """The run's training sources (data.sources, or data.train as the one source "train") as a
     mixture (engine.data.mixture); each source's data report goes into `reports`."""
-    from contract.config import source_name
+    from contract.config_checks import source_name
     from engine.data.mixture import MixtureDataset, Source, source_seed
     specs = cfg.data.sources or [{"path": train_src, "format": cfg.data.format, "name": "train"}]
     sources = []
@@ -233,7 +234,7 @@ SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": 
 
 def ds_setup_of(cfg: RunConfig, env: DistEnv, model, total_steps: int, precision: str) -> DeepSpeedSetup:
     """The run's DeepSpeed config (the run's method adjusts it once the model is prepared)."""
-    return ds_config.build_ds_config(
+    return deepspeed_config.build_ds_config(
         cfg, world_size=env.world_size, dp_size=env.dp_size, total_steps=total_steps,
         warmup_steps=warmup_steps_of(cfg, total_steps),
         hidden_size=model_layer.hidden_size(model_dir_of(cfg)) if model is None else _model_hidden(model),

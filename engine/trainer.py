@@ -20,22 +20,22 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from contract.protocol import RunState
 from contract.events import EvalEvent, EventType, SetupEvent, StateEvent, WarningEvent
 from engine import assembly, chat_only, checkpoint
 from engine.callbacks import NOTHING, Callback, CallbackList, Signal
 from engine.checkpoint import rewind as rewinding
 from engine.checkpoint import state as checkpoint_state
-from engine.checkpoint.atomic import CheckpointError
+from engine.checkpoint.locations import CheckpointError
 from engine.checkpoint.snapshots import SnapshotStore
-from engine.context import RunContext, TrainerState
+from engine.context import RunContext
 from engine.control.settings import live_settings
-from engine.losses import PER_MICRO_BATCH, Window, call_by_names
+from engine.losses import PER_MICRO_BATCH, Window
 from engine.monitors import DEFAULT_MONITORS, Monitor, StepInfo
 from engine.rng import preserved_rng
 
-__all__ = ["Trainer", "TrainerState", "call_by_names"]
+__all__ = ["Trainer",]
 
 
 def _from_context(name: str, doc: str) -> property:

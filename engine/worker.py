@@ -13,7 +13,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from contract.config import load_config
+from contract.config_load import load_config
 from contract.run_folder import EventLog, RunFolder
 from contract.protocol import RunState
 from contract.events import StateEvent

@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from contract.events import run_state
-from contract.protocol import (AddSource, Branch, Branches, Command, Evaluate, Forget, Generate, Inbox, Pause,
-                               ProtocolError, RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight,
-                               Snapshot, Status, Stop, Subscribe, Teach, command_from_wire, encode)
+from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.command_base import Command, ProtocolError
+from contract.protocol import (Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status, Stop,
+                               Subscribe, command_from_wire, encode)
 from contract.run_folder import RunFolder, read_events
 
 TERMINAL_STATES = tuple(s.value for s in RunState if s.final)
@@ -203,7 +205,7 @@ class RunClient:
         """The branch tree, the present branch, the checkpoints and snapshots one can go back to."""
         return self.send(Branches())
 
-    # -- data (issue 13): sources and the inbox of taught answers -------------------------------------
+    # -- data: sources and the inbox of taught answers -------------------------------------
     def add_source(self, path: str, weight: float = AddSource.weight, format: str = AddSource.format,
                    name: str = "") -> dict:
         """Add a training source from the next step on (read and checked like data at start: the

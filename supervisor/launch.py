@@ -16,9 +16,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from contract.layout_checks import is_local_only, parse_hostfile
-from contract.run_folder import RunFolder, make_run_folder
+from contract.run_folder import RunFolder
 
 from supervisor import remote_stop
 

@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from contract.preflight import PreflightError, PreflightReport, fingerprint, preflight
-from supervisor.launch import make_run_folder, spawn
+from contract.run_folder import make_run_folder
+from supervisor.launch import spawn
 from contract.run_folder import EventLog, RunFolder
 from contract.protocol import RunState, Stop
 from contract.events import StateEvent

@@ -45,7 +45,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from contract.completion_commands import Complete
-from contract.protocol import MAX_MESSAGE_BYTES, ProtocolError
+from contract.protocol import MAX_MESSAGE_BYTES
+from contract.command_base import ProtocolError
 from contract.run_folder import write_private_json
 from supervisor.client import CommandError, Generation, RunClient, RunGone
 from supervisor.openai_models import ChatRequest, CompletionRequest, first_problem

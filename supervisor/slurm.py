@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from contract.protocol import RunState, Stop
 from contract.run_folder import EventLog, RunFolder, make_run_folder
 from contract.events import StateEvent

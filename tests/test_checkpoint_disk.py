@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from engine.checkpoint import atomic, space
+from engine.checkpoint import locations
+from engine.checkpoint import reading
 
 MiB = 2**20
 
@@ -65,7 +67,7 @@ def save(url: Path, nbytes: int, emit=None) -> str:
 
 
 def leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith((atomic.TMP_PREFIX, atomic.OLD_PREFIX)))
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith((locations.TMP_PREFIX, locations.OLD_PREFIX)))
 
 
 def test_the_disk_filling_in_the_middle_of_a_save_fails_it_as_a_full_disk(small_disk):
@@ -74,7 +76,7 @@ def test_the_disk_filling_in_the_middle_of_a_save_fails_it_as_a_full_disk(small_
     free_before = space.free_bytes(small_disk)
     events: list[dict] = []
     fill(small_disk, leave=6 * MiB)
-    with pytest.raises(atomic.DiskFullError) as caught:
+    with pytest.raises(locations.DiskFullError) as caught:
         save(ckpts / "step-2", 12 * MiB, emit=events.append)
     message = str(caught.value)
     assert message.startswith("disk full: saving ") and str(ckpts / "step-2") in message
@@ -84,22 +86,22 @@ def test_the_disk_filling_in_the_middle_of_a_save_fails_it_as_a_full_disk(small_
     assert caught.value.free is not None and 5 * MiB < caught.value.free <= 6 * MiB + MiB
     assert leftovers(ckpts) == []                                   # the partial folder is gone
     assert not (ckpts / "step-2").exists()
-    assert [c["name"] for c in atomic.list_checkpoints(str(ckpts))] == ["step-1"]
-    assert atomic.resolve_checkpoint("latest", str(ckpts)) == str(ckpts / "step-1")
-    step1 = atomic.location(str(ckpts / "step-1"))
-    assert atomic.verify(step1, atomic.complete_marker(step1.url, "training")) == []
+    assert [c["name"] for c in reading.list_checkpoints(str(ckpts))] == ["step-1"]
+    assert reading.resolve_checkpoint("latest", str(ckpts)) == str(ckpts / "step-1")
+    step1 = locations.location(str(ckpts / "step-1"))
+    assert reading.verify(step1, reading.complete_marker(step1.url, "training")) == []
     (failed,) = [e for e in events if e["type"] == "checkpoint_failed"]
     assert failed["disk_full"] and not failed["foreseen"] and failed["path"] == str(ckpts / "step-2")
     (small_disk / "filler").unlink()
     assert space.free_bytes(small_disk) == free_before               # nothing of the partial save is left
     save(ckpts / "step-2", 12 * MiB)                                  # room again: it goes through
-    assert [c["name"] for c in atomic.list_checkpoints(str(ckpts))] == ["step-1", "step-2"]
+    assert [c["name"] for c in reading.list_checkpoints(str(ckpts))] == ["step-1", "step-2"]
 
 
 def test_a_first_save_that_fills_the_disk_says_how_much_it_wrote(small_disk):
     ckpts = small_disk / "checkpoints"
     fill(small_disk, leave=5 * MiB)
-    with pytest.raises(atomic.DiskFullError) as caught:
+    with pytest.raises(locations.DiskFullError) as caught:
         save(ckpts / "step-1", 12 * MiB)
     assert "needs more than the" in str(caught.value) and "written before the disk filled" in str(caught.value)
     assert "no complete checkpoint is there yet" in str(caught.value)
@@ -109,11 +111,11 @@ def test_a_first_save_that_fills_the_disk_says_how_much_it_wrote(small_disk):
 def test_a_save_that_cannot_fit_is_refused_before_it_starts_with_a_warning(small_disk):
     ckpts = small_disk / "checkpoints"
     save(ckpts / "step-1", 12 * MiB)
-    size = space.manifest_bytes(atomic.complete_marker(str(ckpts / "step-1")))
+    size = space.manifest_bytes(reading.complete_marker(str(ckpts / "step-1")))
     fill(small_disk, leave=8 * MiB)
     free = space.free_bytes(small_disk)
     events: list[dict] = []
-    with pytest.raises(atomic.DiskFullError) as caught:
+    with pytest.raises(locations.DiskFullError) as caught:
         save(ckpts / "step-2", 12 * MiB, emit=events.append)
     assert caught.value.foreseen and caught.value.needed == size and caught.value.free == free
     assert f"needs about {space.mb(size)} (the size of step-1)" in str(caught.value)
@@ -126,7 +128,7 @@ def test_a_save_that_cannot_fit_is_refused_before_it_starts_with_a_warning(small
 
 def test_a_file_cut_short_is_never_marked_complete(tmp_path):
     target = tmp_path / "checkpoints" / "step-1"
-    with pytest.raises(atomic.CheckpointError, match=r"model.pt \(a zip archive without its end\)"):
+    with pytest.raises(locations.CheckpointError, match=r"model.pt \(a zip archive without its end\)"):
         with atomic.writing(str(target), kind="training", meta={"step": 1}) as w:
             torch.save({"w": torch.ones(1000)}, w.local / "model.pt")
             with open(w.local / "model.pt", "r+b") as f:  # a write that lost its tail unnoticed
@@ -144,13 +146,13 @@ def test_a_deferred_write_failure_is_raised_once_every_rank_is_through(tmp_path)
 
     writer = Writer()
     target = tmp_path / "checkpoints" / "step-1"
-    with pytest.raises(atomic.CheckpointError, match="PermissionError: .*Permission denied") as caught:
+    with pytest.raises(locations.CheckpointError, match="PermissionError: .*Permission denied") as caught:
         with atomic.writing(str(target), kind="training", meta={"step": 1}) as w:
             with w.deferring(writer, "save"):
                 assert writer.save("a") is None  # noted, not raised: the body goes on
                 writer.save("b")                  # after a failure nothing more is written
             assert "save" not in vars(writer)     # the method is the class's again
-    assert writer.calls == 1 and not isinstance(caught.value, atomic.DiskFullError)
+    assert writer.calls == 1 and not isinstance(caught.value, locations.DiskFullError)
     assert not target.exists() and leftovers(target.parent) == []
 
 
@@ -189,7 +191,7 @@ def test_save_now_on_a_full_disk_is_answered_and_training_goes_on(tmp_path):
                 wait_for_step(run, step + 3)           # training goes on
                 filler.unlink()
                 first = client.save()                  # room again: it succeeds
-                size = space.manifest_bytes(atomic.complete_marker(first["checkpoint"]))
+                size = space.manifest_bytes(reading.complete_marker(first["checkpoint"]))
                 filler = fill(ckpts, leave=size // 2)
                 with pytest.raises(CommandError, match="so the save was not started") as foreseen:
                     client.save()
@@ -239,7 +241,7 @@ def test_a_full_disk_ends_the_run_with_its_message_and_the_resume_repeats_the_lo
         assert first.returncode == 1, out[-3000:]
         assert "disk full: saving " + str(ckpts / "step-6") in out and "MiB free" in out, out[-3000:]
         assert "step-4 stays the newest complete one" in out
-        assert [c["name"] for c in atomic.list_checkpoints(str(ckpts))] == ["step-2", "step-4"]
+        assert [c["name"] for c in reading.list_checkpoints(str(ckpts))] == ["step-2", "step-4"]
         assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-2", "step-4"]
         before = dict(train_losses(run_dir))
         subprocess.run(["mount", "-o", "remount,size=80m", str(ckpts)], check=True)  # space freed
@@ -259,7 +261,7 @@ def test_on_a_full_disk_the_keep_rules_make_room_first_and_the_run_goes_on(tmp_p
     with tmpfs(ckpts, "13m"):
         done = cli_run(tmp_path, "room", "checkpoint.keep_last=2")
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        assert [c["name"] for c in atomic.list_checkpoints(str(ckpts))] == ["step-10", "step-12"]
+        assert [c["name"] for c in reading.list_checkpoints(str(ckpts))] == ["step-10", "step-12"]
     deleted = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
                if e["type"] == "checkpoint_deleted" and "disk full" in e.get("reason", "")]
     assert deleted and deleted[0]["names"] == ["step-2"]

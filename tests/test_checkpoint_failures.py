@@ -13,6 +13,8 @@ import time
 import pytest
 
 from dist_utils import REPO_ROOT, SCRIPTS, deepspeed_command, parse_results, tail
+from engine.checkpoint import locations
+from engine.checkpoint import reading
 
 
 def env() -> dict:
@@ -38,14 +40,14 @@ def test_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # every rank, in the middle of writing step 4
         proc.communicate()
     checkpoints = tmp_path / "run" / "checkpoints"
-    leftovers = [p.name for p in checkpoints.iterdir() if p.name.startswith(atomic.TMP_PREFIX)]
+    leftovers = [p.name for p in checkpoints.iterdir() if p.name.startswith(locations.TMP_PREFIX)]
     assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-step-4-")
     assert any((checkpoints / leftovers[0]).rglob("*.pt"))  # it did get half written
     assert not (checkpoints / "step-4").exists()
-    assert [c["name"] for c in atomic.list_checkpoints(str(checkpoints))] == ["step-2"]
-    assert atomic.resolve_checkpoint("latest", str(checkpoints)) == str(checkpoints / "step-2")
-    previous = atomic.location(str(checkpoints / "step-2"))
-    assert atomic.verify(previous, atomic.complete_marker(previous.url, "training")) == []  # every byte intact
+    assert [c["name"] for c in reading.list_checkpoints(str(checkpoints))] == ["step-2"]
+    assert reading.resolve_checkpoint("latest", str(checkpoints)) == str(checkpoints / "step-2")
+    previous = locations.location(str(checkpoints / "step-2"))
+    assert reading.verify(previous, reading.complete_marker(previous.url, "training")) == []  # every byte intact
 
 
 @pytest.mark.slow

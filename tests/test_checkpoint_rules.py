@@ -12,9 +12,11 @@ import fsspec
 import pytest
 
 from engine.checkpoint import atomic
-from engine.checkpoint.atomic import (CheckpointNotFoundError, Comm, IncompleteCheckpointError,
-                                      WrongKindError)
+from engine.checkpoint.locations import CheckpointNotFoundError, IncompleteCheckpointError, WrongKindError
+from engine.checkpoint.atomic import Comm
 from engine.checkpoint.schedule import SCHEDULE, best_checkpoint, metric_of, to_delete
+from engine.checkpoint import locations
+from engine.checkpoint import reading
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -37,30 +39,30 @@ def publish(url: str, files: dict[str, bytes], step: int = 1, kind: str = "train
 
 
 def ls(url: str) -> list[str]:
-    folder = atomic.location(url)
+    folder = locations.location(url)
     return sorted(i["name"].rstrip("/").rsplit("/", 1)[-1] for i in folder.fs.ls(folder.path, detail=True))
 
 
 def test_publish_writes_marker_manifest_and_latest(root):
     publish(f"{root}/step-1", {"a.bin": b"x" * 10, "sub/b.txt": b"hello"}, step=1)
-    marker = atomic.complete_marker(f"{root}/step-1", "training")
+    marker = reading.complete_marker(f"{root}/step-1", "training")
     assert marker["step"] == 1 and set(marker["files"]) == {"a.bin", "sub/b.txt"}
     assert marker["files"]["a.bin"]["size"] == 10
     assert ls(root) == ["latest", "step-1"]  # no temporary folder left behind
-    assert atomic.location(f"{root}/latest").read_text().strip() == "step-1"
-    assert atomic.resolve_checkpoint("latest", root).endswith("/step-1")
+    assert locations.location(f"{root}/latest").read_text().strip() == "step-1"
+    assert reading.resolve_checkpoint("latest", root).endswith("/step-1")
 
 
 def test_failed_write_publishes_nothing_and_keeps_the_previous(root):
     publish(f"{root}/step-1", {"a.bin": b"old"})
     # the body's error becomes the save's CheckpointError (the one every rank raises alike)
-    with pytest.raises(atomic.CheckpointError, match="nothing was published .*: RuntimeError: disk on fire"):
+    with pytest.raises(locations.CheckpointError, match="nothing was published .*: RuntimeError: disk on fire"):
         with atomic.writing(f"{root}/step-2", kind="training", meta={"step": 2}, pointer=True, comm=Comm()) as w:
             (w.local / "a.bin").write_bytes(b"half")
             raise RuntimeError("disk on fire")
     assert ls(root) == ["latest", "step-1"]  # the partial folder is removed at once
-    assert atomic.resolve_checkpoint("latest", root).endswith("/step-1")
-    assert [c["name"] for c in atomic.list_checkpoints(root)] == ["step-1"]
+    assert reading.resolve_checkpoint("latest", root).endswith("/step-1")
+    assert [c["name"] for c in reading.list_checkpoints(root)] == ["step-1"]
     publish(f"{root}/step-3", {"a.bin": b"new"}, step=3)  # the next save clears the broken leftovers
     assert ls(root) == ["latest", "step-1", "step-3"]
 
@@ -68,7 +70,7 @@ def test_failed_write_publishes_nothing_and_keeps_the_previous(root):
 def test_replacing_a_folder_of_the_same_name(root):
     publish(f"{root}/step-1", {"a.bin": b"first", "gone.txt": b"x"})
     publish(f"{root}/step-1", {"a.bin": b"second"})
-    folder = atomic.location(f"{root}/step-1")
+    folder = locations.location(f"{root}/step-1")
     assert folder.child("a.bin").read_text() == "second"
     assert not folder.child("gone.txt").exists()
     assert ls(root) == ["latest", "step-1"]
@@ -78,42 +80,42 @@ def test_latest_falls_back_to_the_newest_complete_checkpoint(root):
     publish(f"{root}/step-2", {"a": b"2"}, step=2)
     publish(f"{root}/step-5", {"a": b"5"}, step=5, pointer=False)
     # `latest` names step-2; break it, as a crash between two publishes could
-    atomic.remove(atomic.location(f"{root}/step-2"))
-    assert atomic.resolve_checkpoint("latest", root).endswith("/step-5")
-    assert atomic.resolve_checkpoint(root, root).endswith("/step-5")  # a folder of checkpoints
+    atomic.remove(locations.location(f"{root}/step-2"))
+    assert reading.resolve_checkpoint("latest", root).endswith("/step-5")
+    assert reading.resolve_checkpoint(root, root).endswith("/step-5")  # a folder of checkpoints
 
 
 def test_unfinished_and_missing_checkpoints_are_refused(root, tmp_path):
     publish(f"{root}/step-1", {"a": b"1"})
-    unfinished = atomic.location(f"{root}/step-9")
+    unfinished = locations.location(f"{root}/step-9")
     unfinished.fs.makedirs(unfinished.path, exist_ok=True)
     unfinished.fs.pipe_file(unfinished.child("a").path, b"partial")
     with pytest.raises(IncompleteCheckpointError, match=r"no completion marker.*step-1"):
-        atomic.resolve_checkpoint(unfinished.url, root)
-    assert atomic.resolve_checkpoint("latest", root).endswith("/step-1")  # never offered
+        reading.resolve_checkpoint(unfinished.url, root)
+    assert reading.resolve_checkpoint("latest", root).endswith("/step-1")  # never offered
     with pytest.raises(CheckpointNotFoundError, match="no such checkpoint folder"):
-        atomic.resolve_checkpoint(f"{root}/step-404", root)
+        reading.resolve_checkpoint(f"{root}/step-404", root)
     with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
-        atomic.resolve_checkpoint("latest", str(tmp_path / "empty"))
+        reading.resolve_checkpoint("latest", str(tmp_path / "empty"))
 
 
 def test_a_model_export_is_not_a_training_checkpoint(root):
     publish(f"{root}/model", {"model.safetensors": b"w"}, kind="model", pointer=False)
     with pytest.raises(WrongKindError, match="model folder, not a training one"):
-        atomic.resolve_checkpoint(f"{root}/model", root)
+        reading.resolve_checkpoint(f"{root}/model", root)
 
 
 def test_verify_names_missing_resized_and_changed_files(tmp_path):
     url = str(tmp_path / "ck" / "step-1")
     publish(url, {"a": b"aaaa", "b": b"bbbb", "c": b"cccc"})
-    folder = atomic.location(url)
-    marker = atomic.complete_marker(url)
-    assert atomic.verify(folder, marker) == []
+    folder = locations.location(url)
+    marker = reading.complete_marker(url)
+    assert reading.verify(folder, marker) == []
     (Path(url) / "a").unlink()
     (Path(url) / "b").write_bytes(b"bb")
     (Path(url) / "c").write_bytes(b"cccC")  # same size, other bytes
-    assert atomic.missing_files(folder, marker) == ["a"]
-    problems = atomic.verify(folder, marker)
+    assert reading.missing_files(folder, marker) == ["a"]
+    problems = reading.verify(folder, marker)
     assert problems[0] == "missing a"
     assert "b has 2 bytes, the manifest says 4" in problems[1]
     assert "c does not match its hash" in problems[2]
@@ -122,14 +124,14 @@ def test_verify_names_missing_resized_and_changed_files(tmp_path):
 def test_damaged_marker_is_reported(tmp_path):
     url = str(tmp_path / "ck" / "step-1")
     publish(url, {"a": b"1"})
-    (Path(url) / atomic.MARKER).write_text("{not json")
-    with pytest.raises(atomic.CorruptCheckpointError, match="not valid JSON"):
-        atomic.complete_marker(url)
+    (Path(url) / locations.MARKER).write_text("{not json")
+    with pytest.raises(locations.CorruptCheckpointError, match="not valid JSON"):
+        reading.complete_marker(url)
 
 
 def test_fetch_downloads_remote_files(root):
     publish(f"{root}/step-1", {"x/y.bin": b"remote bytes"})
-    local, temporary = atomic.fetch(atomic.location(f"{root}/step-1"), ["x/y.bin"])
+    local, temporary = reading.fetch(locations.location(f"{root}/step-1"), ["x/y.bin"])
     try:
         assert (local / "x" / "y.bin").read_bytes() == b"remote bytes"
         assert temporary == root.startswith("memory://")
@@ -177,5 +179,5 @@ def test_ties_keep_the_newer_and_best_checkpoint_lookup():
 def test_marker_is_plain_json_the_app_can_read(tmp_path):
     url = str(tmp_path / "ck" / "step-3")
     publish(url, {"a": b"1"}, step=3, saved_by=SCHEDULE, metrics={"eval/loss": 1.5})
-    marker = json.loads((Path(url) / atomic.MARKER).read_text())
-    assert marker["format"] == atomic.FORMAT and marker["metrics"] == {"eval/loss": 1.5}
+    marker = json.loads((Path(url) / locations.MARKER).read_text())
+    assert marker["format"] == locations.FORMAT and marker["metrics"] == {"eval/loss": 1.5}

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from contract.protocol import ProtocolError, parse_command
+from contract.command_base import ProtocolError
+from contract.protocol import parse_command
 from contract.run_folder import RunFolder
 from engine.control import chat_page
 from engine.control.pending import CommandQueue

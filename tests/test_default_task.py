@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine import default_task as dt
+from contract import presets
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,11 +137,11 @@ def test_model_folder_loads_in_transformers(assets, tokenizer):
     batch = tokenizer(["reverse: abc\n", "upper: hello\n"], return_tensors="pt", padding=True)
     logits = model(**batch).logits
     assert logits.shape == (2, batch["input_ids"].shape[1], len(tokenizer))
-    assert set(dt.RECOMMENDED) == {"lr", "micro_batch_size", "max_steps", "warmup_steps",
+    assert set(presets.RECOMMENDED) == {"lr", "micro_batch_size", "max_steps", "warmup_steps",
                                    "max_length", "eval_every_n_steps", "batching"}
     longest = max(len(tokenizer(r["input"] + r["output"])["input_ids"]) + 1
                   for r in _read_jsonl(assets.train_path))
-    assert longest <= dt.RECOMMENDED["max_length"]  # no default sample is ever truncated
+    assert longest <= presets.RECOMMENDED["max_length"]  # no default sample is ever truncated
 
 
 # -- tokenizer ----------------------------------------------------------------------------------

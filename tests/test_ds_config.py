@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
-from contract.config import ConfigError, load_config
-from engine.ds_config import (NO_LOG_STEPS, DeepSpeedConfigError, DsConfig, build_ds_config,
-                              inference_config, resolve_precision, transformers_zero3, zero3_init)
+from contract.config_schema import ConfigError
+from contract.config_load import load_config
+from contract.deepspeed_config import (DeepSpeedConfigError, DsConfig, NO_LOG_STEPS, build_ds_config,
+                                       inference_config)
+from engine.ds_config import resolve_precision, transformers_zero3, zero3_init
 
 HIDDEN = 64
 

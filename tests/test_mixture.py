@@ -12,12 +12,15 @@ import math
 import pytest
 
 from contract import inbox as inbox_file
-from contract.config import ConfigError, load_config
-from contract.protocol import ProtocolError, SetWeight, Teach, command_from_wire
+from contract.config_schema import ConfigError
+from contract.config_load import load_config
+from contract.command_base import ProtocolError
+from contract.data_commands import SetWeight, Teach
+from contract.protocol import command_from_wire
 from engine.data.dataset import TokenizedDataset
 from engine.data.inbox import InboxDataset, encode_pair
 from engine.data.mixture import MixtureDataset, Source, source_seed
-from engine.data.report import DataError
+from contract.data_rows import DataError
 from engine.data.sampler import DistributedBatchSampler
 
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from contract.completion_commands import Complete
-from contract.protocol import ProtocolError, command_from_wire
+from contract.command_base import ProtocolError
+from contract.protocol import command_from_wire
 from supervisor.openai_api import KEY_FILE, ApiServer, key_of, model_name
 from supervisor.openai_models import ChatRequest, CompletionRequest
 from supervisor.openai_stream import StopFilter

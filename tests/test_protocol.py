@@ -14,8 +14,9 @@ import pytest
 from contract import protocol as P
 from contract.events import EventType, run_state, state_event
 from contract.protocol import (ALLOWED_COMMANDS, COMMANDS, GENERATION_DEFAULTS, Generate, GenerationParams,
-                               Pause, ProtocolError, RunState, Set, Status, Stop, Subscribe, allowed_commands,
+                               Pause, RunState, Set, Status, Stop, Subscribe, allowed_commands,
                                parse_command)
+from contract.command_base import ProtocolError
 from contract.run_folder import EventLog, EventTail, read_events
 from supervisor.client import CommandError, RunClient
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from contract.config import config_from_dict
+from contract.config_load import config_from_dict
 from contract.events import EventType
 from contract.presets import DEFAULT
 from contract.protocol import RunState

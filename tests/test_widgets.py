@@ -16,7 +16,9 @@ import yaml
 from app.form import Form
 from app.notebook.form import ConfigForm
 from app.series import RunHistory, format_seconds
-from contract.config import ConfigError, load_config, schema
+from contract.config_schema import ConfigError
+from contract.config_load import load_config
+from contract.config_form import schema
 from contract.presets import DEFAULT, PRESETS
 from nb_utils import REPO, code_notebook, errors_in, run_notebook, widget_states
 
@@ -128,7 +130,7 @@ def test_the_notebook_form_is_the_web_apps_form(tmp_path):
 # -- the plain calls' config handling ----------------------------------------------------------
 
 def test_make_config_takes_every_kind_of_config_and_paths_become_absolute(tmp_path, monkeypatch):
-    from app.notebook.api import make_config
+    from app.form import make_config
 
     assert make_config().to_dict() == load_config(data=copy.deepcopy(DEFAULT)).to_dict()
     assert make_config(None, "max_steps=7").train.max_steps == 7

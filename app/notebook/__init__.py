@@ -8,8 +8,8 @@ Torch-free, like all of app/: training runs in its own process group, never in t
 form (`app.form`) and the session (`app.session`) are the web app's own, so both behave alike.
 """
 
-from app.notebook.api import (Run, RunFailed, attach, default_output_dir, make_config, manager, runs,
-                              session, start)
+from app.notebook.api import Run, RunFailed, attach, default_output_dir, manager, runs, session, start
+from app.form import make_config
 from app.notebook.chat import ChatBox
 from app.notebook.form import ConfigForm
 from app.notebook.panel import RunPanel

@@ -27,9 +27,12 @@ from typing import Any, Iterator
 from app.form import make_config
 from app.series import RunHistory
 from app.session import Session, SessionError
-from contract.config import RunConfig, load_config
-from contract.protocol import (AddSource, Branch, Branches, Evaluate, Forget, Generate, Inbox, Pause, ProtocolError,
-                               RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight, Snapshot, Status, Teach)
+from contract.config_schema import RunConfig
+from contract.config_load import load_config
+from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.protocol import Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status
+from contract.command_base import ProtocolError
 from contract.run_folder import read_events
 from contract.protocol import Stop
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager
@@ -251,8 +254,17 @@ class Run:
         where = {"messages": messages} if messages is not None else {"prompt": prompt}
         return self._data(lambda: Teach.from_args({"answer": answer, **where, **rate}))
 
+    def prefer(self, prompt: str | None, chosen: str, rejected: str, *, messages: list[dict] | None = None,
+               **rate: Any) -> dict:
+        """A preference: for `prompt` (raw text, as given to generate) or chat `messages`, `chosen`
+        is the better answer and `rejected` the worse (say the model's own answer, edited into
+        `chosen`). Into the inbox as teach; a preference run (dpo, orpo, simpo) trains on the pair
+        from the next step. The answer holds the entry's `id` and `margin`: log p(chosen) -
+        log p(rejected) under the live weights. rate as for teach."""
+        return self.teach(prompt, chosen, messages=messages, rejected=rejected, **rate)
+
     def inbox(self) -> list[dict]:
-        """The inbox entries: id, prompt, answer, removed, steps_left."""
+        """The inbox entries: id, prompt, answer, removed, steps_left (and a preference's rejected)."""
         return self._data(Inbox)["entries"]
 
     def forget(self, entry_id: str) -> dict:

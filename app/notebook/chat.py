@@ -4,7 +4,8 @@
 tab does (the model's chat template; the last message as raw text when it has none); `prompt`
 mode sends the text as it is. The answer comes from a background thread, so the kernel stays
 free while the model writes. Teach: write the answer you wanted to the last question and press
-Teach: the pair goes into the run's inbox and the next batches.
+Teach: the pair goes into the run's inbox and the next batches. Prefer (a preference run): the
+written answer is preferred over the model's last answer (chosen and rejected, Run.prefer).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ class ChatBox:
                                    layout=widgets.Layout(width="520px"))
         self.teach_button = widgets.Button(description="Teach", icon="graduation-cap")
         self.taught = widgets.HTML()
+        self.prefer_button = widgets.Button(description="Prefer", icon="thumbs-up",
+                                            tooltip="the answer you wanted, preferred over the model's last answer")
         self.teach_button.on_click(lambda _: self.teach())
+        self.prefer_button.on_click(lambda _: self.prefer())
         self.transcript: list[tuple[str, str]] = []
         self.answer = ""          # the answer being streamed (or the last one)
         self.base_answer = ""
@@ -55,7 +59,7 @@ class ChatBox:
             widgets.HTML("<b>Chat with the live model</b>"),
             widgets.HBox([self.input, widgets.VBox([self.send_button, self.clear_button])]),
             widgets.HBox([self.mode, self.max_new_tokens, self.keep_history, self.compare_base]),
-            self.view, widgets.HBox([self.wanted, self.teach_button]), self.taught])
+            self.view, widgets.HBox([self.wanted, self.teach_button, self.prefer_button]), self.taught])
 
     def set_enabled(self, enabled: bool) -> None:
         self.send_button.disabled = not enabled or self.busy
@@ -84,34 +88,52 @@ class ChatBox:
     def teach(self, answer: str | None = None) -> threading.Thread | None:
         """Teach `answer` (default: the box) for the last question asked, as the chat sent it;
         returns the thread waiting for the run's answer (it comes at the next step boundary)."""
+        return self._start_teach(answer, None)
+
+    def prefer(self, answer: str | None = None) -> threading.Thread | None:
+        """Prefer `answer` (default: the box) over the model's last answer to the last question
+        (a preference run's pair); returns the thread waiting for the run's answer."""
+        answered = [text for role, text in self.transcript if role == "assistant"]
+        if not answered:
+            self._on_error("prefer: ask something and wait for the answer first")
+            return None
+        return self._start_teach(answer, answered[-1])
+
+    def _start_teach(self, answer: str | None, rejected: str | None) -> threading.Thread | None:
         run = self._get_run()
         answer = self.wanted.value if answer is None else answer
         asked = [text for role, text in self.transcript if role == "user"]
+        what = "teach" if rejected is None else "prefer"
         if run is None or not asked:
-            self._on_error("teach: ask something first")
+            self._on_error(f"{what}: ask something first")
             return None
         if not answer.strip():
-            self._on_error("teach: write the answer you wanted first")
+            self._on_error(f"{what}: write the answer you wanted first")
             return None
-        question = asked[-1]
-        thread = threading.Thread(target=self._teach, args=(run, question, answer), name="teach", daemon=True)
+        thread = threading.Thread(target=self._teach, args=(run, asked[-1], answer, rejected), name=what,
+                                  daemon=True)
         thread.start()
         self._teaching = thread
         return thread
 
-    def _teach(self, run: Run, question: str, answer: str) -> None:
+    def _teach(self, run: Run, question: str, answer: str, rejected: str | None = None) -> None:
+        pair = {} if rejected is None else {"rejected": rejected}
         try:
             try:
-                result = (run.teach(question, answer) if self.mode.value == "prompt" else
-                          run.teach(None, answer, messages=[{"role": "user", "content": question}]))
+                result = (run.teach(question, answer, **pair) if self.mode.value == "prompt" else
+                          run.teach(None, answer, messages=[{"role": "user", "content": question}], **pair))
             except Exception as e:  # noqa: BLE001 - a model without a chat template: the raw text
                 if "chat template" not in str(e):
                     raise
-                result = run.teach(question, answer)
+                result = run.teach(question, answer, **pair)
             self.wanted.value = ""
-            self.taught.value = (f"<span style='color:#333'>taught {html.escape(str(result.get('id')))} at step "
+            said = "taught" if rejected is None else "preferred"
+            over = "" if rejected is None else f" over {html.escape(rejected)}"
+            margin = result.get("margin")
+            before = f", margin before {margin:+.3f}" if isinstance(margin, (int, float)) else ""
+            self.taught.value = (f"<span style='color:#333'>{said} {html.escape(str(result.get('id')))} at step "
                                  f"{html.escape(str(result.get('step')))}: {html.escape(question)} → "
-                                 f"{html.escape(answer)} (see the data fold's inbox)</span>")
+                                 f"{html.escape(answer)}{over}{before} (see the data fold's inbox)</span>")
         except Exception as e:  # noqa: BLE001 - shown, the kernel goes on
             self._on_error(f"teach: {e}")
             self.taught.value = f"<span style='color:#b00020'>not taught: {html.escape(str(e))}</span>"

@@ -32,7 +32,7 @@ from app.notebook.plots import render_png
 from app.notebook.watch import Watcher
 from app.series import RunHistory, format_seconds
 from app.session import allowed
-from contract.config import ConfigError
+from contract.config_schema import ConfigError
 from contract.protocol import RunState, Stop
 from supervisor import RunInfo
 

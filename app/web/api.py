@@ -20,8 +20,9 @@ import gradio as gr
 from app.form import DEFAULT_PRESET, config_from_text
 from app.session import SessionError
 from app.web.backend import Backend
-from contract.config import ConfigError
-from contract.protocol import Evaluate, Pause, ProtocolError, Resume, Save, Set, Stop
+from contract.config_schema import ConfigError
+from contract.protocol import Evaluate, Pause, Resume, Save, Set, Stop
+from contract.command_base import ProtocolError
 from supervisor import RunInfo
 
 

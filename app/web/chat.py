@@ -12,7 +12,8 @@ own live weights; a checkpoint or a run that has ended from a chat-only copy (`S
 its own processes, stopped with "End it"). Teach: pick any answer of the chat, write
 the answer you wanted, press Teach: the pair goes into the run's inbox and into the next batches
 (the inbox is on the Train tab's data panel, with the engine's check of the answer before and
-after)."""
+after). Which answer is better: one question answered twice, the better one preferred
+(chat_prefer)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import gradio as gr
 from app.branches import checkpoint_targets
 from app.embedded import early_note, expected_answer
 from app.session import SessionError
+from app.web import chat_prefer
 from app.web.backend import Backend
 from app.web.backend.watch import Snapshot
 from app.web.widgets import CHAT_CLASS, readable
@@ -85,6 +87,7 @@ def build(backend: Backend, run_state: gr.State) -> dict:
             wanted = gr.Textbox(label="The answer you wanted", max_lines=4, scale=3, elem_id="chat-teach-answer")
             teach = gr.Button("Teach", variant="primary", scale=1, elem_id="chat-teach")
         taught = gr.Markdown("", elem_id="chat-teach-result")
+    chat_prefer.build(backend, run_state, copy, [max_new, temperature, top_p, top_k, repetition])
     settings = [max_new, temperature, top_p, top_k, repetition, history, compare]
 
     view = ChatView(message, live, base, about, other)

@@ -1,5 +1,5 @@
-"""The page's live feed (issue 15: watching must not slow training; issue 25: what a visible
-tab shows stays current): what changes every step goes to the page by one small call a second
+"""The page's live feed (watching must not slow training, and what a visible tab shows stays
+current): what changes every step goes to the page by one small call a second
 from the page itself (feed.js, through Gradio's `server_functions`, which checks the login like
 any other call), not by a Gradio event. On the Train tab that is the status line, the side chat's
 "running, step N" header and the plots' new points; on the Chat tab, its header ("Talking to run

@@ -15,7 +15,7 @@ import gradio as gr
 from app.session import SessionError
 from app.web.backend.watch import Snapshot
 from contract.branches import TREE_FILE, BranchTree
-from contract.config import ConfigError
+from contract.config_schema import ConfigError
 from contract.protocol import RunState
 from contract.run_folder import RunFolder
 from contract.command_base import ProtocolError

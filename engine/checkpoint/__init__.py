@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from engine.context import RunContext
 from engine.checkpoint.adapters import AdapterError, export_merged
-from engine.checkpoint.atomic import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                                      IncompleteCheckpointError, LayoutMismatchError, MissingFilesError,
-                                      WrongKindError, list_checkpoints, resolve_checkpoint)
+from engine.checkpoint.locations import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                                         IncompleteCheckpointError, LayoutMismatchError, MissingFilesError,
+                                         WrongKindError)
+from engine.checkpoint.reading import list_checkpoints, resolve_checkpoint
 from engine.checkpoint.models import DEFAULT_SHARD_SIZE, ModelLoadError
 from engine.checkpoint.schedule import CheckpointSchedule, load_best
 from engine.checkpoint.state import DataMismatchError, load_weights

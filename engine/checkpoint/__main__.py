@@ -17,9 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--merge-lora", action="store_true",
                         help="fold the LoRA adapter into the base weights: a plain model")
     args = parser.parse_args(argv)
-    from engine.checkpoint.atomic import CheckpointError
+    from engine.checkpoint.locations import CheckpointError
     from engine.checkpoint.export import export as run_export
-    from contract.config import ConfigError
+    from contract.config_schema import ConfigError
     try:
         print(run_export(args.source, args.target, merge_lora=args.merge_lora), flush=True)
     except (CheckpointError, ConfigError) as e:

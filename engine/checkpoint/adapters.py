@@ -26,7 +26,8 @@ import torch
 from engine.context import RunContext
 from engine import ds_config
 from engine.checkpoint import atomic, models
-from engine.checkpoint.atomic import CheckpointError, Comm
+from engine.checkpoint.locations import CheckpointError
+from engine.checkpoint.atomic import Comm
 from contract.events import ExportEvent
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -65,11 +65,8 @@ from engine.checkpoint import space as disk
 # Where folders live and how they are read back are their own modules; their names are also
 # offered here, where every caller of the checkpoint layer has always found them.
 from engine.checkpoint.locations import (FORMAT, MARKER, OLD_PREFIX, POINTER, TMP_PREFIX, CheckpointError,
-                                         CheckpointNotFoundError, CorruptCheckpointError, DiskFullError,
-                                         IncompleteCheckpointError, LayoutMismatchError, Location, MissingFilesError,
-                                         WrongKindError, describe, file_digest, local_files, location)
-from engine.checkpoint.reading import (complete_marker, fetch, latest_checkpoint, list_checkpoints,
-                                       missing_files, read_marker, resolve_checkpoint, verify)
+                                         DiskFullError, Location, describe, local_files, location)
+from engine.checkpoint.reading import list_checkpoints, read_marker
 
 
 # -- ranks ----------------------------------------------------------------------------------------

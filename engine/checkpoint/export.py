@@ -29,7 +29,9 @@ from typing import Callable
 import torch
 
 from engine.checkpoint import atomic
-from engine.checkpoint.atomic import CheckpointError
+from engine.checkpoint.locations import CheckpointError
+from engine.checkpoint import reading
+from engine.checkpoint import locations
 
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -73,13 +75,13 @@ def export(source: str, target: str, merge_lora: bool = False,
 # -- sources ----------------------------------------------------------------------------------------
 def _from_training_checkpoint(src: Path, say):
     from engine import setup
-    from contract.config import load_config
+    from contract.config_load import load_config
     from engine.methods import prepare_model
     from engine.model import build_model
 
-    marker = atomic.complete_marker(str(src), kind="training")
+    marker = reading.complete_marker(str(src), kind="training")
     say(f"checking {len(marker.get('files', {}))} files of {src.name}")
-    problems = atomic.verify(atomic.location(str(src)), marker)
+    problems = reading.verify(locations.location(str(src)), marker)
     if problems:
         raise ExportError(f"source: {src} is damaged, nothing exported: " + "; ".join(problems[:5]))
     record = json.loads((src / TRAINER_STATE).read_text())

@@ -38,9 +38,12 @@ from safetensors import safe_open
 from engine.context import RunContext
 from engine import ds_config
 from engine.checkpoint import atomic
-from engine.checkpoint.atomic import CheckpointError, Comm
+from engine.checkpoint.locations import CheckpointError
+from engine.checkpoint.atomic import Comm
 from engine.checkpoint.stream_safetensors import StreamedSafetensors
 from contract.events import ExportEvent
+from engine.checkpoint import locations
+from engine.checkpoint import reading
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -318,14 +321,14 @@ def load_into(engine, targets: dict[str, torch.Tensor], source: dict[str, str], 
 
 def fetch_model_folder(path: str, comm: Comm) -> tuple[Path, bool]:
     """A local copy of a model folder (the folder itself when local); it must exist."""
-    folder = atomic.location(path)
+    folder = locations.location(path)
     if not folder.exists():
-        raise atomic.CheckpointNotFoundError(f"no model folder at {folder.url}")
+        raise locations.CheckpointNotFoundError(f"no model folder at {folder.url}")
     if folder.is_local:
         return Path(folder.path), False
     base = folder.path.rstrip("/") + "/"
     rels = [p[len(base):] for p in folder.fs.find(folder.path) if p.startswith(base)]
-    return atomic.fetch(folder, rels)
+    return reading.fetch(folder, rels)
 
 
 def load_tensors(run: RunContext, path: str, targets: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
@@ -352,11 +355,11 @@ def load_local(run: RunContext, local: Path, url: str, targets: dict[str, torch.
 
 def verify_if_marked(local: Path, url: str, comm: Comm) -> None:
     """A folder we wrote carries a manifest: check it (each rank a share of the files)."""
-    marker = atomic.read_marker(atomic.location(str(local)))
+    marker = reading.read_marker(locations.location(str(local)))
     if marker is None:
         return
     files = sorted(marker.get("files", {}))
     mine = files[comm.rank::comm.world]
-    problems = comm.agree("; ".join(atomic.verify(atomic.location(str(local)), marker, mine)) or None)
+    problems = comm.agree("; ".join(reading.verify(locations.location(str(local)), marker, mine)) or None)
     if problems:
-        raise atomic.CorruptCheckpointError(f"{url} is damaged: {'; '.join(problems)}; nothing was loaded")
+        raise locations.CorruptCheckpointError(f"{url} is damaged: {'; '.join(problems)}; nothing was loaded")

@@ -46,10 +46,12 @@ from typing import Any
 
 from contract.branches import ROOT, BranchTree, checkpoints_dir
 from contract.events import EventType
-from engine.checkpoint import atomic
 from engine.checkpoint import state as ckpt
-from engine.checkpoint.atomic import CheckpointError, Comm
+from engine.checkpoint.locations import CheckpointError
+from engine.checkpoint.atomic import Comm
 from engine.checkpoint.snapshots import SnapshotError, SnapshotStore
+from engine.checkpoint import reading
+from engine.checkpoint import locations
 
 SNAPSHOT_PREFIX = "snapshot:"
 _STEP = re.compile(r"(?:step-)?(\d+)")
@@ -125,7 +127,7 @@ def resolve(trainer, target: str) -> tuple[str, str]:
         return _checkpoint_of_step(trainer, tree, int(match.group(1)), target)
     if Path(target).is_dir():
         folder = Path(target).resolve()
-        if atomic.read_marker(atomic.location(str(folder))) is None:
+        if reading.read_marker(locations.location(str(folder))) is None:
             raise RewindError(f"{target} is not a complete training checkpoint (its save has not "
                               "finished, or it is no checkpoint); nothing was changed")
         return str(folder), _owner(trainer, tree, folder.parent)
@@ -139,10 +141,10 @@ def _checkpoint_of_step(trainer, tree: BranchTree, step: int, target: str) -> tu
     for name in reversed(chain):
         folder = checkpoints_dir(trainer.folder.root, name) / f"step-{step}"
         if (limit is None or step <= limit) and folder.is_dir():
-            if atomic.read_marker(atomic.location(str(folder))) is None:
+            if reading.read_marker(locations.location(str(folder))) is None:
                 raise RewindError(f"step-{step} of branch {name!r} is not complete (its save has not "
                                   "finished); nothing was changed")
-            return atomic.location(str(folder)).url, name
+            return locations.location(str(folder)).url, name
         info = tree.branches.get(name)
         limit = info.fork_step if info is not None else None
     raise RewindError(f"no checkpoint of step {step} on branch {branch!r} or its ancestors; "
@@ -164,7 +166,7 @@ def _check_on_path(trainer, source: str, owner: str) -> None:
     if source.startswith(SNAPSHOT_PREFIX):
         step = snapshot_store(trainer).get(source[len(SNAPSHOT_PREFIX):]).step  # type: ignore[union-attr]
     else:
-        step = int((atomic.read_marker(atomic.location(source)) or {}).get("step", 0))
+        step = int((reading.read_marker(locations.location(source)) or {}).get("step", 0))
     fork = tree.branches[chain[i + 1]].fork_step
     if step > fork:
         raise RewindError(f"{what} is step {step} of branch {owner!r}, after branch {chain[i + 1]!r} forked from "
@@ -191,7 +193,7 @@ def available(trainer) -> dict[str, Any]:
     """What a rewind can go back to: the checkpoints on the present branch's path (its own, and
     each ancestor's up to the fork), by branch, oldest first, and the snapshots on that path."""
     limits = path_limits(trainer)
-    found = {name: [c["name"] for c in atomic.list_checkpoints(str(checkpoints_dir(trainer.folder.root, name)))
+    found = {name: [c["name"] for c in reading.list_checkpoints(str(checkpoints_dir(trainer.folder.root, name)))
                     if limit is None or c["step"] <= limit] for name, limit in limits.items()}
     snaps = [s.name for s in snapshot_store(trainer).snapshots
              if s.branch in limits and (limits[s.branch] is None or s.step <= limits[s.branch])]  # type: ignore[operator]

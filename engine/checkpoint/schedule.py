@@ -40,6 +40,8 @@ from typing import Any
 from contract.branches import BranchTree
 from contract.events import EventType, WarningEvent
 from engine.checkpoint import atomic, state
+from engine.checkpoint import locations
+from engine.checkpoint import reading
 
 SCHEDULE = "schedule"
 
@@ -139,14 +141,14 @@ class CheckpointSchedule:
         metrics = self.metrics if self.metrics_step == step else {}
         try:
             url = trainer.save_checkpoint(path, saved_by=SCHEDULE, metrics=metrics)
-        except atomic.DiskFullError:
+        except locations.DiskFullError:
             # the rules would delete these once this save is done: delete them first and try once
             # more; when that frees nothing, the run ends with the disk-full message (raised)
             if not self.make_room(trainer, {"name": checkpoint_name(step), "step": step,
                                             "saved_by": SCHEDULE, "metrics": metrics}):
                 raise
             url = trainer.save_checkpoint(path, saved_by=SCHEDULE, metrics=metrics)
-        except atomic.CheckpointError:
+        except locations.CheckpointError:
             return None  # any other failure: agreed by every rank, an event; training goes on
         if trainer.env.rank == 0:
             self.prune(trainer)
@@ -158,8 +160,8 @@ class CheckpointSchedule:
         doomed: list[str] = []
         if trainer.env.rank == 0:
             c = trainer.config.checkpoint
-            collection = atomic.location(str(trainer.folder.checkpoints))
-            present = atomic.list_checkpoints(collection.url)
+            collection = locations.location(str(trainer.folder.checkpoints))
+            present = reading.list_checkpoints(collection.url)
             doomed = [n for n in to_delete([*present, coming], c.keep_last, c.keep_best, c.monitor, c.mode,
                                            fork_points(trainer)) if n != coming["name"]]
             for name in doomed:
@@ -172,12 +174,12 @@ class CheckpointSchedule:
     def prune(self, trainer) -> list[str]:
         c = trainer.config.checkpoint
         collection = str(trainer.folder.checkpoints)
-        doomed = to_delete(atomic.list_checkpoints(collection), c.keep_last, c.keep_best, c.monitor, c.mode,
+        doomed = to_delete(reading.list_checkpoints(collection), c.keep_last, c.keep_best, c.monitor, c.mode,
                            fork_points(trainer))
         if doomed:
-            atomic.flush_before_deleting(atomic.location(collection))
+            atomic.flush_before_deleting(locations.location(collection))
         for name in doomed:
-            atomic.remove(atomic.location(collection).child(name))
+            atomic.remove(locations.location(collection).child(name))
         if doomed:
             trainer.emit({"type": EventType.CHECKPOINT_DELETED, "step": trainer.state.global_step, "names": doomed})
         return doomed
@@ -185,13 +187,13 @@ class CheckpointSchedule:
 
 def fork_points(trainer) -> set[str]:
     """The checkpoint URLs the run folder's branches start from (never deleted)."""
-    return {atomic.location(u).url for u in BranchTree.load(trainer.folder.root).fork_sources()}
+    return {locations.location(u).url for u in BranchTree.load(trainer.folder.root).fork_sources()}
 
 
 def load_best(trainer) -> None:
     """Reload the weights of the run's best checkpoint by `checkpoint.monitor` (collective)."""
     c = trainer.config.checkpoint
-    best = best_checkpoint(atomic.list_checkpoints(str(trainer.folder.checkpoints)), c.monitor, c.mode)
+    best = best_checkpoint(reading.list_checkpoints(str(trainer.folder.checkpoints)), c.monitor, c.mode)
     if best is None:
         trainer.emit(WarningEvent(message=f"load_best_at_end: no checkpoint has a "
                                   f"value of {c.monitor}; the final weights are kept"))

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.checkpoint import state as ckpt
-from engine.checkpoint.atomic import CheckpointError, Comm
+from engine.checkpoint.locations import CheckpointError
+from engine.checkpoint.atomic import Comm
 from engine.context import RunContext
 from engine.rng import rng_state
 

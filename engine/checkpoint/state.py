@@ -43,11 +43,14 @@ import torch.distributed as dist
 from engine.context import RunContext
 from engine import ds_config
 from engine.checkpoint import atomic
-from engine.checkpoint.atomic import (CheckpointError, Comm, CorruptCheckpointError, LayoutMismatchError,
-                                      MissingFilesError)
+from engine.checkpoint.locations import (CheckpointError, CorruptCheckpointError, LayoutMismatchError,
+                                         MissingFilesError)
+from engine.checkpoint.atomic import Comm
 from engine.model import count_parameters
 from engine.rng import rng_state, set_rng_state
 from contract.events import CheckpointEvent, ResumeEvent
+from engine.checkpoint import locations
+from engine.checkpoint import reading
 
 STATE_FILE = "trainer_state.json"
 CALLBACKS_FILE = "callbacks.pt"
@@ -164,7 +167,7 @@ def _points_latest(run: RunContext, path: str) -> bool:
     folder = getattr(run, "folder", None)
     if folder is None:
         return False
-    return atomic.location(path).parent.path.rstrip("/") == atomic.location(str(folder.checkpoints)).path.rstrip("/")
+    return locations.location(path).parent.path.rstrip("/") == locations.location(str(folder.checkpoints)).path.rstrip("/")
 
 
 def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampler, saved_by: str = "manual",
@@ -209,7 +212,7 @@ def save_checkpoint(run: RunContext, path: str, *, states: dict[str, Any], sampl
         if comm.rank == 0:
             (w.local / STATE_FILE).write_text(json.dumps(record, indent=1, default=str))
             torch.save(states, w.local / CALLBACKS_FILE)
-    url = atomic.location(path).url
+    url = locations.location(path).url
     run.emit(CheckpointEvent(step=state.global_step, epoch=state.epoch, path=url,
                                  saved_by=saved_by, seconds=round(time.perf_counter() - started, 3)))
     return url
@@ -239,7 +242,7 @@ def files_read_by(files: list[str], rank: int, dp_rank: int) -> list[str]:
     return mine
 
 
-def read_record(folder: atomic.Location) -> dict:
+def read_record(folder: locations.Location) -> dict:
     try:
         return json.loads(folder.child(STATE_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -269,12 +272,12 @@ def check_compatible(run: RunContext, record: dict, url: str, sampler=None) -> N
             raise DataMismatchError(f"{url}: {e}; nothing was loaded") from None
 
 
-def precheck(run: RunContext, path: str) -> tuple[atomic.Location, dict, dict]:
+def precheck(run: RunContext, path: str) -> tuple[locations.Location, dict, dict]:
     """The checks of a training checkpoint that read only its marker and record, and change
     nothing: complete, every listed file there, this layout and model. (folder, marker, record)."""
-    folder = atomic.location(path)
-    marker = atomic.complete_marker(path, "training")
-    missing = atomic.missing_files(folder, marker)
+    folder = locations.location(path)
+    marker = reading.complete_marker(path, "training")
+    missing = reading.missing_files(folder, marker)
     if missing:
         raise MissingFilesError(f"{folder.url} lacks {len(missing)} file(s) its manifest lists: "
                                 f"{', '.join(missing[:6])}; nothing was loaded")
@@ -284,16 +287,16 @@ def precheck(run: RunContext, path: str) -> tuple[atomic.Location, dict, dict]:
 
 
 @contextlib.contextmanager
-def verified(run: RunContext, path: str, sampler=None) -> Iterator[tuple[atomic.Location, dict, dict, Path]]:
+def verified(run: RunContext, path: str, sampler=None) -> Iterator[tuple[locations.Location, dict, dict, Path]]:
     """Check a training checkpoint completely (collective) and yield (folder, marker, record,
     local copy of this rank's files); raises before anything is changed."""
     comm = Comm.current()
     folder, marker, record = precheck(run, path)
     check_compatible(run, record, folder.url, sampler)
     mine = files_read_by(sorted(marker["files"]), comm.rank, run.env.dp_rank)
-    local, temporary = atomic.fetch(folder, mine)
+    local, temporary = reading.fetch(folder, mine)
     try:
-        problems = comm.agree("; ".join(atomic.verify(folder, marker, mine, local_root=local)) or None)
+        problems = comm.agree("; ".join(reading.verify(folder, marker, mine, local_root=local)) or None)
         if problems:
             raise CorruptCheckpointError(f"{folder.url} is damaged: {'; '.join(problems)}; nothing was loaded")
         yield folder, marker, record, local

@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from contract import inbox as inbox_file
 from contract.events import EventType
-from contract.protocol import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.data import build_dataset
 from engine.data.inbox import InboxDataset, encode_pair
 from engine.data.mixture import Mixture, Source
-from engine.data.report import DataError
+from contract.data_rows import DataError
 from engine.generation import generate as generate_text
 from engine.objectives import rows_problem
 from engine.scoring import score

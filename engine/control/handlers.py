@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 from contract.events import EventType
-from contract.protocol import (AddSource, Branch, Branches, Command, Complete, Evaluate, Forget, Generate, Inbox,
-                               Pause, RemoveSource, Resume, Rewind, RunState, Save, Set, SetWeight, Snapshot, Status,
-                               Stop, Teach)
+from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.command_base import Command
+from contract.completion_commands import Complete
+from contract.protocol import Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status, Stop
 from engine.checkpoint import rewind as rewinding
-from engine.checkpoint.atomic import CheckpointError
+from engine.checkpoint.locations import CheckpointError
 from engine.control import completions, data_commands
 from engine.control.pending import Reply
 from engine.control.run import Plane

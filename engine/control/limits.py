@@ -40,7 +40,8 @@ import copy
 import dataclasses
 from typing import Any, Callable
 
-from contract.protocol import MAX_MESSAGE_BYTES, Command, Generate, ProtocolError
+from contract.protocol import Generate, MAX_MESSAGE_BYTES
+from contract.command_base import Command, ProtocolError
 
 MAX_CONNECTIONS = 64
 LISTEN_BACKLOG = 1024

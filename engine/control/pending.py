@@ -13,7 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from contract.protocol import Command, command_from_wire
+from contract.command_base import Command
+from contract.protocol import command_from_wire
 
 Sink = Callable[[dict], None]
 

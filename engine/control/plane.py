@@ -29,7 +29,8 @@ from engine.control.chat_page import ChatPage
 from engine.control.handlers import CommandRefused, HANDLERS
 from engine.control.pending import NO_REPLY, CommandQueue, Pending
 from engine.control.run import ControlledRun
-from engine.control.server import ControlServer, PromptLimit
+from engine.control.server import ControlServer
+from engine.control.limits import PromptLimit
 from engine.control.settings import LiveSettings
 
 # while paused: the longest the other ranks wait in one broadcast (far below any gloo / nccl

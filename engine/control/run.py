@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from contract.protocol import RunState
 from contract.run_folder import EventLog, RunFolder
 from engine.context import RunContext

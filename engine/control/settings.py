@@ -15,7 +15,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.config import RunConfig
+from contract.config_schema import RunConfig
 from contract.protocol import GENERATION_DEFAULTS
 
 # the settings `set` replaces as they are (lr and lr_scale go through the schedule, generation merges)

@@ -12,12 +12,14 @@ counts), `sampler` (distributed batches, resume), `loader` (a DataLoader of it a
 """
 
 from engine.data.collate import PaddingCollator, count_tokens, pad_id_of
-from engine.data.dataset import TokenizedDataset, build_dataset, detect_rows_format
-from engine.data.formats import FORMATS, IGNORE, detect_format
+from engine.data.dataset import TokenizedDataset, build_dataset
+from contract.data_rows import detect_rows_format
+from contract.data_rows import FORMATS, IGNORE, detect_format
 from engine.data.loader import build_dataloader
-from engine.data.loading import load_rows, read_rows
+from contract.data_rows import load_rows, read_rows
 from engine.data.packing import PackedDataset, pack_lengths
-from engine.data.report import DataError, DataReport, RowProblem
+from contract.data_rows import DataError
+from engine.data.report import DataReport, RowProblem
 from engine.data.sampler import STRATEGIES, DistributedBatchSampler
 
 __all__ = [

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from engine.data.formats import IGNORE
+from contract.data_rows import IGNORE
 from engine.data.preference import collate_pairs, collate_unpaired
-from engine.data.report import DataError
+from contract.data_rows import DataError
 
 
 def pad_id_of(tokenizer) -> int:

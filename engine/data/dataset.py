@@ -9,9 +9,11 @@ from torch.utils.data import Dataset
 
 from contract.data_rows import PREFERENCE_FORMATS, detect_rows_format
 from engine.data import preference
-from engine.data.formats import CHECKS, ENCODERS, FORMATS, IGNORE, RowIssue
-from engine.data.loading import NumberedRows, UnreadableRow, read_rows
-from engine.data.report import MAX_EXAMPLES, DataError, DataReport
+from contract.data_rows import CHECKS, FORMATS, IGNORE, RowIssue
+from engine.data.formats import ENCODERS
+from contract.data_rows import NumberedRows, UnreadableRow, read_rows
+from contract.data_rows import DataError, MAX_EXAMPLES
+from engine.data.report import DataReport
 
 OVERLONG = ("truncate", "drop", "error")
 CHUNK = 1024  # rows tokenized per batched tokenizer call

@@ -13,8 +13,7 @@ from typing import Any, Callable
 
 # The torch-free half (formats, detection, checking one row) lives in the contract, shared with
 # the pre-flight check (contract.preflight): one piece of code for one job.
-from contract.data_rows import (CHECKS, FORMAT_KEYS, FORMATS, IGNORE, RowIssue, check_chat,  # noqa: F401
-                                check_input_output, check_text, check_tokenized, detect_format)
+from contract.data_rows import IGNORE, RowIssue
 from engine.data.chat import ChatIssue, encode_chat
 from engine.data.preference import encode_preference
 

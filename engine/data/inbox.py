@@ -15,7 +15,7 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from contract.inbox import InboxError, read_inbox
-from engine.data.formats import IGNORE
+from contract.data_rows import IGNORE
 
 
 def encode_pair(tokenizer, prompt: str, answer: str, max_length: int, rejected: str | None = None) -> dict:

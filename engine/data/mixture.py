@@ -38,7 +38,7 @@ import numpy as np
 from torch.utils.data import Dataset, Sampler
 
 from engine.data.packing import PackedDataset
-from engine.data.report import DataError
+from contract.data_rows import DataError
 from engine.data.sampler import DistributedBatchSampler
 
 MIX = 0x6D6978  # tags the mixture's random stream apart from the samplers' own

@@ -17,8 +17,8 @@ import bisect
 
 from torch.utils.data import Dataset
 
-from engine.data.formats import IGNORE
-from engine.data.report import DataError
+from contract.data_rows import IGNORE
+from contract.data_rows import DataError
 
 
 def pack_lengths(lengths: list[int], max_length: int) -> list[list[int]]:

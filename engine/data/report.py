@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 # DataError and MAX_EXAMPLES (problems kept verbatim per report) are the contract's, shared with
 # the pre-flight check.
-from contract.data_rows import MAX_EXAMPLES, DataError  # noqa: F401
+from contract.data_rows import MAX_EXAMPLES
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 from torch.utils.data import Sampler
 
-from engine.data.report import DataError
+from contract.data_rows import DataError
 
 STRATEGIES = ("random", "group_by_length", "packing")
 MEGABATCH = 50  # global batches per length-sorted megabatch

@@ -30,11 +30,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from contract.config import ParallelConfig, RunConfig
+from contract.config_schema import ParallelConfig, RunConfig
 from engine import ds_config
 from engine.checkpoint import models
 from engine.checkpoint.atomic import Comm
-from engine.context import DistEnv, Layout, RunContext
+from engine.context import DistEnv, RunContext
 from engine.generation import hf_generate
 from engine.losses import PER_MICRO_BATCH, Window, model_loss
 from engine.model import count_parameters
@@ -263,5 +263,5 @@ def shape_problems(run: RunContext, file_shapes: dict[str, tuple[int, ...]]) -> 
     return weights.shape_problems(hf_config_of(run), file_shapes)
 
 
-__all__ = ["Layout", "DataParallel", "TensorParallel", "Pipeline", "layout_class", "full_state_dict",
+__all__ = [ "DataParallel", "TensorParallel", "Pipeline", "layout_class", "full_state_dict",
            "load_full_state_dict", "hf_config_of", "shape_problems"]

@@ -30,7 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    from contract.config import load_config
+    from contract.config_load import load_config
     from engine.trainer import Trainer
 
     out = Path(a.out)
@@ -75,7 +75,7 @@ def _flip_bytes(folder: Path) -> None:
 
 
 def _fingerprint_of(folder: Path) -> dict:
-    from engine.checkpoint.atomic import file_digest
+    from engine.checkpoint.locations import file_digest
     return {str(p.relative_to(folder)): file_digest(p) for p in folder.rglob("*") if p.is_file()}
 
 

@@ -18,8 +18,9 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import report  # noqa: E402
 
-from contract.config import load_config  # noqa: E402
-from engine.ds_config import build_ds_config, zero3_init  # noqa: E402
+from contract.config_load import load_config  # noqa: E402
+from contract.deepspeed_config import build_ds_config
+from engine.ds_config import zero3_init  # noqa: E402
 
 HIDDEN, VOCAB, SEQ, STEPS = 64, 128, 32, 6
 CASES = {  # name: (run-config overrides, user DeepSpeed config)

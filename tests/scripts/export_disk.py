@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from ckpt_common import make_task, overrides, report
+from engine.checkpoint import locations
 
 
 def main() -> None:
@@ -17,7 +18,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
-    from contract.config import load_config
+    from contract.config_load import load_config
     from engine.checkpoint import atomic
     from engine import checkpoint
     from engine.checkpoint.stream_safetensors import StreamedSafetensors
@@ -42,7 +43,7 @@ def main() -> None:
     try:
         checkpoint.save_model(trainer.ctx, str(target), "200KB")  # several shards
         error = None
-    except atomic.CheckpointError as e:
+    except locations.CheckpointError as e:
         error = {"type": type(e).__name__, "text": str(e)}
     seconds = time.monotonic() - started
     StreamedSafetensors.write = real_write
