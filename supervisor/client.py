@@ -134,14 +134,21 @@ class RunClient:
         return self.send(_build(lambda: command_from_wire(cmd, args)), timeout)
 
     def send(self, command: Command, timeout: float | None = None) -> dict:
-        """Send a contract.protocol command and wait for its result."""
-        answers = self._request(command)
-        while True:
-            message = _next_answer(answers, timeout)
-            if message["type"] == "done":
-                return message["result"]
-            if message["type"] == "error":
-                raise CommandError(message["message"])
+        """Send a contract.protocol command and wait for its result. A status read whose
+        connection the server closed as it was sent (an idle connection's close crossing the
+        request) is asked once more on a fresh one: it changes nothing; a command with an effect
+        is never sent twice."""
+        for attempt in (1, 2):
+            answers = self._request(command)
+            while True:
+                message = _next_answer(answers, timeout)
+                if message["type"] == "done":
+                    return message["result"]
+                if message["type"] == "error":
+                    if message.get("lost") and attempt == 1 and isinstance(command, Status):
+                        break
+                    raise CommandError(message["message"])
+        raise AssertionError("unreachable: the second try returns or raises")
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  timeout: float | None = None, **params: Any) -> Generation:
@@ -342,7 +349,8 @@ class RunClient:
             ids = [k for k, (s, _) in self._waiting.items() if s is sock]
             lost = [self._waiting.pop(k)[1] for k in ids]
         for answers in lost:
-            answers.put({"type": "error", "message": "the connection to the run was lost before the answer came"})
+            answers.put({"type": "error", "lost": True,
+                         "message": "the connection to the run was lost before the answer came"})
 
     def _address(self) -> dict:
         try:
