@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import ipywidgets as widgets
 
@@ -117,7 +117,7 @@ class ChatBox:
         return thread
 
     def _teach(self, run: Run, question: str, answer: str, rejected: str | None = None) -> None:
-        pair = {} if rejected is None else {"rejected": rejected}
+        pair: dict[str, Any] = {} if rejected is None else {"rejected": rejected}
         try:
             try:
                 result = (run.teach(question, answer, **pair) if self.mode.value == "prompt" else

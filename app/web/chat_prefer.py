@@ -1,0 +1,164 @@
+"""The Chat tab's "Which answer is better?": one question answered twice (two samples of the live
+model, or the live model and the run or checkpoint in the Compare column), then "this one is
+better" on either (the other is the rejected answer), or "edit and prefer" (the edited text is the
+chosen answer, the live model's answer the rejected one). The pair goes into the run's inbox as
+Teach's answers do (the contract's Teach command with `rejected`; RunClient.prefer is the same
+command), and the page shows the entry's id and the model's log-probability margin of chosen over
+rejected when it came in; the check some steps later is in the inbox on the Train tab."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+from app.session import SessionError
+from app.web.backend import Backend
+from app.web.widgets import readable
+from contract.data_commands import Teach
+
+SAMPLE = "Another sample of the live model"
+COMPARED = "The Compare column (another run or a checkpoint)"
+SAMPLE_TEMPERATURE = 1.0  # two greedy answers are the same answer: samples at least this warm
+
+
+def build(backend: Backend, run_state: gr.State, copy: gr.State, settings: list) -> None:
+    """The fold under the chat; `copy` is the Compare column's target ({"path", "label"} or None),
+    `settings` the chat's generation settings (max_new, temperature, top_p, top_k, repetition)."""
+    with gr.Accordion("Which answer is better? One question answered twice: pick the better answer, or "
+                      "edit one into the answer you wanted", open=False, elem_id="chat-prefer-fold"):
+        with gr.Row(equal_height=True):
+            question = gr.Textbox(label="The question", max_lines=4, scale=4, elem_id="chat-prefer-question")
+            second = gr.Radio([SAMPLE, COMPARED], value=SAMPLE, label="The second answer", scale=2,
+                              elem_id="chat-prefer-second")
+            ask = gr.Button("Two answers", variant="primary", scale=1, elem_id="chat-prefer-ask")
+        with gr.Row(equal_height=True):
+            with gr.Column():
+                first_text = gr.Textbox(label="A: the live model", interactive=False, lines=2,
+                                        elem_id="chat-prefer-a")
+                first_better = gr.Button("A is better", elem_id="chat-prefer-a-better")
+            with gr.Column():
+                second_text = gr.Textbox(label="B", interactive=False, lines=2, elem_id="chat-prefer-b")
+                second_better = gr.Button("B is better", elem_id="chat-prefer-b-better")
+        with gr.Row(equal_height=True):
+            edited = gr.Textbox(label="Answer A, edited into the answer you wanted", max_lines=4, scale=4,
+                                elem_id="chat-prefer-edit")
+            edit_prefer = gr.Button("Edit and prefer", scale=1, elem_id="chat-prefer-edit-send")
+        result = gr.Markdown("", elem_id="chat-prefer-result")
+    pair = gr.State(None)  # {"question", "a", "b"}: the two answers shown
+    view = PairView(first_text, second_text, edited, result, pair)
+
+    def asked(path: str | None, text: str, which: str, copied: dict | None, *opts: Any):
+        yield from two_answers(backend, view, path, text, which, copied, *opts)
+
+    ask.click(readable(asked), inputs=[run_state, question, second, copy, *settings],
+              outputs=[first_text, second_text, edited, result, pair], concurrency_limit=None,
+              show_progress="hidden", api_visibility="private")
+    first_better.click(readable(lambda path, shown: pick(backend, view, path, shown, "a")),
+                       inputs=[run_state, pair], outputs=[result], api_visibility="private", concurrency_limit=None)
+    second_better.click(readable(lambda path, shown: pick(backend, view, path, shown, "b")),
+                        inputs=[run_state, pair], outputs=[result], api_visibility="private", concurrency_limit=None)
+    edit_prefer.click(readable(lambda path, shown, text: prefer_edit(backend, view, path, shown, text)),
+                      inputs=[run_state, pair, edited], outputs=[result], api_visibility="private",
+                      concurrency_limit=None)
+
+
+@dataclass
+class PairView:
+    """The components the preference handlers update."""
+    first: gr.Textbox
+    second: gr.Textbox
+    edited: gr.Textbox
+    result: gr.Markdown
+    pair: gr.State
+
+
+def answer(backend: Backend, path: str | None, question: str, params: dict) -> str:
+    """The run's whole answer to `question` alone (its chat template, or the raw prompt)."""
+    text = ""
+    for update in backend.session.chat(path, [{"role": "user", "content": question}], **params):
+        text = update.text
+    return text
+
+
+def sampling(max_new: Any, temperature: Any, top_p: Any, top_k: Any, repetition: Any) -> dict:
+    """The chat's settings as generate's parameters."""
+    return dict(max_new_tokens=int(max_new), temperature=float(temperature), top_p=float(top_p),
+                top_k=int(top_k or 0), repetition_penalty=float(repetition))
+
+
+def two_answers(backend: Backend, view: PairView, path: str | None, question: str, which: str,
+                copied: dict | None, *opts: Any):
+    """Answer `question` twice: A from the live model, B from another sample of it (`which` is
+    SAMPLE; unseeded samples draw fresh seeds, so they differ) or from the Compare column's run."""
+    question = (question or "").strip()
+    if not question:
+        raise SessionError("type the question first")
+    if which == COMPARED and not copied:
+        raise SessionError("nothing to compare with: pick a run or checkpoint under Compare and press Compare first")
+    params = sampling(*opts)
+    if which == SAMPLE:
+        params["temperature"] = max(params["temperature"], SAMPLE_TEMPERATURE)
+    waiting = "… waiting for the next step boundary"
+    yield {view.first: waiting, view.second: "…", view.edited: "", view.result: "", view.pair: None}
+    first = answer(backend, path, question, params)
+    yield {view.first: first, view.edited: first}
+    if copied and which == COMPARED:
+        second, label = answer(backend, copied["path"], question, params), f"B: {copied['label']}"
+    else:
+        second, label = answer(backend, path, question, params), "B: another sample of the live model"
+    yield {view.second: gr.update(value=second, label=label),
+           view.pair: {"question": question, "a": first, "b": second}}
+
+
+def pick(backend: Backend, view: PairView, path: str | None, shown: dict | None, better: str) -> dict:
+    """"A is better" (`better` "a") or "B is better": the other answer is the rejected one."""
+    if not shown:
+        raise SessionError("press Two answers first")
+    worse = "b" if better == "a" else "a"
+    return {view.result: prefer(backend, path, shown["question"], shown[better], shown[worse])}
+
+
+def prefer_edit(backend: Backend, view: PairView, path: str | None, shown: dict | None, edited: str) -> dict:
+    """"Edit and prefer": the edited text is chosen over the live model's answer (A)."""
+    if not shown:
+        raise SessionError("press Two answers first")
+    return {view.result: prefer(backend, path, shown["question"], edited, shown["a"])}
+
+
+def pair_command(question: str, chosen: str, rejected: str, chat: bool = True) -> Teach:
+    """The teach command of a preference: `chosen` over `rejected` for `question` as the chat sent
+    it (`chat`: through the chat template; else the raw prompt). The contract refuses an empty or
+    identical pair (ProtocolError)."""
+    if chat:
+        return Teach(messages=[{"role": "user", "content": question}], answer=chosen, rejected=rejected)
+    return Teach(prompt=question, answer=chosen, rejected=rejected)
+
+
+def prefer(backend: Backend, path: str | None, question: str, chosen: str, rejected: str) -> str:
+    """Send the pair into the run's inbox (a model without a chat template gets the raw prompt,
+    as the chat sent it) and say what the run answered: the entry's id, the step, the margin."""
+    command = pair_command(question, chosen, rejected)  # refused here, before the run is asked
+    try:
+        result = backend.session.send(path, command)
+    except SessionError as e:
+        if "chat template" not in str(e):
+            raise
+        result = backend.session.send(path, pair_command(question, chosen, rejected, chat=False))
+    return said(result)
+
+
+def said(result: dict) -> str:
+    """The page's words for the run's answer to a preference."""
+    text = (f"**Preferred {result.get('id', '')}** at step {result.get('step', '?')}: *{result.get('answer', '')}* "
+            f"over *{result.get('rejected', '')}*, mixed into the next batches.")
+    margin = result.get("margin")
+    if isinstance(margin, (int, float)):
+        leaning = "the chosen answer" if margin > 0 else "the rejected answer"
+        text += (f" Margin before: log p(chosen) − log p(rejected) = {margin:+.3f} (the model leaned to "
+                 f"{leaning}).")
+    if result.get("check_at_step") is not None:
+        text += (f" It is checked again at step {result['check_at_step']} (the margin after is in the inbox, "
+                 "on the Train tab's data panel).")
+    return text
