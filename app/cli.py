@@ -139,7 +139,7 @@ def _stop_on_signal(handle: RunHandle, signum: int) -> int:
 
     for sig in HANDLED_SIGNALS:
         signal.signal(sig, end_now)
-    how = "saving, then stopping" if Stop.save else "stopping"
+    how = "saving, then stopping the run" if Stop.save else "stopping the run"
     say(f"{signal.Signals(signum).name}: {how} the run (again to end it at once) ...", "yellow")
     info = handle.stop(timeout=STOP_TIMEOUT_S)
     say(f"stopped at step {info.step}")
@@ -193,7 +193,7 @@ def follow(handle: RunHandle, signals: Signals | None = None) -> int:
     of a failed run."""
     reported: Failure | None = None
     with _progress_bar() as progress:
-        task = progress.add_task("starting", total=None, metrics="")
+        task = progress.add_task(str(RunState.STARTING), total=None, metrics="")
         shown = _Shown(progress, task)
         events = _current_run_events(EventTail(handle.folder.events))
         while True:

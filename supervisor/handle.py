@@ -211,7 +211,7 @@ class RunHandle:
                 if verdict is not None:
                     return self._failure_of(verdict)
             if s.state == RunState.FAILED:
-                return self._failure_of(Verdict(VerdictKind.ERROR, s.error_rank, s.error or "failed"))
+                return self._failure_of(Verdict(VerdictKind.ERROR, s.error_rank, s.error or str(RunState.FAILED)))
             return None
 
     # -- judging --------------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def _judge_final(f: Facts) -> Verdict | None:
             return _rank_died(who, suffix=f"; the run then reported: {f.error}")
         if f.alive and f.launcher_alive and (f.final_since is None or f.now - f.final_since < LINGER_GRACE_S):
             return None  # every exit and the launcher's report are in once the group is gone
-        return Verdict(VerdictKind.ERROR, f.error_rank, f.error or "failed")
+        return Verdict(VerdictKind.ERROR, f.error_rank, f.error or str(RunState.FAILED))
     if f.alive and f.final_since is not None and f.now - f.final_since > LINGER_GRACE_S:
         return Verdict(VerdictKind.LINGERING, None, "the run wrote its final state "
                        f"{f.now - f.final_since:.0f} s ago and some of its processes are still there")

@@ -73,7 +73,7 @@ class RunSummary:
             state = RunState(event.get("state")).value
         except ValueError:
             return  # not a state this contract knows: not the run's state
-        # the last state event wins: a run resumed in its own folder starts over after "finished"
+        # the last state event wins: a run resumed in its own folder starts over after it finished
         was_stopping = self.state == RunState.STOPPING  # the run ends after a `stop` command
         self.state = state
         self.method = event.get("method", self.method)
@@ -86,7 +86,7 @@ class RunSummary:
             self.stopped_by_user = was_stopping or bool(event.get("stopped_by_user", False))
             self.reason = str(event["reason"]) if event.get("reason") else None
         if state == RunState.FAILED:
-            self.error = cause_first(str(event.get("error") or "failed"))
+            self.error = cause_first(str(event.get("error") or RunState.FAILED))
             self.error_rank = event.get("rank") if isinstance(event.get("rank"), int) else None
 
     def _on_setup(self, event: dict) -> None:

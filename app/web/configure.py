@@ -327,7 +327,7 @@ def _deepspeed(backend: Backend, values: dict[str, Any]) -> str:
     except PreviewError as e:
         return f"// {e}"
     if not answer.get("ok"):
-        return "// " + "\n// ".join(str(answer.get("error", "failed")).splitlines())
+        return "// " + "\n// ".join(str(answer.get("error", "the preview failed")).splitlines())
     head = f"// precision {answer['precision']}, {answer['total_steps']} steps"
     head += " (estimated from the data)" if answer.get("total_steps_estimated") else ""
     warnings = "".join(f"\n// warning: {w}" for w in answer.get("warnings", []))
