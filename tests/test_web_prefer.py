@@ -61,7 +61,8 @@ def test_the_pair_and_the_refusals_before_any_run(tmp_path):
     text = chat_prefer.said({"id": "t4", "step": 7, "answer": "qux", "rejected": "zorb", "margin": -1.25,
                              "check_at_step": 9})
     assert "**Preferred t4** at step 7" in text and "= -1.250" in text and "rejected answer" in text
-    assert "step 9" in text
+    assert "step 9" in text and "*qux* over *zorb*" in text
+    assert "*a\\*b \\<c\\>* over" in chat_prefer.said({"id": "t5", "answer": "a*b\n<c>", "rejected": "x"})  # as typed
     backend = Backend(tmp_path / "runs")
     try:
         with gr.Blocks():  # the fold is on the Chat tab

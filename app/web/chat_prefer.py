@@ -8,6 +8,7 @@ rejected when it came in; the check some steps later is in the inbox on the Trai
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from contract.data_commands import Teach
 
 SAMPLE = "Another sample of the live model"
 COMPARED = "The Compare column (another run or a checkpoint)"
+MARKUP = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~])")
 SAMPLE_TEMPERATURE = 1.0  # two greedy answers are the same answer: samples at least this warm
 
 
@@ -151,8 +153,9 @@ def prefer(backend: Backend, path: str | None, question: str, chosen: str, rejec
 
 def said(result: dict) -> str:
     """The page's words for the run's answer to a preference."""
-    text = (f"**Preferred {result.get('id', '')}** at step {result.get('step', '?')}: *{result.get('answer', '')}* "
-            f"over *{result.get('rejected', '')}*, mixed into the next batches.")
+    text = (f"**Preferred {result.get('id', '')}** at step {result.get('step', '?')}: "
+            f"*{_plain(result.get('answer', ''))}* over *{_plain(result.get('rejected', ''))}*, mixed into the next "
+            "batches.")
     margin = result.get("margin")
     if isinstance(margin, (int, float)):
         leaning = "the chosen answer" if margin > 0 else "the rejected answer"
@@ -162,3 +165,8 @@ def said(result: dict) -> str:
         text += (f" It is checked again at step {result['check_at_step']} (the margin after is in the inbox, "
                  "on the Train tab's data panel).")
     return text
+
+
+def _plain(text: Any) -> str:
+    """`text` shown as it is in Markdown: its markup characters escaped, on one line."""
+    return MARKUP.sub(r"\\\1", " ".join(str(text).split()))
