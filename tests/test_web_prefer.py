@@ -97,6 +97,13 @@ def test_two_answers_then_this_one_is_better_and_edit_and_prefer_on_a_live_dpo_r
         assert pair["question"] == "reverse: abc" and pair["a"] != pair["b"], pair
         assert shown[view.edited] == pair["a"]  # the edit starts from A
 
+        # the Compare column's run answers B (here the same run, standing in for another live one)
+        compared = {}
+        for update in chat_prefer.two_answers(backend, view, path, "reverse: abc", chat_prefer.COMPARED,
+                                              {"path": path, "label": "run other"}, *SETTINGS):
+            compared.update(update)
+        assert compared[view.second]["label"] == "B: run other" and compared[view.pair]["question"] == "reverse: abc"
+
         said = chat_prefer.pick(backend, view, path, pair, "b")[view.result]
         assert said.startswith("**Preferred t1**") and "Margin before" in said, said
         said = chat_prefer.prefer_edit(backend, view, path, pair, "cba")[view.result]
