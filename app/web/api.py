@@ -21,6 +21,8 @@ from app.form import DEFAULT_PRESET, config_from_text
 from app.session import SessionError
 from app.web.backend import Backend
 from contract.config_schema import ConfigError
+from contract.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 from contract.protocol import Evaluate, Pause, Resume, Save, Set, Stop
 from contract.command_base import ProtocolError
 from supervisor import RunInfo
@@ -113,56 +115,59 @@ def register(backend: Backend) -> None:
 
 
 def _tree_and_data(backend: Backend) -> list:
-    """The branch and data endpoints: each sends the contract's command of its name (its
-    arguments, defaults and checks are the command dataclass's) and returns the run's answer."""
-    def send(run: str, name: str, **args: Any) -> dict:
-        return _no_paths(_call(backend.session.command, run, name, **{k: v for k, v in args.items() if v is not None}))
+    """The branch and data endpoints: each builds the contract's command (its arguments, defaults
+    and checks are the command's own) and returns the run's answer."""
+    def send(run: str, make: Any) -> dict:
+        return _no_paths(_call(lambda: backend.session.send(run, make())))
+
+    def given(**args: Any) -> dict[str, Any]:  # what the caller gave: the rest are the command's defaults
+        return {k: v for k, v in args.items() if v is not None}
 
     def rewind(target: str, run: str = "") -> dict:
         """Go back in place to a checkpoint (step-40, 40, a checkpoint folder) or snapshot:NAME."""
-        return send(run, "rewind", target=target)
+        return send(run, lambda: Rewind(target=target))
 
     def branch(target: str, branch: str, run: str = "", lr: float | None = None) -> dict:
         """Rewind to `target` and go on as the new branch `branch` (with `lr`, if given)."""
-        return send(run, "branch", target=target, branch=branch, lr=lr)
+        return send(run, lambda: Branch(**given(target=target, branch=branch, lr=lr)))
 
     def snapshot(run: str = "", name: str = "") -> dict:
         """Keep the complete training state in host memory now (default name snap-<step>)."""
-        return send(run, "snapshot", snapshot=name or None)
+        return send(run, lambda: Snapshot(**given(snapshot=name or None)))
 
     def branches(run: str = "") -> dict:
         """The branch tree, the present branch, its checkpoints and the snapshots kept."""
-        return send(run, "branches")
+        return send(run, Branches)
 
     def add_source(path: str, run: str = "", weight: float = 1.0, format: str = "auto", name: str = "") -> dict:
         """Add a training source from the next step on (checked row by row first)."""
-        return send(run, "add_source", path=path, weight=weight, format=format, source=name)
+        return send(run, lambda: AddSource(**given(path=path, weight=weight, format=format, source=name)))
 
     def set_weight(source: str, weight: float, run: str = "") -> dict:
         """Change a source's weight from the next step on (0 pauses it)."""
-        return send(run, "set_weight", source=source, weight=weight)
+        return send(run, lambda: SetWeight(source=source, weight=weight))
 
     def remove_source(source: str, run: str = "") -> dict:
         """Stop drawing from a source."""
-        return send(run, "remove_source", source=source)
+        return send(run, lambda: RemoveSource(source=source))
 
     def teach(prompt: str, answer: str, run: str = "") -> dict:
         """Teach `answer` for `prompt` (sent as a chat message through the chat template)."""
         messages = [{"role": "user", "content": prompt}]
         try:
-            return send(run, "teach", messages=messages, answer=answer)
+            return send(run, lambda: Teach(messages=messages, answer=answer))
         except gr.Error as e:
             if "chat template" not in str(e):
                 raise
-            return send(run, "teach", prompt=prompt, answer=answer)
+            return send(run, lambda: Teach(prompt=prompt, answer=answer))
 
     def inbox(run: str = "") -> dict:
         """Every taught entry, removed ones marked."""
-        return send(run, "inbox")
+        return send(run, Inbox)
 
     def forget(id: str, run: str = "") -> dict:
         """Stop training on an inbox entry (t1, t2 ...)."""
-        return send(run, "forget", id=id)
+        return send(run, lambda: Forget(id=id))
 
     return [rewind, branch, snapshot, branches, add_source, set_weight, remove_source, teach, inbox, forget]
 

@@ -5,6 +5,7 @@ export with the engine's logits, and a training checkpoint to resume from."""
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -165,3 +166,9 @@ def save_engine_logits(trainer, path: Path) -> None:
 
 if __name__ == "__main__":
     main()
+    # Every result is written: end without the interpreter's teardown, as engine/worker.py does
+    # (a 4-rank pipeline rank once aborted there after all its work: "terminate called without an
+    # active exception", a communication thread destroyed at exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
