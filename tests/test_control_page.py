@@ -112,11 +112,12 @@ def test_chat_page_of_a_script_trainer(tmp_path):
             while True:  # chats are answered until training has ended, then refused with why
                 try:
                     client.chat("sort: zyx\n", max_new_tokens=2)
-                except CommandError as e:
-                    assert "training has ended" in str(e)
+                except CommandError as e:  # the plane's own refusal, or, once train() has closed
+                    # the plane, the client's word that the run has ended
+                    assert "training has ended" in str(e) or "the run has ended" in str(e), e
                     break
                 assert time.monotonic() < deadline
-            assert client.status()["step"] < 5000
+        assert max(e["step"] for e in _events(run_dir) if e["type"] == "train") < 5000
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
         assert "trained to step" in out and int(out.split("trained to step")[1].split()[0]) < 5000

@@ -3,6 +3,7 @@ with dropout (so that the RNG streams matter), and a run config for 2 ranks. Not
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import sys
@@ -22,15 +23,20 @@ def make_task(root: Path, train_rows: int = 48, eval_rows: int = 16, dropout: fl
     assets = ensure_default_assets(default_root())
     root.mkdir(parents=True, exist_ok=True)
     model = root / "model"
-    if not model.exists():
-        shutil.copytree(assets.model_dir, model)
-        config = json.loads((model / "config.json").read_text())
-        config.update(attention_dropout=dropout, dtype="float32")
-        (model / "config.json").write_text(json.dumps(config))
-    rows = assets.train_path.read_text().splitlines()
-    (root / "train.jsonl").write_text("\n".join(rows[:train_rows]) + "\n")
-    evals = assets.eval_path.read_text().splitlines()
-    (root / "eval.jsonl").write_text("\n".join(evals[:eval_rows]) + "\n")
+    # every rank of a launch makes the task: one at a time, and only what is not there yet (a
+    # second rank copying the folder beside the first failed with FileExistsError)
+    with open(root / ".making", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not model.exists():
+            shutil.copytree(assets.model_dir, model)
+            config = json.loads((model / "config.json").read_text())
+            config.update(attention_dropout=dropout, dtype="float32")
+            (model / "config.json").write_text(json.dumps(config))
+        if not (root / "eval.jsonl").exists():
+            rows = assets.train_path.read_text().splitlines()
+            (root / "train.jsonl").write_text("\n".join(rows[:train_rows]) + "\n")
+            evals = assets.eval_path.read_text().splitlines()
+            (root / "eval.jsonl").write_text("\n".join(evals[:eval_rows]) + "\n")
     return {"model": str(model), "train": str(root / "train.jsonl"), "eval": str(root / "eval.jsonl")}
 
 
