@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 from contract.branches import ROOT, BranchTree, attributed, checkpoints_dir
 from contract.run_folder import RunFolder, read_events
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from contract.events import EventType
 
 Point = tuple[int, float]

@@ -5,7 +5,7 @@ the web app and the notebook use) -> follow its event log with a progress bar wh
 its processes -> exit 0, or non-zero with the reason.
 
 The terminal owns the run it started: SIGINT (Ctrl-C), SIGTERM and SIGHUP (the terminal window
-closed) stop it the way Stop does everywhere (`contract.protocol.Stop`: save first, by default),
+closed) stop it the way Stop does everywhere (`contract.protocol.commands.Stop`: save first, by default),
 then end its whole process group; nothing is left behind. A second signal ends it at once,
 without waiting for the save. Should the command itself be killed (SIGKILL: no handler runs),
 the kernel sends its run's launcher SIGTERM (a parent-death signal), which ends the ranks: no
@@ -32,9 +32,10 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 
 from contract.args import resolve_args
-from contract.config_schema import ConfigError, RunConfig, SHORTCUTS
+from contract.config.schema import ConfigError, RunConfig, SHORTCUTS
 from contract.preflight import PreflightError, PreflightReport, preflight
-from contract.protocol import RunState, Stop
+from contract.protocol.commands import Stop
+from contract.protocol.states import RunState
 from contract.run_folder import EventTail
 from contract.events import EventType
 from supervisor import Failure, RunError, RunHandle, RunManager, RunRefused, remote_stop

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.config_schema import ConfigError, RunConfig
-from contract.config_load import load_config
+from contract.config.schema import ConfigError, RunConfig
+from contract.config.load import load_config
 
 # Questions of the embedded task and the answers a trained model gives (the task itself is
 # engine/default_task.py; these are examples of it, as the quickstart notebook's text gives them).

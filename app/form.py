@@ -1,5 +1,5 @@
 """The run config form as data, shared by the web app and the notebook: one entry per run config
-field, taken from `contract.config_form.schema()`, so no front end can drift from the schema or from
+field, taken from `contract.config.form.schema()`, so no front end can drift from the schema or from
 the other. Knows nothing of layout: a front end keeps one widget per field key and hands this
 module the widgets' values keyed by field (`{"train.max_steps": 50, ...}`).
 
@@ -10,7 +10,7 @@ module the widgets' values keyed by field (`{"train.max_steps": 50, ...}`).
 
 Also the two ways a config is given as text or data: `make_config` (a RunConfig, a dict, a YAML
 file or None, then `key=value` overrides) and `config_from_text` (YAML laid over a preset).
-Paths are made absolute by `contract.config_load.load_config` itself (fsspec URLs stay URLs).
+Paths are made absolute by `contract.config.load.load_config` itself (fsspec URLs stay URLs).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any, Mapping
 import yaml
 
 from contract.args import fitted_max_length
-from contract.config_schema import ConfigError, RunConfig
-from contract.config_load import load_config, merge
-from contract.config_form import schema
+from contract.config.schema import ConfigError, RunConfig
+from contract.config.load import load_config, merge
+from contract.config.form import schema
 from contract.preflight import PreflightReport, preflight
 from contract.presets import DEFAULT, PRESETS
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from contract.events import CommandStatus, EventType
 from supervisor.summary import RunSummary
 

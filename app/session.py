@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from contract.config_schema import RunConfig
+from contract.config.schema import RunConfig
 from contract.preflight import PreflightReport, fingerprint, preflight
-from contract.command_base import Command, ProtocolError
-from contract.protocol import Generate, RunState, Stop, allowed_commands
+from contract.protocol.base import Command, ProtocolError
+from contract.protocol.commands import Generate, Stop, allowed_commands
+from contract.protocol.states import RunState
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, RunRefused, stopping
 from supervisor.client import CommandError, Generation, RunClient, RunGone
 from supervisor.chat_sessions import chat_config

@@ -117,7 +117,7 @@ def worker(args) -> None:
     import torch
 
     from engine import checkpoint as ck
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
     from tests.dist_utils import report
 

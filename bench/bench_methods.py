@@ -81,7 +81,7 @@ def child(a) -> None:
     """One configuration: train, print one JSON line with the measurements."""
     import psutil
     import torch
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
 
     cuda = torch.cuda.is_available()

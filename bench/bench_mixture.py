@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from contract.config_load import load_config  # noqa: E402
+from contract.config.load import load_config  # noqa: E402
 from contract.run_folder import make_run_folder  # noqa: E402
 from engine import default_task  # noqa: E402
 from supervisor.client import RunClient  # noqa: E402

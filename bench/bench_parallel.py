@@ -90,7 +90,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from engine.callbacks import Callback
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.data import count_tokens
     from engine.generation import generate
     from engine.trainer import Trainer

@@ -42,7 +42,7 @@ def inputs(work: Path) -> None:
 
 
 def ours(work: Path, method: str, steps: int) -> tuple[list[float], list[int], dict]:
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.callbacks import Callback
     from engine.trainer import Trainer
     cfg = load_config(overrides=[

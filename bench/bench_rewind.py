@@ -53,9 +53,9 @@ def config_overrides(args, run_name: str, resume: str = "") -> list[str]:
 # -- inside the ranks ---------------------------------------------------------------------------
 def live_worker(args) -> None:
     """Train, save, snapshot, rewind back and forth, then stop (no save)."""
-    from contract.config_load import load_config
-    from contract.branch_commands import Rewind, Snapshot
-    from contract.protocol import Save, Stop
+    from contract.config.load import load_config
+    from contract.protocol.branch_commands import Rewind, Snapshot
+    from contract.protocol.commands import Save, Stop
     from engine.callbacks import Callback
     from engine.control.pending import Reply
     from engine.trainer import Trainer
@@ -90,7 +90,7 @@ def resume_worker(args) -> None:
     entered = time.time()  # the rank's Python is up (the launcher and interpreter start are before)
     import torch.distributed as dist
 
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.callbacks import Callback, Signal
     from engine.trainer import Trainer
     from tests.dist_utils import report

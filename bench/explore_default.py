@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine import default_task as dt  # noqa: E402
-from contract.config_schema import OptimConfig  # noqa: E402
+from contract.config.schema import OptimConfig  # noqa: E402
 from contract import presets
 
 

@@ -117,7 +117,7 @@ def run_overrides(a, model: Path, data: Path, method: str, name: str) -> list[st
 
 def run_ours(a, model: Path, data: Path, method: str, name: str, chat: bool) -> list[dict]:
     """One run of ours; returns its row (and, with `chat`, the two chat rows)."""
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from contract.run_folder import make_run_folder
     from supervisor.client import RunClient
     from supervisor.launch import spawn
@@ -300,7 +300,7 @@ def hf_child(a) -> None:
 def hf_case(a, method: str, case: str) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine import ds_config, methods
     from engine.data import PaddingCollator, build_dataset
     from engine.model import build_model, count_parameters, hidden_size, load_tokenizer

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from contract.config_load import load_config  # noqa: E402
+from contract.config.load import load_config  # noqa: E402
 from contract import deepspeed_config
 
 WARMUP = 5

@@ -27,9 +27,9 @@ from typing import Any
 import yaml
 
 from contract import presets
-from contract.config_schema import RunConfig, SHORTCUTS
-from contract.config_form import get_value, schema
-from contract.config_load import load_config
+from contract.config.schema import RunConfig, SHORTCUTS
+from contract.config.form import get_value, schema
+from contract.config.load import load_config
 from contract.model_facts import CONTEXT_CAP, ModelFolderProblem, context_length, read_model_config
 
 FROM_FILE, FROM_OVERRIDE, FROM_PRESET, FROM_MODEL, FROM_DEFAULT = (

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contract.config_schema import ConfigError, RunConfig
+from contract.config.schema import ConfigError, RunConfig
 
 AUTO = "auto"
 PRECISIONS = ("bf16", "fp16", "fp32")

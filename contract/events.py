@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 
 
 class EventType(str, Enum):

@@ -8,7 +8,7 @@ and the web form to disable Start).
         raise PreflightError(report.problems)
     print(report.text())             # notes, warnings (dropped and truncated rows), problems
 
-It checks the run config (contract.config_checks.validate, which includes the parallel layout against
+It checks the run config (contract.config.checks.validate, which includes the parallel layout against
 the model's config.json read through the architecture's own names: contract.model_facts); the
 DeepSpeed config after "auto" filling (contract.deepspeed_config, the builder the engine runs);
 the model folder (config.json present and valid, weights, tokenizer files, a chat template when
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract import hub
-from contract.config_schema import ConfigError, RunConfig
-from contract.config_checks import validate
+from contract.config.schema import ConfigError, RunConfig
+from contract.config.checks import validate
 from contract.data_check import (LOUD_TRUNCATION_SHARE, DataScan, chars_per_token, named_rows,
                                  overlong_rows, scan_file)
 from contract.data_rows import DataError

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from contract.branches import ROOT, checkpoints_dir
 from contract.events import Event, check_event, parse_event
-from contract.protocol import jsonable
+from contract.protocol.wire import jsonable
 
 if TYPE_CHECKING:
-    from contract.config_schema import RunConfig
+    from contract.config.schema import RunConfig
 
 
 @dataclass(frozen=True)

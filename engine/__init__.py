@@ -1,6 +1,6 @@
 """The training engine: `from engine import Trainer, RunConfig`.
 
-Attributes are imported on first use, so that the run config (`contract.config_schema`) and the other torch-free modules
+Attributes are imported on first use, so that the run config (`contract.config.schema`) and the other torch-free modules
 can be used by the app process without importing torch.
 """
 
@@ -10,9 +10,9 @@ _EXPORTS = {
     "Trainer": "engine.trainer",
     "TrainerState": "engine.trainer",
     "Callback": "engine.callbacks",
-    "RunConfig": "contract.config_schema",
-    "load_config": "contract.config_load",
-    "ConfigError": "contract.config_schema",
+    "RunConfig": "contract.config.schema",
+    "load_config": "contract.config.load",
+    "ConfigError": "contract.config.schema",
 }
 
 __all__ = list(_EXPORTS)

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from contract.config_schema import RunConfig
+from contract.config.schema import RunConfig
 from engine import evaluators as evaluator_layer
 from engine import setup
 from engine.checkpoint import CheckpointSchedule, resolve_resume

@@ -12,7 +12,7 @@ memory is freed when its process group ends.
 from __future__ import annotations
 
 from contract.events import state_event
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from engine import checkpoint
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from contract import capabilities
-from contract.config_schema import RunConfig
+from contract.config.schema import RunConfig
 from contract.run_folder import EventLog, RunFolder
 from engine.losses import PER_MICRO_BATCH, Window
 from engine.steps import StepStrategy

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from contract.config_schema import ConfigError
+from contract.config.schema import ConfigError
 
 # The config builder ("auto" filling, every contradiction collected) is torch-free and lives in
 # the contract, where the pre-flight check runs it before any rank starts; these names stay.

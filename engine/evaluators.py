@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from contract.config_schema import EVALUATORS, RunConfig
+from contract.config.schema import EVALUATORS, RunConfig
 from contract.data_rows import preference_columns
 from engine import metrics
 from engine.data.formats import encode_input_output

@@ -42,7 +42,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from contract.config_schema import GuardConfig, RunConfig
+from contract.config.schema import GuardConfig, RunConfig
 from contract.events import WarningEvent
 from engine.callbacks import Callback, Signal
 from engine.checkpoint import rewind as rewinding

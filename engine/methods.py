@@ -43,7 +43,7 @@ import torch
 
 from contract import capabilities
 from contract.capabilities import Feature
-from contract.config_schema import FUSED_METHODS, PEFT_METHODS, RunConfig
+from contract.config.schema import FUSED_METHODS, PEFT_METHODS, RunConfig
 from engine import ds_config, lomo
 from engine.checkpoint import adapters
 from engine.context import Method, RunContext

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from contract.run_folder import EventLog
 from contract.events import EventType
 

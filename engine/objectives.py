@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from contract.config_schema import OBJECTIVE_FORMATS, REFERENCE_OBJECTIVES, PreferenceConfig, RunConfig
+from contract.config.schema import OBJECTIVE_FORMATS, REFERENCE_OBJECTIVES, PreferenceConfig, RunConfig
 from contract.data_rows import IGNORE, DataError
 
 Sums = dict[str, tuple[torch.Tensor, torch.Tensor]]  # metric -> (sum over rows, rows counted)

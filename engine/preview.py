@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from contract import hub
-from contract.config_schema import ConfigError, RunConfig
-from contract.config_load import load_config
+from contract.config.schema import ConfigError, RunConfig
+from contract.config.load import load_config
 from contract.data_rows import PREFERENCE_FORMATS, preference_columns
 from contract import deepspeed_config
 from contract import presets

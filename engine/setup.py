@@ -18,7 +18,7 @@ import torch.distributed as dist
 from transformers import get_scheduler
 
 from contract import hub
-from contract.config_schema import RunConfig
+from contract.config.schema import RunConfig
 from contract.run_folder import EventLog, RunFolder, make_run_folder
 from engine import data as data_layer
 from engine import ds_config
@@ -177,7 +177,7 @@ def datasets_of(cfg: RunConfig, tokenizer, train_dataset, eval_dataset):
 def training_sources(cfg: RunConfig, tokenizer, train_src: str, reports: dict):
     """The run's training sources (data.sources, or data.train as the one source "train") as a
     mixture (engine.data.mixture); each source's data report goes into `reports`."""
-    from contract.config_checks import source_name
+    from contract.config.checks import source_name
     from engine.data.mixture import MixtureDataset, Source, source_seed
     specs = cfg.data.sources or [{"path": train_src, "format": cfg.data.format, "name": "train"}]
     sources = []

@@ -5,7 +5,7 @@ it inside the training loop and carries the actions out. Every rank runs its own
 same inputs (the loss reduced over the ranks, then made equal everywhere by one all-reduce), so
 every rank takes the same decision and no collective is entered by some ranks only.
 
-Triggers and their actions (the `guard` config section, contract.config_schema.GuardConfig):
+Triggers and their actions (the `guard` config section, contract.config.schema.GuardConfig):
 
     nonfinite_loss        the step's loss is NaN or inf                      on_nonfinite
     loss_spike            the loss is above the running statistic's bound     on_spike
@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from contract.config_schema import GuardConfig
+from contract.config.schema import GuardConfig
 from contract.events import EventType
 
 MAD_TO_STD = 1.4826  # the median absolute deviation of normal noise times this is its standard deviation

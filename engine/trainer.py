@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from contract.config_schema import RunConfig
-from contract.protocol import RunState
+from contract.config.schema import RunConfig
+from contract.protocol.states import RunState
 from contract.events import EvalEvent, EventType, SetupEvent, StateEvent, WarningEvent
 from engine import assembly, chat_only, checkpoint
 from engine.callbacks import NOTHING, Callback, CallbackList, Signal

@@ -13,9 +13,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.run_folder import EventLog, RunFolder
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from contract.events import StateEvent
 
 

@@ -1,7 +1,7 @@
 """Runs as supervised process groups: start, list, reattach, wait on, stop, and watch for dead
 or hung ranks. One supervisor for every front end (terminal, web app, notebook, scripts); see
 `supervisor.manager` for the overview. Torch-free; imports only `contract`. Run states are the
-contract's (`contract.protocol.RunState`)."""
+contract's (`contract.protocol.states.RunState`)."""
 
 from supervisor.handle import RunHandle
 from supervisor.judgement import Verdict, VerdictKind, judge

@@ -21,8 +21,8 @@ import json
 import time
 from pathlib import Path
 
-from contract.config_schema import RunConfig
-from contract.config_load import config_from_dict, load_config, merge
+from contract.config.schema import RunConfig
+from contract.config.load import config_from_dict, load_config, merge
 
 COMPLETE = "COMPLETE.json"      # a checkpoint's completion marker (engine.checkpoint.atomic)
 TRAINER_STATE = "trainer_state.json"

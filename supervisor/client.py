@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from contract.events import run_state
-from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
-from contract.branch_commands import Branch, Branches, Rewind, Snapshot
-from contract.command_base import Command, ProtocolError
-from contract.protocol import (Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status, Stop,
-                               Subscribe, command_from_wire, encode)
+from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.protocol.base import Command, ProtocolError
+from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop, Subscribe, command_from_wire
+from contract.protocol.states import RunState
+from contract.protocol.wire import encode
 from contract.run_folder import RunFolder, read_events
 
 TERMINAL_STATES = tuple(s.value for s in RunState if s.final)
@@ -178,7 +179,7 @@ class RunClient:
         return self.send(Resume())
 
     def stop(self, save: bool = Stop.save) -> dict:
-        """Stop at the next boundary; `save` (contract.protocol.Stop's default, true): a
+        """Stop at the next boundary; `save` (contract.protocol.commands.Stop's default, true): a
         checkpoint now and the final model at the end."""
         return self.send(_build(lambda: Stop(save=save)))
 

@@ -15,7 +15,8 @@ import fcntl
 import threading
 import time
 
-from contract.protocol import RunState, Stop
+from contract.protocol.commands import Stop
+from contract.protocol.states import RunState
 from contract.run_folder import EventLog, EventTail, RunFolder
 from contract.events import EventType
 
@@ -177,7 +178,7 @@ class RunHandle:
 
     @property
     def state(self) -> str:
-        """The run's state, a `contract.protocol.RunState` value."""
+        """The run's state, a `contract.protocol.states.RunState` value."""
         return self.info().state
 
     def info(self, refresh: bool = True) -> RunInfo:

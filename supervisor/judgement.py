@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Sequence
 
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 
 from supervisor.procs import describe_returncode, describe_status, failed_status
 

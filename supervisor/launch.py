@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from contract.config_schema import RunConfig
-from contract.layout_checks import is_local_only, parse_hostfile
+from contract.config.schema import RunConfig
+from contract.config.layout_checks import is_local_only, parse_hostfile
 from contract.run_folder import RunFolder
 
 from supervisor import remote_stop

@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from contract.config_schema import RunConfig
+from contract.config.schema import RunConfig
 from contract.preflight import PreflightError, PreflightReport, fingerprint, preflight
 from contract.run_folder import make_run_folder
 from supervisor.launch import spawn
 from contract.run_folder import EventLog, RunFolder
-from contract.protocol import RunState, Stop
+from contract.protocol.commands import Stop
+from contract.protocol.states import RunState
 from contract.events import StateEvent
 
 from supervisor import procs

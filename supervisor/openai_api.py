@@ -7,7 +7,7 @@ run through `RunClient`, the path every front end uses. Rank 0 keeps doing one t
 socket, never HTTP parsing or TLS-less exposure), one API serves every live run and chat-only
 session of an output folder, and it outlives runs, so a client sees "503: not answering" rather
 than a refused connection while a run starts or restarts. Each request becomes one `complete`
-command (contract.completion_commands), executed by every rank at the next step boundary like
+command (contract.protocol.completion_commands), executed by every rank at the next step boundary like
 a chat: every layout works and the training trajectory is unchanged.
 
 Models: one per live run (its folder name) and per chat-only session of a checkpoint or export
@@ -44,9 +44,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from contract.completion_commands import Complete
-from contract.protocol import MAX_MESSAGE_BYTES
-from contract.command_base import ProtocolError
+from contract.protocol.completion_commands import Complete
+from contract.protocol.wire import MAX_MESSAGE_BYTES
+from contract.protocol.base import ProtocolError
 from contract.run_folder import write_private_json
 from supervisor.client import CommandError, Generation, RunClient, RunGone
 from supervisor.openai_models import ChatRequest, CompletionRequest, first_problem

@@ -1,5 +1,5 @@
 """The request bodies of the OpenAI-compatible API (supervisor.openai_api), as pydantic v2 models,
-and how each becomes the run's `complete` command (contract.completion_commands.Complete).
+and how each becomes the run's `complete` command (contract.protocol.completion_commands.Complete).
 
 Fields the API does not act on (`user`, `presence_penalty`, `logit_bias`, ...) are accepted and
 ignored, as most OpenAI-compatible servers do, so clients that always send them work.
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from contract.completion_commands import MAX_PROMPTS, MAX_SAMPLES, MAX_TOP_LOGPROBS, Complete
+from contract.protocol.completion_commands import MAX_PROMPTS, MAX_SAMPLES, MAX_TOP_LOGPROBS, Complete
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 

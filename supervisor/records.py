@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from contract.run_folder import RunFolder, tail_lines
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 
 from supervisor.procs import read_proc, running
 from supervisor.remote import wait_status

@@ -36,8 +36,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from contract.config_schema import RunConfig
-from contract.protocol import RunState, Stop
+from contract.config.schema import RunConfig
+from contract.protocol.commands import Stop
+from contract.protocol.states import RunState
 from contract.run_folder import EventLog, RunFolder, make_run_folder
 from contract.events import StateEvent
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from contract.protocol import Stop
+from contract.protocol.commands import Stop
 from contract.run_folder import RunFolder
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from contract.events import EventType
 
 from supervisor import procs, remote_stop

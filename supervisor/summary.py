@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 
 from supervisor.judgement import cause_first
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 
 REPO = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ test_lomo, test_trainer_script); here, without a process group, only what needs 
 import pytest
 import torch
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from engine import assembly, methods
 from engine.context import DistEnv
 from engine.parallel import layouts

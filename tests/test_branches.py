@@ -10,11 +10,12 @@ import pytest
 
 from contract.branches import (ROOT, BranchTree, attributed, branch_events, check_name, checkpoints_dir,
                                names_branch, path_events, resume_problem)
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
-from contract.protocol import ALLOWED_COMMANDS, RunState, command_from_wire
-from contract.branch_commands import Branch, Rewind, Snapshot
-from contract.command_base import ProtocolError
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
+from contract.protocol.commands import ALLOWED_COMMANDS, command_from_wire
+from contract.protocol.states import RunState
+from contract.protocol.branch_commands import Branch, Rewind, Snapshot
+from contract.protocol.base import ProtocolError
 from contract.run_folder import EventLog, RunFolder
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from supervisor import RunManager
 from supervisor.chat_sessions import ChatSourceError, chat_config
 from supervisor.client import CommandError, RunClient

@@ -56,7 +56,7 @@ def kill_when(run: Path, proc: subprocess.Popen, timeout: float = 600) -> None:
 @pytest.mark.slow
 def test_resume_latest_continues_the_run_exactly(tmp_path):
     from engine.checkpoint import list_checkpoints
-    from contract.config_load import load_config
+    from contract.config.load import load_config
 
     task = make_task(tmp_path / "task", train_rows=320)
     cfg = load_config(overrides=overrides(task, str(tmp_path / "runs"), "r", 2, [

@@ -46,7 +46,7 @@ def test_a_fused_method_under_zero3_that_would_save_is_refused_before_launch(met
     """DeepSpeed's ZeRO-3 engine writes its partitioned weights through an optimizer of its own,
     which LOMO and AdaLomo do not have: a schedule of training checkpoints is refused, naming
     what works; ZeRO 3 without one still trains (its model export does not need DeepSpeed's writer)."""
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     base = [f"method={method}", "zero_stage=3", "nproc=2"]
     with pytest.raises(ValueError, match=rf"checkpoint.every_n_epochs: {method} under ZeRO 3 cannot save training "
                        r"checkpoints: .* use zero_stage 0, 1 or 2 for a run that saves training checkpoints"):

@@ -6,9 +6,9 @@ import sys
 import pytest
 import yaml
 
-from contract.config_schema import ConfigError, RunConfig
-from contract.config_load import load_config
-from contract.config_form import schema
+from contract.config.schema import ConfigError, RunConfig
+from contract.config.load import load_config
+from contract.config.form import schema
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -87,7 +87,7 @@ def test_schema_covers_every_field_with_help():
 
 
 def test_config_layer_does_not_import_torch():
-    code = "import contract.config_schema, contract.config_load, contract.run_folder, contract.protocol, supervisor.launch, sys; print('torch' in sys.modules)"
+    code = "import contract.config.schema, contract.config.load, contract.run_folder, contract.protocol, supervisor.launch, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

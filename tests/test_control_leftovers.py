@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from contract.command_base import ProtocolError
-from contract.protocol import parse_command
+from contract.protocol.base import ProtocolError
+from contract.protocol.commands import parse_command
 from contract.run_folder import RunFolder
 from engine.control import chat_page
 from engine.control.pending import CommandQueue

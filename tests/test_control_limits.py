@@ -21,7 +21,7 @@ from engine.control.server import ControlServer
 from engine.default_task import build_tokenizer, default_model_config
 from engine.control import handlers
 from engine.control.pending import CommandQueue
-from contract.protocol import MAX_MESSAGE_BYTES
+from contract.protocol.wire import MAX_MESSAGE_BYTES
 from contract.run_folder import EventLog, RunFolder
 
 

@@ -24,7 +24,7 @@ import sys
 import time
 from engine import Trainer
 from engine.control import live_settings
-from contract.config_load import load_config
+from contract.config.load import load_config
 cfg = load_config(overrides=sys.argv[2:])
 trainer = Trainer(config=cfg, run_dir=sys.argv[1], server=True)
 trainer.train()

@@ -16,7 +16,7 @@ import pytest
 from supervisor.client import CommandError, RunClient, RunGone
 from engine.control.pending import CommandQueue
 from engine.control.server import ControlServer
-from contract.protocol import MAX_MESSAGE_BYTES
+from contract.protocol.wire import MAX_MESSAGE_BYTES
 from contract.run_folder import EventLog, RunFolder
 
 

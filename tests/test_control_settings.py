@@ -3,8 +3,8 @@ what checkpoints record) and a queued command's trip to the other ranks."""
 
 import json
 
-from contract.config_load import load_config
-from contract.protocol import Generate, GenerationParams, Set, Status, Stop
+from contract.config.load import load_config
+from contract.protocol.commands import Generate, GenerationParams, Set, Status, Stop
 from engine.control.pending import NO_REPLY, CommandQueue, Pending, Reply
 from engine.control.settings import LiveSettings, live_settings
 

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 from contract.events import CommandStatus, EventType
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 
 ROOT = Path(__file__).resolve().parent.parent
 SPELLED = {"state": {s.value for s in RunState}, "type": {t.value for t in EventType},

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 from contract.deepspeed_config import (DeepSpeedConfigError, DsConfig, NO_LOG_STEPS, build_ds_config,
                                        inference_config)
 from engine.ds_config import resolve_precision, transformers_zero3, zero3_init

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.events import check_event
 from contract.run_folder import read_events
 from control_runs import task_files
@@ -74,7 +74,7 @@ def test_the_config_names_what_early_stopping_needs():
 
 SCRIPT = """
 import sys
-from contract.config_load import load_config
+from contract.config.load import load_config
 from engine import Trainer
 trainer = Trainer(config=load_config(overrides=sys.argv[1:]))
 trainer.train()

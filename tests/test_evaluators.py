@@ -6,8 +6,8 @@ import pytest
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 from engine import evaluators
-from contract.config_schema import ConfigError, EVALUATORS
-from contract.config_load import load_config
+from contract.config.schema import ConfigError, EVALUATORS
+from contract.config.load import load_config
 
 
 def test_choice_rows_take_an_index_a_text_or_the_output():

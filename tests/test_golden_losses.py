@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.presets import DEFAULT
 
 pytestmark = pytest.mark.slow  # engine processes: the slow tier

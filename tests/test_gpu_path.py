@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.preflight import preflight
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from contract import hub
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.preflight import preflight
 from control_runs import task_files
 
@@ -92,7 +92,7 @@ def test_a_local_folder_of_the_same_name_wins(tmp_path, monkeypatch):
 # run does (no control.json left with its token and a dead port), and `with` closes the rest
 SCRIPT = """
 import sys
-from contract.config_load import load_config
+from contract.config.load import load_config
 from engine import Trainer
 with Trainer(config=load_config(overrides=sys.argv[1:])) as t:
     print("control.json during the run:", t.folder.control.exists())

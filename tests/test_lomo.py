@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 from engine.lomo import AdaLomoRule, DynamicLossScaler, FusedOptimizer, LomoRule, scaler_from_ds_config
 
 

@@ -12,11 +12,11 @@ import math
 import pytest
 
 from contract import inbox as inbox_file
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
-from contract.command_base import ProtocolError
-from contract.data_commands import SetWeight, Teach
-from contract.protocol import command_from_wire
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
+from contract.protocol.base import ProtocolError
+from contract.protocol.data_commands import SetWeight, Teach
+from contract.protocol.commands import command_from_wire
 from engine.data.dataset import TokenizedDataset
 from engine.data.inbox import InboxDataset, encode_pair
 from engine.data.mixture import MixtureDataset, Source, source_seed

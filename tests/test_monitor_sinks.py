@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.preflight import preflight
 from contract.run_folder import read_events
 from control_runs import task_files
@@ -42,7 +42,7 @@ def test_wandb_without_the_package_is_refused_naming_the_field(monkeypatch):
 
 SCRIPT = """
 import sys
-from contract.config_load import load_config
+from contract.config.load import load_config
 from engine import Trainer
 Trainer(config=load_config(overrides=sys.argv[1:])).train()
 """

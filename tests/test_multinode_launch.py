@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from control_runs import launch, logs_of, losses, task_files, wait_exit
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 from supervisor.launch import LaunchError, check_launchable, launch_command
 from contract.run_folder import RunFolder
 

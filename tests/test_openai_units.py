@@ -10,9 +10,9 @@ import stat
 import httpx
 import pytest
 
-from contract.completion_commands import Complete
-from contract.command_base import ProtocolError
-from contract.protocol import command_from_wire
+from contract.protocol.completion_commands import Complete
+from contract.protocol.base import ProtocolError
+from contract.protocol.commands import command_from_wire
 from supervisor.openai_api import KEY_FILE, ApiServer, key_of, model_name
 from supervisor.openai_models import ChatRequest, CompletionRequest
 from supervisor.openai_stream import StopFilter

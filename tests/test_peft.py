@@ -7,8 +7,8 @@ import torch
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 from engine import methods
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 
 
 def llama(seed=0):

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 from contract.data_check import overlong_rows, prompt_filling_rows, scan_file
 from contract.data_rows import DataError, detect_format
 from engine.data import PaddingCollator, build_dataset

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.inbox import read_inbox
 from contract.run_folder import make_run_folder
 from engine import default_task

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from engine.callbacks import Callback
 
 pytestmark = pytest.mark.slow  # engine processes: the slow tier

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from contract.args import resolve_args
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 from contract.model_facts import CONTEXT_CAP
 from contract.preflight import PreflightReport, preflight
 from supervisor import RunManager, RunRefused

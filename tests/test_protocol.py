@@ -11,12 +11,12 @@ import math
 
 import pytest
 
-from contract import protocol as P
+from contract.protocol import commands as P
+from contract.protocol import wire
 from contract.events import EventType, run_state, state_event
-from contract.protocol import (ALLOWED_COMMANDS, COMMANDS, GENERATION_DEFAULTS, Generate, GenerationParams,
-                               Pause, RunState, Set, Status, Stop, Subscribe, allowed_commands,
-                               parse_command)
-from contract.command_base import ProtocolError
+from contract.protocol.commands import ALLOWED_COMMANDS, COMMANDS, GENERATION_DEFAULTS, Generate, GenerationParams, Pause, Set, Status, Stop, Subscribe, allowed_commands, parse_command
+from contract.protocol.states import RunState
+from contract.protocol.base import ProtocolError
 from contract.run_folder import EventLog, EventTail, read_events
 from supervisor.client import CommandError, RunClient
 
@@ -96,9 +96,9 @@ def test_bad_messages_are_refused():
         with pytest.raises(ProtocolError, match=message.replace("`", ".")):
             parse_command(msg)
     with pytest.raises(ProtocolError, match="malformed JSON"):
-        P.decode(b"{nope")
+        wire.decode(b"{nope")
     with pytest.raises(ProtocolError, match="larger than"):
-        P.decode(b"1" * (P.MAX_MESSAGE_BYTES + 1))
+        wire.decode(b"1" * (wire.MAX_MESSAGE_BYTES + 1))
 
 
 def _bounded_fields():
@@ -146,8 +146,8 @@ def test_numbers_are_normalised_to_their_declared_type():
     Set(eval_every_n_steps=0),
 ])
 def test_a_command_survives_the_wire(command):
-    line = P.encode({"token": "t", "id": 7, **command.to_wire()})
-    req_id, back = parse_command(P.decode(line))
+    line = wire.encode({"token": "t", "id": 7, **command.to_wire()})
+    req_id, back = parse_command(wire.decode(line))
     assert req_id == "7" and back == command and type(back) is type(command)
 
 

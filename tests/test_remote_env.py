@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 from contract.run_folder import RunFolder
-from contract.layout_checks import hostfile_problems
+from contract.config.layout_checks import hostfile_problems
 from supervisor.launch import FORWARDED_PREFIXES, threads_per_rank_on_each_host, write_remote_env
 from supervisor.records import log_tail
 

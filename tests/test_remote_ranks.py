@@ -5,7 +5,7 @@ The log lines are DeepSpeed 0.19.8's and pdsh's own, as a two-host run wrote the
 
 import dataclasses
 
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from supervisor.judgement import LINGER_GRACE_S, Facts, RankExit, VerdictKind, judge
 from supervisor.remote import RemoteLog, wait_status
 

@@ -136,7 +136,7 @@ def test_rewind_stays_on_the_present_branch(tmp_path):
     the fork, is refused before anything is loaded (branch goes on from those)."""
     from types import SimpleNamespace
 
-    from contract.config_schema import RunConfig
+    from contract.config.schema import RunConfig
     from contract.run_folder import RunFolder
     from engine.checkpoint import rewind, snapshots
 
@@ -202,7 +202,7 @@ def test_a_restored_state_puts_the_runs_own_clipping_back():
     clipping back to the run's value; a recorded change is put in."""
     from types import SimpleNamespace
 
-    from contract.config_schema import RunConfig
+    from contract.config.schema import RunConfig
     from engine.control.handlers import apply_settings
     from engine.control.settings import LiveSettings
 

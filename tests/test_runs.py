@@ -18,7 +18,7 @@ import pytest
 
 from supervisor import Failure, RunError, RunManager, RunRefused
 from supervisor.summary import RunSummary
-from contract.config_load import load_config
+from contract.config.load import load_config
 
 SHORT = ["data.max_length=32", "batch_size=8", "precision=fp32", "logging.tensorboard=false",
          "checkpoint.save_at_end=false", "eval.at_end=false", "eval.every_n_steps=0"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.run_folder import RunFolder
 from slurm_cluster import SlurmUnavailable, check_available, slurm_cluster
 from supervisor.client import RunClient
@@ -97,7 +97,7 @@ def test_several_nodes_count_in_the_world_and_allow_a_reachable_control_socket(t
     """A Slurm job of 2 nodes x 2 ranks is a world of 4 (the layout checks count it), and its rank 0
     may listen beyond loopback (opted into) so the submitting machine can reach it; the same
     config is refused where it cannot mean what it says."""
-    from contract.config_schema import ConfigError
+    from contract.config.schema import ConfigError
     from supervisor import RunManager, RunRefused
     cfg = load_config(overrides=["nproc=2", "parallel.nodes=2", "control.host=0.0.0.0", "tp=2",
                                  f"output_dir={tmp_path}"])

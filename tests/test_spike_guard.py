@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_schema import ConfigError, GuardConfig
-from contract.config_load import load_config
+from contract.config.schema import ConfigError, GuardConfig
+from contract.config.load import load_config
 from engine.spike_guard import SpikeGuard, SpikeStatistic, Verdict, newest_good
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 

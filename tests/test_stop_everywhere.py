@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from contract.args import config_from_args
-from contract.protocol import Stop
+from contract.protocol.commands import Stop
 from contract.run_folder import read_events
 from supervisor import RunManager
 from supervisor.client import RunClient

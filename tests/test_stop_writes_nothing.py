@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import json, sys
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.protocol import Stop
 from engine import Trainer
 from engine.callbacks import Callback

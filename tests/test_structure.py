@@ -236,13 +236,13 @@ def graph():
 def test_the_graph_sees_lazy_relative_and_type_checking_imports(graph):
     """The parser itself: a few imports known to exist are found, whatever their form."""
     ours, libs, modules = graph
-    assert {"contract.config_schema", "supervisor.launch", "engine.worker", "app.web"} <= set(modules)
+    assert {"contract.config.schema", "supervisor.launch", "engine.worker", "app.web"} <= set(modules)
     assert len(modules) > 60 and len(ours) > 150
-    assert any(e.source == "engine.worker" and e.target == "contract.config_load" and e.kind == ""
+    assert any(e.source == "engine.worker" and e.target == "contract.config.load" and e.kind == ""
                for e in ours)  # top level
     assert any(e.source == "engine.worker" and e.target.startswith("engine.") and e.kind == "lazy"
                for e in ours)  # inside run()
-    assert any(e.source.startswith("supervisor") and e.target == "contract.config_schema" for e in ours)
+    assert any(e.source.startswith("supervisor") and e.target == "contract.config.schema" for e in ours)
     assert any(e.source.startswith("engine") and e.target == "torch" for e in libs)
     cycle = [Edge("a", "b", "f", 1), Edge("b", "c", "f", 2), Edge("c", "a", "f", 3), Edge("c", "d", "f", 4)]
     assert strongly_connected(["a", "b", "c", "d"], cycle) == [["a", "b", "c"]]

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from supervisor.judgement import (LAUNCHER_GRACE_S, LINGER_GRACE_S, UNSEEN_EXIT_GRACE_S, Facts, RankExit,
                                   VerdictKind, culprit, judge, last_exception, post_mortem)
 
@@ -265,10 +265,10 @@ def test_a_failure_is_worded_cause_first():
     assert summary.error == worded
     log = ["Traceback (most recent call last):", '  File "engine/worker.py", line 5, in run',
            "    cfg = load_config(folder.config)",
-           "contract.config_schema.ConfigError: invalid run config (1 problem):",
+           "contract.config.schema.ConfigError: invalid run config (1 problem):",
            "  - data.train: no such file or folder: /d", "[rank0] exiting"]
     assert last_exception(log) == ("data.train: no such file or folder: /d "
-                                   "(contract.config_schema.ConfigError: invalid run config, 1 problem)")
+                                   "(contract.config.schema.ConfigError: invalid run config, 1 problem)")
 
 
 def unwatched_run(tmp_path, killed: int, code: int, final: bool):

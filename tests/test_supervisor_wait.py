@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from contract.protocol import Stop
+from contract.protocol.commands import Stop
 from supervisor import RunManager
 from supervisor.records import adopt_child
 

@@ -25,7 +25,7 @@ import json
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.inbox import read_inbox
 from contract.presets import DEFAULT
 from contract.run_folder import make_run_folder

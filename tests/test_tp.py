@@ -10,8 +10,8 @@ import torch
 
 from supervisor.client import RunClient
 from control_runs import launch, logs_of, states, task_files, wait_exit, wait_for_step
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
 from contract.deepspeed_config import DeepSpeedConfigError, build_ds_config
 from parallel_runs import (CKPT_STEP, STEPS, assert_close_losses, assert_learns, data_files, hf_logits,
                            losses_of, run_layout)

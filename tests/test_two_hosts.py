@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.config_load import load_config
+from contract.config.load import load_config
 from contract.run_folder import read_events
 from hosts import HostsUnavailable, TwoHosts, check_available, cmdline, in_host, two_hosts
 from control_runs import task_files

@@ -124,7 +124,7 @@ def test_stop_means_the_same_in_the_web_app_and_the_notebook(runs, monkeypatch):
     both take the contract's default (Stop().save), so both save and end the same way."""
     from app.notebook import api
     from app.web.train import _act
-    from contract.protocol import Stop
+    from contract.protocol.commands import Stop
 
     assert Stop.save is True
     monkeypatch.setenv("LIVETUNE_OUTPUT_DIR", str(runs))

@@ -20,7 +20,7 @@ from app.web.backend import Backend
 from app.web.backend.views import Progress
 from app.web.backend.watch import Snapshot
 from app.web.widgets import status_html
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from contract.run_folder import RunFolder
 from supervisor import RunInfo
 

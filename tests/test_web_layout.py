@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from contract.config_load import config_from_dict
+from contract.config.load import config_from_dict
 from contract.events import EventType
 from contract.presets import DEFAULT
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from contract.run_folder import EventLog, RunFolder
 import pytest
 from test_web import SLOW, app, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)

@@ -16,10 +16,10 @@ from app.notebook.chat import ChatBox
 from app.session import SessionError
 from app.web import chat, chat_prefer
 from app.web.backend import Backend
-from contract.command_base import ProtocolError
-from contract.config_load import load_config
-from contract.data_commands import Inbox, Teach
-from contract.protocol import Pause
+from contract.protocol.base import ProtocolError
+from contract.config.load import load_config
+from contract.protocol.data_commands import Inbox, Teach
+from contract.protocol.commands import Pause
 from engine import default_task
 
 SETTINGS = (8, 0.0, 1.0, 0, 1.0)  # max_new, temperature (greedy: the samples are warmed), top_p, top_k, repetition

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from contract.config_load import config_from_dict
+from contract.config.load import config_from_dict
 from contract.presets import DEFAULT
 from contract.run_folder import EventLog, RunFolder
 from test_web import SLOW, app, ask, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)

@@ -19,11 +19,12 @@ from app.session import Session, SessionError, allowed
 from app.web.backend.preview import PreviewWorker, describe_data, describe_model
 from app.web.backend.store import human_size, list_saved
 from app.web.backend.views import MAX_POINTS, RunView
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
-from contract.config_form import schema
-from contract.protocol import Pause, RunState, Set, allowed_commands
-from contract.command_base import ProtocolError
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
+from contract.config.form import schema
+from contract.protocol.commands import Pause, Set, allowed_commands
+from contract.protocol.states import RunState
+from contract.protocol.base import ProtocolError
 from contract.presets import PRESETS
 from contract.run_folder import EventLog, RunFolder
 

@@ -16,9 +16,9 @@ import yaml
 from app.form import Form
 from app.notebook.form import ConfigForm
 from app.series import RunHistory, format_seconds
-from contract.config_schema import ConfigError
-from contract.config_load import load_config
-from contract.config_form import schema
+from contract.config.schema import ConfigError
+from contract.config.load import load_config
+from contract.config.form import schema
 from contract.presets import DEFAULT, PRESETS
 from nb_utils import REPO, code_notebook, errors_in, run_notebook, widget_states
 

@@ -27,14 +27,15 @@ from typing import Any, Iterator
 from app.form import make_config
 from app.series import RunHistory
 from app.session import Session, SessionError
-from contract.config_schema import RunConfig
-from contract.config_load import load_config
-from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
-from contract.branch_commands import Branch, Branches, Rewind, Snapshot
-from contract.protocol import Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status
-from contract.command_base import ProtocolError
+from contract.config.schema import RunConfig
+from contract.config.load import load_config
+from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status
+from contract.protocol.states import RunState
+from contract.protocol.base import ProtocolError
 from contract.run_folder import read_events
-from contract.protocol import Stop
+from contract.protocol.commands import Stop
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager
 from supervisor.client import Generation, RunClient
 

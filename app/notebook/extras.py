@@ -19,7 +19,7 @@ from app.notebook.api import Run
 from app.session import allowed
 from app.sources import data_view, number
 from contract.run_folder import RunFolder
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 
 Send = Callable[[str, Callable[[Run], Any]], "Future | None"]
 

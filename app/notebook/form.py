@@ -17,7 +17,7 @@ import ipywidgets as widgets
 
 from app.form import DEFAULT_PRESET, SCHEMA_DEFAULTS, Form
 from app.notebook.fallback import with_note
-from contract.config_schema import RunConfig
+from contract.config.schema import RunConfig
 from contract.presets import PRESETS
 
 _ERROR_STYLE = "color:#b00020;font-size:90%"

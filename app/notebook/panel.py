@@ -32,8 +32,9 @@ from app.notebook.plots import render_png
 from app.notebook.watch import Watcher
 from app.series import RunHistory, format_seconds
 from app.session import allowed
-from contract.config_schema import ConfigError
-from contract.protocol import RunState, Stop
+from contract.config.schema import ConfigError
+from contract.protocol.commands import Stop
+from contract.protocol.states import RunState
 from supervisor import RunInfo
 
 _MESSAGES_SHOWN = 6

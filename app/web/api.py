@@ -20,11 +20,11 @@ import gradio as gr
 from app.form import DEFAULT_PRESET, config_from_text
 from app.session import SessionError
 from app.web.backend import Backend
-from contract.config_schema import ConfigError
-from contract.branch_commands import Branch, Branches, Rewind, Snapshot
-from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
-from contract.protocol import Evaluate, Pause, Resume, Save, Set, Stop
-from contract.command_base import ProtocolError
+from contract.config.schema import ConfigError
+from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.commands import Evaluate, Pause, Resume, Save, Set, Stop
+from contract.protocol.base import ProtocolError
 from supervisor import RunInfo
 
 

@@ -20,7 +20,7 @@ from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from app.web.widgets import readable
 from contract.run_folder import RunFolder
-from contract.branch_commands import Branch, Rewind, Snapshot
+from contract.protocol.branch_commands import Branch, Rewind, Snapshot
 
 PLOTS = ("branch_loss", "branch_lr", "branch_eval")
 

@@ -32,8 +32,8 @@ from app.web.backend import Backend
 from app.web.backend.watch import Snapshot
 from app.web.widgets import CHAT_CLASS, readable
 from contract.branches import BranchTree
-from contract.data_commands import Teach
-from contract.command_base import ProtocolError
+from contract.protocol.data_commands import Teach
+from contract.protocol.base import ProtocolError
 
 TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
 LIVE = "Live model (the weights being trained)"

@@ -17,7 +17,7 @@ import gradio as gr
 from app.session import SessionError
 from app.web.backend import Backend
 from app.web.widgets import readable
-from contract.data_commands import Teach
+from contract.protocol.data_commands import Teach
 
 SAMPLE = "Another sample of the live model"
 COMPARED = "The Compare column (another run or a checkpoint)"

@@ -20,8 +20,8 @@ from app.sources import DataView, data_view, number
 from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from contract.run_folder import RunFolder
-from contract.protocol import RunState
-from contract.data_commands import AddSource, Forget, RemoveSource, SetWeight
+from contract.protocol.states import RunState
+from contract.protocol.data_commands import AddSource, Forget, RemoveSource, SetWeight
 
 SOURCE_COLUMNS = ["source", "weight", "samples drawn", "format", "path"]
 INBOX_COLUMNS = ["id", "prompt", "wanted answer", "taught at step", "answer before", "answer after",

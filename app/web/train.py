@@ -2,7 +2,7 @@
 its opposite, Save now, Evaluate now, a live learning-rate change; state, step, epoch, progress
 and ETA; live plots rebuilt from the event log (so a reloaded page shows the whole history); the
 log tail; a banner when the run fails; the chat beside the plots (chat_side). Which buttons are
-enabled follows the run's state through `contract.protocol.allowed_commands`; every handler
+enabled follows the run's state through `contract.protocol.commands.allowed_commands`; every handler
 returns its outputs keyed by component.
 
 Two paths bring the run to the page. What changes every step (the status line, the plots' new
@@ -24,7 +24,8 @@ from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import Plots, make_plots
 from app.web.widgets import banner_html, readable, status_html
-from contract.protocol import Evaluate, Pause, Resume, RunState, Save, Set, Stop
+from contract.protocol.commands import Evaluate, Pause, Resume, Save, Set, Stop
+from contract.protocol.states import RunState
 
 # Read in the page as each look leaves: the run it shows, whether the user has clicked a tab yet
 # (set by a click listener, NAVIGATION_HEAD, given to launch(); a page state updated through the
@@ -53,7 +54,7 @@ CONFIRM_LR_JS = ("(lr) => String(lr ?? '').trim() === '' || Number(lr) !== 0 || 
                  "'Set the learning rate to 0? The model stops learning until you set it again.')")
 
 # button -> the command it sends; a button is enabled when the run's state allows its command
-# (contract.protocol.allowed_commands, the table every front end follows)
+# (contract.protocol.commands.allowed_commands, the table every front end follows)
 COMMAND_OF = {"pause": "pause", "resume": "resume", "stop": "stop", "stop_other": "stop",
               "save": "save", "evaluate": "evaluate", "set_lr": "set"}
 # "stop" is Stop() as the contract defines it; "stop_other" is the same with the save the other way

@@ -15,10 +15,10 @@ import gradio as gr
 from app.session import SessionError
 from app.web.backend.watch import Snapshot
 from contract.branches import TREE_FILE, BranchTree
-from contract.config_schema import ConfigError
-from contract.protocol import RunState
+from contract.config.schema import ConfigError
+from contract.protocol.states import RunState
 from contract.run_folder import RunFolder
-from contract.command_base import ProtocolError
+from contract.protocol.base import ProtocolError
 from supervisor import Failure
 from supervisor.slurm import recorded_job
 

@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from engine.checkpoint.locations import CheckpointError
     from engine.checkpoint.export import export as run_export
-    from contract.config_schema import ConfigError
+    from contract.config.schema import ConfigError
     try:
         print(run_export(args.source, args.target, merge_lora=args.merge_lora), flush=True)
     except (CheckpointError, ConfigError) as e:

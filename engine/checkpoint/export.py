@@ -75,7 +75,7 @@ def export(source: str, target: str, merge_lora: bool = False,
 # -- sources ----------------------------------------------------------------------------------------
 def _from_training_checkpoint(src: Path, say):
     from engine import setup
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.methods import prepare_model
     from engine.model import build_model
 

@@ -22,8 +22,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from engine.control.server import ControlServer
-from contract.protocol import MAX_MESSAGE_BYTES, parse_command
-from contract.command_base import ProtocolError
+from contract.protocol.commands import parse_command
+from contract.protocol.wire import MAX_MESSAGE_BYTES
+from contract.protocol.base import ProtocolError
 
 ANSWER_TIMEOUT_S = 3600.0  # a paused-then-resumed run can take long to reach a boundary
 READ_TIMEOUT_S = 10.0      # a client that sends half a request and then nothing is dropped

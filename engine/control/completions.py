@@ -1,4 +1,4 @@
-"""The `complete` command's handler (contract.completion_commands.Complete): completions with
+"""The `complete` command's handler (contract.protocol.completion_commands.Complete): completions with
 token log-probabilities, for the OpenAI-compatible API (supervisor.openai_api).
 
 Run by every rank at a step boundary, like `generate`. Every prompt becomes token ids first (text
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from contract.completion_commands import Complete
+from contract.protocol.completion_commands import Complete
 from engine.control.limits import context_tokens
 from engine.control.pending import Reply
 from engine.control.run import Plane

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from contract import inbox as inbox_file
 from contract.events import EventType
-from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.data import build_dataset

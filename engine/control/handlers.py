@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from contract.events import EventType
-from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
-from contract.branch_commands import Branch, Branches, Rewind, Snapshot
-from contract.command_base import Command
-from contract.completion_commands import Complete
-from contract.protocol import Evaluate, Generate, Pause, Resume, RunState, Save, Set, Status, Stop
+from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.protocol.base import Command
+from contract.protocol.completion_commands import Complete
+from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop
+from contract.protocol.states import RunState
 from engine.checkpoint import rewind as rewinding
 from engine.checkpoint.locations import CheckpointError
 from engine.control import completions, data_commands

@@ -40,8 +40,9 @@ import copy
 import dataclasses
 from typing import Any, Callable
 
-from contract.protocol import Generate, MAX_MESSAGE_BYTES
-from contract.command_base import Command, ProtocolError
+from contract.protocol.commands import Generate
+from contract.protocol.wire import MAX_MESSAGE_BYTES
+from contract.protocol.base import Command, ProtocolError
 
 MAX_CONNECTIONS = 64
 LISTEN_BACKLOG = 1024

@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from contract.command_base import Command
-from contract.protocol import command_from_wire
+from contract.protocol.base import Command
+from contract.protocol.commands import command_from_wire
 
 Sink = Callable[[dict], None]
 

@@ -20,7 +20,8 @@ import traceback
 from typing import Any
 
 from contract.events import CommandEvent, CommandStatus, EventType, WarningEvent, state_event
-from contract.protocol import STATES, RunState, Set, Status
+from contract.protocol.commands import Set, Status
+from contract.protocol.states import STATES, RunState
 from engine.callbacks import Signal
 from engine.checkpoint.rewind import StateLost
 from engine.control import data_commands, handlers

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from contract.config_schema import RunConfig
-from contract.protocol import RunState
+from contract.config.schema import RunConfig
+from contract.protocol.states import RunState
 from contract.run_folder import EventLog, RunFolder
 from engine.context import RunContext
 from engine.control.settings import LiveSettings

@@ -32,8 +32,9 @@ import psutil
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
 from engine.control.limits import (CLOSE_GRACE_S, KERNEL_SNDBUF, LISTEN_BACKLOG, MAX_ID_CHARS,
                                    FEED_TURN_BYTES, SEND_HIGH_WATER, SWEEP_S, Limits)
-from contract.protocol import MAX_MESSAGE_BYTES, Subscribe, decode, encode, parse_command
-from contract.command_base import Command, ProtocolError
+from contract.protocol.commands import Subscribe, parse_command
+from contract.protocol.wire import MAX_MESSAGE_BYTES, decode, encode
+from contract.protocol.base import Command, ProtocolError
 from contract.run_folder import EventTail, RunFolder, write_private_json
 
 _FINAL = ("done", "error")

@@ -15,8 +15,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from contract.config_schema import RunConfig
-from contract.protocol import GENERATION_DEFAULTS
+from contract.config.schema import RunConfig
+from contract.protocol.commands import GENERATION_DEFAULTS
 
 # the settings `set` replaces as they are (lr and lr_scale go through the schedule, generation merges)
 REPLACED = ("grad_clip", "eval_every_n_steps", "save_every_n_steps")

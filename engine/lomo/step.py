@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from contract.config_schema import RunConfig
+from contract.config.schema import RunConfig
 from engine import ds_config
 from engine.data import count_tokens
 from engine.steps import step_window

@@ -10,5 +10,5 @@
                  evaluation and generation
     weights.py   one ordinary Hugging Face state dict from a split model, and checks against it
 
-Which layouts a run config allows is checked torch-free in `contract.layout_checks`.
+Which layouts a run config allows is checked torch-free in `contract.config.layout_checks`.
 """

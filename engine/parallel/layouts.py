@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from contract.config_schema import ParallelConfig, RunConfig
+from contract.config.schema import ParallelConfig, RunConfig
 from engine import ds_config
 from engine.checkpoint import models
 from engine.checkpoint.atomic import Comm

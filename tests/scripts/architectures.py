@@ -80,7 +80,7 @@ def train(folder: Path, method: str, lr: float, *extra: str, steps: int = STEPS,
           at_step: dict | None = None):
     """Our Trainer on the cell's config; returns (trainer, per-step losses). `at_step`:
     {step: fn(trainer)} called at those step boundaries (a mid-training chat)."""
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.callbacks import Callback
     from engine.trainer import Trainer
     cfg = load_config(overrides=overrides(folder, method, lr, steps, name or method, *extra))

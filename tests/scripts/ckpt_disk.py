@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
 
     task = make_task(Path(a.out) / "task")

@@ -26,8 +26,8 @@ def cell_args(cell: str) -> tuple[str, int, list[str]]:
 
 
 def train(task: dict, out: Path, name: str, zero: int, extra: list[str], rewind: bool) -> dict:
-    from contract.config_load import load_config
-    from contract.branch_commands import Rewind
+    from contract.config.load import load_config
+    from contract.protocol.branch_commands import Rewind
     from engine.callbacks import Callback
     from engine.control.pending import Reply
     from engine.trainer import Trainer

@@ -19,7 +19,7 @@ def main() -> None:
 
     from engine import checkpoint as ck
     from engine.checkpoint import adapters, models
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
 
     task = make_task(Path(a.out) / "task", dropout=0.0)

@@ -19,7 +19,7 @@ def main() -> None:
     a = p.parse_args()
     from engine import checkpoint as ck
     from engine.callbacks import Callback
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
 
     task = make_task(Path(a.out) / "task")

@@ -18,7 +18,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import report  # noqa: E402
 
-from contract.config_load import load_config  # noqa: E402
+from contract.config.load import load_config  # noqa: E402
 from contract.deepspeed_config import build_ds_config
 from engine.ds_config import zero3_init  # noqa: E402
 

@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=21)
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
 
     eval_path = Path(a.out) / "eval.jsonl"

@@ -18,7 +18,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.checkpoint import atomic
     from engine import checkpoint
     from engine.checkpoint.stream_safetensors import StreamedSafetensors

@@ -94,7 +94,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     from engine.callbacks import Callback
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
 
     lrs_for = {"lomo": "5e-2", "adalomo": "1e-2"}

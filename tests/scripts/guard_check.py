@@ -56,8 +56,8 @@ def repeated_rows(root: Path, rows: int = 48) -> str:
 
 
 def run(name: str, task: dict, out: Path, zero_stage: int | None = None) -> dict:
-    from contract.config_load import load_config
-    from contract.protocol import Resume, Set
+    from contract.config.load import load_config
+    from contract.protocol.commands import Resume, Set
     from engine.callbacks import Callback
     from engine.control.pending import Reply
     from engine.guard_hook import GuardCallback

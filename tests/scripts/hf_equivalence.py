@@ -28,7 +28,7 @@ def main() -> None:
     work = Path(a.work)
 
     from transformers import AutoModelForCausalLM, Trainer as HFTrainer, TrainerCallback, TrainingArguments
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.data import PaddingCollator
     from engine.trainer import Trainer
 

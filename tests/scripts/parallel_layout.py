@@ -39,7 +39,7 @@ def main() -> None:
     import torch
 
     from engine.callbacks import Callback
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.generation import encode_prompts, generate
     from engine.parallel import layouts
     from engine.trainer import Trainer

@@ -65,7 +65,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
     from engine.callbacks import Callback
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
 
     lr = {"lora": "1e-2", "prompt_tuning": "1e-1", "p_tuning": "1e-2"}

@@ -31,7 +31,7 @@ LAYOUTS = {"zero0": (0, []), "zero2": (2, []), "zero3": (3, []), "lora": (2, ["m
 
 def plan(other: str | None) -> dict[int, list]:
     """Commands queued after the n-th step trained (counting repeats)."""
-    from contract.branch_commands import Branch, Branches, Rewind, Snapshot
+    from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
     first = [Rewind(target="step-99"), Branch(target="step-4", branch="main")]
     if other:
         first.append(Rewind(target=other))
@@ -75,8 +75,8 @@ def _wait(ready, timeout: float = 120.0) -> None:
 
 
 def run_layout(name: str, task: dict, out: Path, other: str | None, via_client: bool = False) -> dict:
-    from contract.config_load import load_config
-    from contract.protocol import Status
+    from contract.config.load import load_config
+    from contract.protocol.commands import Status
     from engine.callbacks import Callback
     from engine.control.pending import Reply
     from engine.trainer import Trainer
@@ -120,7 +120,7 @@ def run_layout(name: str, task: dict, out: Path, other: str | None, via_client: 
 def resume_branch(name: str, task: dict, out: Path) -> dict:
     """A new Trainer on the first layout's run folder with resume=main: main's newest checkpoint
     (step-8; the run had left main for branch b there), trained to the end on main again."""
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.callbacks import Callback
     from engine.trainer import Trainer
 

@@ -45,8 +45,8 @@ def arm(optimizer, mode: str) -> None:
 
 
 def run(name: str, task: dict, out: Path, faults: bool, lost: bool) -> dict:
-    from contract.config_load import load_config
-    from contract.branch_commands import Branch, Rewind
+    from contract.config.load import load_config
+    from contract.protocol.branch_commands import Branch, Rewind
     from engine.callbacks import Callback
     from engine.control.pending import Reply
     from engine.trainer import Trainer

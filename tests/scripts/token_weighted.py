@@ -29,7 +29,7 @@ COMMON = ["data.format=input_output", "data.batching=random", f"max_steps={STEPS
 
 
 def ours(work: Path, name: str, overrides: list[str]) -> None:
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.callbacks import Callback
     from engine.parallel.layouts import full_state_dict
     from engine.trainer import Trainer
@@ -63,7 +63,7 @@ def ours(work: Path, name: str, overrides: list[str]) -> None:
 def hf(work: Path, name: str, micro: int, accum: int, mean: bool) -> None:
     """The HF Trainer on the micro-batches our 1-rank sampler gives (the same order)."""
     from transformers import AutoModelForCausalLM, Trainer as HFTrainer, TrainerCallback, TrainingArguments
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.data import PaddingCollator
     from engine.model import load_tokenizer
     from engine.trainer import Trainer

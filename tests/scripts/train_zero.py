@@ -18,7 +18,7 @@ def main() -> None:
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
     from engine.callbacks import Callback
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
 
     cfg = load_config(overrides=[f"zero_stage={a.zero}", "nproc=2", "max_steps=40", "lr=3e-3",

@@ -15,7 +15,7 @@ def main() -> None:
     p.add_argument("--resume", default="")
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine import Trainer
 
     task = make_task(Path(a.out) / "task", dropout=0.0)

@@ -29,7 +29,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 def ours(work: Path, objective: str, zero: int, accum: int, data: Path, loss: str = "sigmoid"):
-    from contract.config_load import load_config
+    from contract.config.load import load_config
     from engine.trainer import Trainer
     cfg = load_config(overrides=[
         f"model.path={work / 'model'}", f"data.train={data}", "data.batching=random", f"objective={objective}",

@@ -15,8 +15,8 @@ import yaml
 
 from app.session import Session, SessionError
 from app.web.backend.watch import Watch
-from contract.config_schema import ConfigError, RunConfig
-from contract.config_load import load_config
+from contract.config.schema import ConfigError, RunConfig
+from contract.config.load import load_config
 from contract.run_folder import RunFolder
 from supervisor import RunInfo
 from supervisor.launch import REPO_ROOT

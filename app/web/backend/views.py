@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from app.series import RunHistory
-from contract.protocol import RunState
+from contract.protocol.states import RunState
 from contract.run_folder import EventTail, RunFolder, tail_lines
 from contract.events import EventType
 

@@ -13,8 +13,8 @@ import pandas as pd
 from app.embedded import EmbeddedDefault, embedded_default
 from app.session import Session, SessionError
 from app.web.backend.views import Progress, RunView
-from contract.config_schema import PEFT_METHODS
-from contract.protocol import RunState
+from contract.config.schema import PEFT_METHODS
+from contract.protocol.states import RunState
 from contract.run_folder import RunFolder
 from supervisor import Failure, RunInfo
 from supervisor.client import CommandError, RunGone

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from contract.command_base import Command, ProtocolError, _arg, check_messages
+from contract.protocol.base import Command, ProtocolError, _arg, check_messages
 
 _FORMATS = ("auto", "text", "input_output", "chat", "tokenized")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from contract.command_base import Command, ProtocolError, _arg
+from contract.protocol.base import Command, ProtocolError, _arg
 
 
 def _check_target(label: str, target: str) -> None:

@@ -1,6 +1,6 @@
 """Which parallel layouts a run can use, checked before anything starts. Torch-free.
 
-`layout_problems(cfg)` is part of the run config's validation (contract.config_checks.validate): it reads
+`layout_problems(cfg)` is part of the run config's validation (contract.config.checks.validate): it reads
 the model's config.json (no torch, no transformers) and the hostfile, and returns every problem
 as (field, message) with the reason, so a run that DeepSpeed or livetune cannot carry out is
 refused with one message instead of failing minutes later on some rank.

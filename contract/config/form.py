@@ -1,5 +1,5 @@
 """The schema the front ends build their forms from: one entry per leaf field of the run config,
-with a human label. A field added to contract.config_schema shows up in every form."""
+with a human label. A field added to contract.config.schema shows up in every form."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import Any, Literal
 
 from pydantic.fields import FieldInfo
 
-from contract.config_schema import RunConfig, Section
+from contract.config.schema import RunConfig, Section
 
 
 def schema() -> list[dict]:
     """One entry per leaf field: key, group, kind, default, label (a human name: the field's
     `label=`, else `field_label`), help, choices, minimum, maximum -- all read from the pydantic
-    declaration in contract.config_schema."""
+    declaration in contract.config.schema."""
     entries = []
     for name, section in RunConfig.model_fields.items():
         tp = section.annotation

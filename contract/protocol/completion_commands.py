@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from contract.command_base import Command, ProtocolError, _arg, check_messages
+from contract.protocol.base import Command, ProtocolError, _arg, check_messages
 
 MAX_COMPLETION_TOKENS = 4096  # per sample; the context caps it further (handler)
 MAX_PROMPTS = 64       # prompts in one request (lm-evaluation-harness batches send several)

@@ -1,7 +1,7 @@
 """What every command of the protocol is made of: the error a bad message gets, the declaration of
 an argument (default, documentation, bounds in one place), the validation that those
 declarations drive, and the Command base class. The commands themselves are in contract.protocol,
-contract.branch_commands and contract.data_commands; import them through contract.protocol."""
+contract.protocol.branch_commands and contract.protocol.data_commands; import them through contract.protocol."""
 
 from __future__ import annotations
 

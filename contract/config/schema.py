@@ -1,8 +1,8 @@
 """The run config's declaration: one pydantic model per section, each field documented where it
 is declared (litgpt style), with its bounds and label on the field. Pydantic validates types and
-bounds (strictly: unknown keys are refused); contract.config_load turns its errors into this
-project's messages, contract.config_checks adds the combinations that cannot work, and
-contract.config_form lists the fields for the forms and the generated reference. Torch-free.
+bounds (strictly: unknown keys are refused); contract.config.load turns its errors into this
+project's messages, contract.config.checks adds the combinations that cannot work, and
+contract.config.form lists the fields for the forms and the generated reference. Torch-free.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from contract.branches import names_branch, resume_problem
 from contract import capabilities
 from contract.capabilities import Feature, Layout, Method
-from contract.config_schema import EVALUATORS, FUSED_METHODS, DataConfig, RunConfig, Section
+from contract.config.schema import EVALUATORS, FUSED_METHODS, DataConfig, RunConfig, Section
 from contract.hub import is_hub_id
 
 
@@ -118,10 +118,10 @@ def validate(c: RunConfig) -> list[tuple[str, str]]:
     problems += source_problems(c.data)
     if p.hostfile and not Path(p.hostfile).is_file():
         problems.append(("parallel.hostfile", f"no such file: {p.hostfile}"))
-    from contract.layout_checks import layout_problems  # torch-free: model config.json, hostfile
+    from contract.config.layout_checks import layout_problems  # torch-free: model config.json, hostfile
     problems += layout_problems(c)
     problems += guard_problems(c)
-    from contract.preference_checks import preference_problems  # the objectives' refusals
+    from contract.config.preference_checks import preference_problems  # the objectives' refusals
     problems += preference_problems(c)
     return problems
 

@@ -21,8 +21,8 @@ Each command is one frozen dataclass below (:class:`Generate`, :class:`Pause`, :
 and bounds are declared there once, and validation, the wire form and every front end's
 defaults (`Stop.save` is True everywhere) come from that declaration. Constructing a command
 validates it; :func:`parse_command` turns a decoded message into one, `command.to_wire()` back.
-The machinery they share is in contract.command_base, the branch commands in
-contract.branch_commands and the data commands in contract.data_commands; everything is imported
+The machinery they share is in contract.protocol.base, the branch commands in
+contract.protocol.branch_commands and the data commands in contract.protocol.data_commands; everything is imported
 through this module.
 
 Commands are applied in order at the next step boundary, by every rank. `status` is answered at
@@ -35,44 +35,18 @@ in contract.events.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, ClassVar
 
-from contract.branch_commands import Branch, Branches, Rewind, Snapshot
-from contract.command_base import Command, ProtocolError, _arg, _check_stop_strings, _Checked, check_messages
-from contract.completion_commands import Complete
-from contract.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
+from contract.protocol.base import Command, ProtocolError, _arg, _check_stop_strings, _Checked, check_messages
+from contract.protocol.completion_commands import Complete
+from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.states import RunState
 
-MAX_MESSAGE_BYTES = 1 << 20  # a longer line is refused, never buffered without bound
 MAX_NEW_TOKENS = 4096
 
 
-class RunState(str, Enum):
-    """A run's state, as written in `state` events; the one definition every part uses."""
-    QUEUED = "queued"        # submitted to a scheduler (Slurm), waiting for its resources
-    STARTING = "starting"
-    RUNNING = "running"
-    PAUSED = "paused"
-    STOPPING = "stopping"
-    FINISHED = "finished"
-    FAILED = "failed"
-
-    def __str__(self) -> str:  # its value in messages and f-strings, as on the wire
-        return self.value
-
-    @property
-    def final(self) -> bool:
-        """The run is over; nothing can be asked of it any more."""
-        return self in (RunState.FINISHED, RunState.FAILED)
-
-    @property
-    def live(self) -> bool:
-        return not self.final
-
-
-STATES = tuple(s.value for s in RunState)
 # the data commands: sources and the inbox of taught answers
 DATA_COMMANDS = ("add_source", "set_weight", "remove_source", "teach", "inbox", "forget")
 
@@ -251,24 +225,3 @@ def parse_command(msg: Any) -> tuple[str, Command]:
     if not isinstance(args, dict):
         raise ProtocolError("field `args` must be an object")
     return str(req_id), command_from_wire(msg.get("cmd"), args)
-
-
-# -- bytes on the wire ---------------------------------------------------------------------------
-def encode(obj: dict) -> bytes:
-    return (json.dumps(obj, default=jsonable) + "\n").encode()
-
-
-def jsonable(value: Any) -> Any:
-    """Numbers from numpy / torch as plain numbers, anything else JSON cannot hold as text."""
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
-
-
-def decode(line: bytes) -> Any:
-    if len(line) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message larger than {MAX_MESSAGE_BYTES} bytes")
-    try:
-        return json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"malformed JSON: {e}") from None

@@ -1,5 +1,5 @@
 """Loading a run config: a YAML file and/or a dict, then `key=value` overrides, validated by the
-schema's pydantic models (contract.config_checks.build). Unknown keys, wrong types, bounds and
+schema's pydantic models (contract.config.checks.build). Unknown keys, wrong types, bounds and
 impossible combinations are all collected and raised in one ConfigError that names every field
 at fault."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from contract.config_checks import absolute_paths, build, validate
-from contract.config_schema import SHORTCUTS, ConfigError, RunConfig
+from contract.config.checks import absolute_paths, build, validate
+from contract.config.schema import SHORTCUTS, ConfigError, RunConfig
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,

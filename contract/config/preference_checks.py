@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from contract import capabilities
 from contract.capabilities import Feature, Layout, Method
-from contract.config_schema import OBJECTIVE_FORMATS, RunConfig
+from contract.config.schema import OBJECTIVE_FORMATS, RunConfig
 
 
 def preference_problems(c: RunConfig) -> list[tuple[str, str]]:
