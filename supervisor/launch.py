@@ -87,8 +87,18 @@ _UNSAFE = re.compile(r'["`$\\\n]')
 
 
 def forwarded(env: dict[str, str]) -> dict[str, str]:
-    """The variables of `env` that go to the other machines (see FORWARDED_PREFIXES)."""
-    return {k: v for k, v in env.items() if k.startswith(FORWARDED_PREFIXES) and not _UNSAFE.search(v)}
+    """The variables of `env` that go to the other machines (see FORWARDED_PREFIXES), less an
+    interface setting that names the loopback interface: ranks on several machines cannot meet
+    there, and our own engine sets GLOO_SOCKET_IFNAME=lo in a process that ran a one-machine run
+    in-process (engine.rendezvous; a notebook or a script that later launches across machines)."""
+    return {k: v for k, v in env.items()
+            if k.startswith(FORWARDED_PREFIXES) and not _UNSAFE.search(v) and not _loopback_interface(k, v)}
+
+
+def _loopback_interface(key: str, value: str) -> bool:
+    """`value` of a *_SOCKET_IFNAME variable names only loopback interfaces ("lo", "=lo", "lo,lo0")."""
+    return key.endswith("SOCKET_IFNAME") and all(
+        name.lstrip("=").startswith("lo") for name in value.split(",") if name)
 
 
 def threads_per_rank_on_each_host(nproc: int) -> str:

@@ -255,7 +255,9 @@ def test_subscribers_that_never_read_cost_a_bounded_buffer_are_dropped_and_do_no
     wait_until(lambda: s.server.stats()["connections"] == 49)
     started = time.monotonic()
     s.close()
-    assert time.monotonic() - started < 10.0  # CLOSE_GRACE_S (1 s) and no more, with margin
+    # CLOSE_GRACE_S (1 s) and no wait per viewer: the old server spent about 5 s on each (4 minutes
+    # for these 48); the bound is far from both, so a loaded machine cannot break it
+    assert time.monotonic() - started < 60.0
     for sock in stuck + more:
         sock.close()
 

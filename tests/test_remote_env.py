@@ -64,6 +64,18 @@ def test_deepspeed_s_own_prefixes_and_the_network_settings_are_forwarded(tmp_pat
     assert got["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
 
 
+def test_a_loopback_interface_setting_does_not_reach_the_other_machines(tmp_path, monkeypatch):
+    """A process that ran a one-machine run in-process has GLOO_SOCKET_IFNAME=lo (engine.rendezvous
+    sets it): forwarded, every rank would advertise 127.0.0.1 to the others, and gloo's full mesh
+    would fail with "Connection refused, remote=[127.0.0.1]"."""
+    monkeypatch.setattr(Path, "home", lambda: tmp_path)
+    launching = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo", "TP_SOCKET_IFNAME": "lo,lo0",
+                 "NCCL_DEBUG": "INFO"}
+    got = exported(write_remote_env(RunFolder(tmp_path), {}, launching, nproc=1))
+    assert not {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"} & set(got)
+    assert got["NCCL_DEBUG"] == "INFO"  # the rest still goes
+
+
 def test_a_user_s_omp_num_threads_is_kept(tmp_path):
     path = write_remote_env(RunFolder(tmp_path), {"OMP_NUM_THREADS": "3"}, {}, nproc=2)
     assert exported(path)["OMP_NUM_THREADS"] == "3"
