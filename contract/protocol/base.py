@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, Union
 
+from contract.protocol.roles import Role
+
 _ROLES = ("system", "user", "assistant")
 
 
@@ -148,6 +150,8 @@ class Command(_Checked):
     name: ClassVar[str] = ""
     # answered by rank 0 at once, without waiting for a step boundary
     immediate: ClassVar[bool] = False
+    # who may send it (contract.protocol.roles): a command changes the run unless it says viewer
+    role: ClassVar[Role] = Role.OPERATOR
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from contract.protocol.roles import Role
 from contract.protocol.base import Command, ProtocolError, _arg
 
 
@@ -76,3 +77,4 @@ class Snapshot(Command):
 class Branches(Command):
     """The run's branch tree, the present branch, its checkpoints and the snapshots in memory."""
     name: ClassVar[str] = "branches"
+    role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing

@@ -38,6 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from contract.protocol.roles import Role
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import Command, ProtocolError, _arg, _check_stop_strings, _Checked, check_messages
 from contract.protocol.completion_commands import Complete
@@ -114,6 +115,7 @@ class Generate(GenerationParams, Command):
     with the live weights, streamed token by token."""
 
     name: ClassVar[str] = "generate"
+    role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     prompt: str | None = _arg(None, "Text the model continues (give this or `messages`).")
     messages: list[dict[str, str]] | None = _arg(
         None, "A chat: [{role: system|user|assistant, content}] (give this or `prompt`).")
@@ -182,6 +184,7 @@ class Set(Command):
 class Status(Command):
     """The run now: step, state, last metrics, queue, settings and memory."""
     name: ClassVar[str] = "status"
+    role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     immediate: ClassVar[bool] = True  # unless `ranks`: see answered_at_once
     ranks: bool = _arg(False, "Gather every rank's memory at the next boundary (else rank 0's, at once).")
 
@@ -194,6 +197,7 @@ class Status(Command):
 class Subscribe(Command):
     """Stream events.jsonl from line `from_line` on, then each new line (answered at once)."""
     name: ClassVar[str] = "subscribe"
+    role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     immediate: ClassVar[bool] = True
     from_line: int = _arg(0, "First line (0-based) of events.jsonl to send.", minimum=0, maximum=2**63 - 1)
 

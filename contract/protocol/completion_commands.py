@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from contract.protocol.roles import Role
 from contract.protocol.base import Command, ProtocolError, _arg, check_messages
 
 MAX_COMPLETION_TOKENS = 4096  # per sample; the context caps it further (handler)
@@ -29,6 +30,7 @@ class Complete(Command):
     the run's chat defaults (`set generation={...}`)."""
 
     name: ClassVar[str] = "complete"
+    role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     prompts: list | None = _arg(None, "Texts or token-id lists the model continues (or give `messages`).")
     messages: list[dict[str, str]] | None = _arg(
         None, "A chat: [{role: system|user|assistant, content}] (or give `prompts`).")

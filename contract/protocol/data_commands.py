@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from contract.protocol.roles import Role
 from contract.protocol.base import Command, ProtocolError, _arg, check_messages
 
 _FORMATS = ("auto", "text", "input_output", "chat", "tokenized")
@@ -97,6 +98,7 @@ class Teach(Command):
 class Inbox(Command):
     """The run's inbox: every taught entry, forgotten ones marked."""
     name: ClassVar[str] = "inbox"
+    role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
 
 
 @dataclass(frozen=True)
