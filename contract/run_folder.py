@@ -6,6 +6,7 @@ Torch-free: the app process uses it to list runs, rebuild plots and find the con
         config.yaml        the resolved run config
         events.jsonl       append-only event log (one JSON object per line), the durable record
         control.json       control socket address and token (mode 0600), written by rank 0
+        viewer.json        the same with the viewer's token (mode 0600; contract.protocol.roles)
         logs/              launcher.log and one log per rank (files, never an undrained pipe)
         checkpoints/       training checkpoints; `latest` names the newest complete one
         branches.json      the branch tree, once the run has branched (contract.branches)
@@ -49,6 +50,11 @@ class RunFolder:
     @property
     def control(self) -> Path:
         return self.root / "control.json"
+
+    @property
+    def viewer(self) -> Path:
+        """control.json's twin with the viewer token only: what a viewer is given."""
+        return self.root / "viewer.json"
 
     @property
     def logs(self) -> Path:

@@ -12,7 +12,10 @@ Commands are contract.protocol's dataclasses: each method builds one (so its def
 with the server's message), `send(command)` sends one already built.
 
 It speaks contract.protocol (newline-delimited JSON, the run's token from control.json) over one
-connection for commands and one per `events()` stream. A lost connection is reopened on the next
+connection for commands and one per `events()` stream. Which key: `role=Role.OPERATOR` reads
+control.json, `role=Role.VIEWER` viewer.json (the run then refuses every command that changes it,
+contract.protocol.roles), `address=PATH` a copy of either handed to you; the default is the
+operator's key when this user may read control.json, else the viewer's. A lost connection is reopened on the next
 call; an events stream resumes at the line after the last one it yielded, so a reconnect loses
 no event and repeats none. When the run has ended, `events()` yields the rest of events.jsonl
 and stops. Torch-free, like the rest of app/.
@@ -36,6 +39,7 @@ from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSour
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import Command, ProtocolError
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop, Subscribe, command_from_wire
+from contract.protocol.roles import Role
 from contract.protocol.states import RunState
 from contract.protocol.wire import encode
 from contract.run_folder import RunFolder, read_events
@@ -111,9 +115,11 @@ def _next_answer(answers: "queue.Queue[dict]", timeout: float | None) -> dict:
 class RunClient:
     """Drive one run. Thread-safe: several threads may send commands at the same time."""
 
-    def __init__(self, run_dir: str | Path, connect_timeout: float = 60.0):
+    def __init__(self, run_dir: str | Path, connect_timeout: float = 60.0, role: Role | None = None,
+                 address: str | Path | None = None):
         self.folder = RunFolder(Path(run_dir))
         self.connect_timeout = connect_timeout
+        self.role, self.address = role, None if address is None else Path(address)
         self._lock = threading.Lock()
         self._waiting: dict[str, tuple[socket.socket, queue.Queue[dict]]] = {}
         self._sock: socket.socket | None = None
@@ -121,9 +127,11 @@ class RunClient:
         self._prefix = uuid.uuid4().hex[:8]
 
     @classmethod
-    def connect(cls, run_dir: str | Path, timeout: float = 60.0) -> "RunClient":
-        """Connect to the run in `run_dir`, waiting up to `timeout` s for its server to start."""
-        client = cls(run_dir, connect_timeout=timeout)
+    def connect(cls, run_dir: str | Path, timeout: float = 60.0, role: Role | None = None,
+                address: str | Path | None = None) -> "RunClient":
+        """Connect to the run in `run_dir`, waiting up to `timeout` s for its server to start;
+        `role` / `address`: which key (see the module's docstring)."""
+        client = cls(run_dir, connect_timeout=timeout, role=role, address=address)
         with client._lock:
             client._ensure_connected()
         return client
@@ -353,11 +361,35 @@ class RunClient:
             answers.put({"type": "error", "lost": True,
                          "message": "the connection to the run was lost before the answer came"})
 
-    def _address(self) -> dict:
+    def _address_file(self) -> Path:
+        """The file this client takes its address and key from (see the module's docstring)."""
+        if self.address is not None:
+            return self.address
+        if self.role is Role.VIEWER:
+            return self.folder.viewer
+        if self.role is None and not os.access(self.folder.control, os.R_OK) and self.folder.control.exists():
+            return self.folder.viewer  # another user's run, shared with us as a viewer
+        return self.folder.control
+
+    def key_role(self) -> Role:
+        """The role of the key this client sends (what the run will let it do)."""
+        path = self._address_file()
+        if path == self.folder.control:
+            return Role.OPERATOR
         try:
-            return json.loads(self.folder.control.read_text())
+            return Role(json.loads(path.read_text()).get("role", Role.OPERATOR.value))
+        except (OSError, ValueError):
+            return self.role or Role.VIEWER
+
+    def _address(self) -> dict:
+        path = self._address_file()
+        try:
+            return json.loads(path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             raise RunGone(f"no control server for {self.folder.root} ({self._run_state()})") from None
+        except PermissionError:
+            hint = "; a viewer connects with role=Role.VIEWER (viewer.json)" if path == self.folder.control else ""
+            raise CommandError(f"cannot read {path}: permission denied{hint}") from None
 
     def _open(self, timeout: float | None) -> socket.socket:
         """A new connection to the run's server, retrying while the run may still come: until
@@ -384,8 +416,8 @@ class RunClient:
         the log does not say it ended and `unknown` (a folder with no trace of a process yet)."""
         traces = [_pid_in(self.folder.root / "launcher.pid")]
         try:
-            traces.append(json.loads(self.folder.control.read_text()).get("pid"))
-        except (FileNotFoundError, json.JSONDecodeError):
+            traces.append(json.loads(self._address_file().read_text()).get("pid"))
+        except (OSError, json.JSONDecodeError):
             pass
         traces = [pid for pid in traces if isinstance(pid, int)]
         if any(_alive(pid) for pid in traces):

@@ -2,13 +2,21 @@
 
 One thread runs an asyncio event loop that serves every connection: no thread per client, and
 the training thread never waits on one. Clients send newline-delimited JSON (contract.protocol);
-the server checks the run token (constant-time), validates the command and either answers at once
-(`status`, `subscribe`) or queues it for the next step boundary, where the training thread
-executes it on every rank. Whatever the training thread sends back (acks, streamed tokens,
-results) is handed to the loop (`call_soon_threadsafe`, which never blocks) and buffered there.
+the server checks the run token (constant-time) and the role it grants, validates the command
+and either answers at once (`status`, `subscribe`) or queues it for the next step boundary, where
+the training thread executes it on every rank. Whatever the training thread sends back (acks,
+streamed tokens, results) is handed to the loop (`call_soon_threadsafe`, which never blocks) and
+buffered there.
 Subscribers are fed from events.jsonl itself, woken on every emit: the line numbers are the
 file's, so a client that resumes at `from_line` gets no gap and no duplicate, and a subscriber
 that reads slowly is simply fed later — the file is its backlog, not rank 0's memory.
+
+Two tokens, two files, both mode 0600 and rewritten at each start: control.json holds the
+operator's token (every command), viewer.json the viewer's (only the commands whose class says
+`role = Role.VIEWER`: generate, complete, status, subscribe, branches, inbox). A viewer is given
+viewer.json (copied to them, or read by a process that may not read control.json, e.g. the OpenAI
+API), never control.json; an operator command sent with the viewer's token is refused before it is
+queued, with contract.protocol.roles.refusal's sentence.
 
 The limits (connections, timeouts, send buffers, pending commands, prompt length) are stated,
 and defined, in engine.control.limits.
@@ -35,6 +43,7 @@ from engine.control.limits import (CLOSE_GRACE_S, KERNEL_SNDBUF, LISTEN_BACKLOG,
 from contract.protocol.commands import Subscribe, parse_command
 from contract.protocol.wire import MAX_MESSAGE_BYTES, decode, encode
 from contract.protocol.base import Command, ProtocolError
+from contract.protocol.roles import Role, refusal
 from contract.run_folder import EventTail, RunFolder, write_private_json
 
 _FINAL = ("done", "error")
@@ -218,7 +227,8 @@ class ControlServer:
                  admit: Callable[[Command], Command] | None = None, **limits: float):
         self.folder, self.commands, self.status_fn, self.on_queued = folder, commands, status_fn, on_queued
         self.admit, self.limits = admit, Limits(**limits)
-        self.token = secrets.token_urlsafe(32)
+        self.token = secrets.token_urlsafe(32)         # the operator's: control.json
+        self.viewer_token = secrets.token_urlsafe(32)  # the viewer's: viewer.json
         self.clients: set[Connection] = set()
         self.pending = self.accepted = self.refused = 0
         self.dropped: deque[dict] = deque(maxlen=16)
@@ -255,9 +265,12 @@ class ControlServer:
             self.loop.close()
 
     def write_control_file(self, **extra: Any) -> None:
-        """control.json (mode 0600): address, token, pid, and `extra` (the chat page's URL)."""
-        write_private_json(self.folder.control, {"host": self.host, "port": self.port,
-                                                 "token": self.token, "pid": os.getpid(), **extra})
+        """control.json (mode 0600): address, operator token, pid, and `extra` (the chat page's
+        URL, which carries the operator token); viewer.json (0600): the same with the viewer's
+        token, written first, so that whoever sees control.json finds viewer.json too."""
+        address = {"host": self.host, "port": self.port, "pid": os.getpid()}
+        write_private_json(self.folder.viewer, {**address, "token": self.viewer_token, "role": Role.VIEWER.value})
+        write_private_json(self.folder.control, {**address, "token": self.token, **extra})
 
     def stats(self) -> dict[str, Any]:
         """Connections now and since the start, refusals, recent drops and the limits."""
@@ -299,8 +312,10 @@ class ControlServer:
                 abs(raw_id) >= 1 << 63:
             return conn.send_error(None, f"field `id` must be at most {MAX_ID_CHARS} characters "
                                          "(or a 64-bit integer)")
-        if not isinstance(msg, dict) or not self._token_ok(msg.get("token")):
-            return conn.send_error(raw_id, "refused: missing or wrong token (see control.json)")
+        role = self._role_of(msg.get("token")) if isinstance(msg, dict) else None
+        if role is None:
+            return conn.send_error(raw_id, "refused: missing or wrong token (see control.json, or viewer.json "
+                                           "for a viewer)")
         try:
             req_id, command = parse_command(msg)
         except ProtocolError as e:
@@ -308,6 +323,8 @@ class ControlServer:
         except (ValueError, TypeError, OverflowError, RecursionError) as e:  # e.g. 10**400 as lr
             return conn.send_error(raw_id, f"refused: {str(msg.get('cmd'))[:40]}: an argument is out of "
                                            f"range ({type(e).__name__}: {str(e)[:200]})")
+        if not role.may(command.role):
+            return conn.send_error(req_id, refusal(command.name, role))
         conn.ids.append(req_id)
         if isinstance(command, Subscribe):
             return self._subscribe(conn, req_id, command.from_line)
@@ -339,8 +356,13 @@ class ControlServer:
         if self.on_queued is not None:
             self.on_queued(pending)
 
-    def _token_ok(self, token: Any) -> bool:
-        return isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())
+    def _role_of(self, token: Any) -> Role | None:
+        """The role `token` grants (both compared in constant time), or None for a wrong one."""
+        if not isinstance(token, str):
+            return None
+        operator = hmac.compare_digest(token.encode(), self.token.encode())
+        viewer = hmac.compare_digest(token.encode(), self.viewer_token.encode())
+        return Role.OPERATOR if operator else Role.VIEWER if viewer else None
 
     # -- events ----------------------------------------------------------------------------------
     def notify(self, event: dict | None = None) -> None:
@@ -413,10 +435,11 @@ class ControlServer:
                 pass
             self._thread.join(timeout=5.0)
         self._sock.close()
-        try:
-            self.folder.control.unlink()
-        except FileNotFoundError:
-            pass
+        for path in (self.folder.control, self.folder.viewer):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
 
     async def _shut(self, grace: float) -> None:
         self.closing = True
