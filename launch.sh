@@ -5,6 +5,7 @@
 #                                    the default); Ctrl-C / closing the terminal stops the run
 #   ./launch.sh watch RUN_FOLDER     follow a run (a detached one) to its end
 #   ./launch.sh stop RUN_FOLDER [save=false]   stop a run (saving first unless save=false)
+#   ./launch.sh preview DATA_FILE [format=F]  a data file's rows and format (preference pairs side by side)
 #   ./launch.sh submit [CONFIG.yaml] --slurm [--nodes N] [--procs-per-node N] [--partition P]
 #                    [--time T] [--account A] [key=value ...]   submit the run to Slurm (sbatch)
 #   ./launch.sh serve [--runs DIR] [--host H] [--port P]   the runs in DIR (default runs/) behind an
@@ -63,7 +64,7 @@ case "$cmd" in
     exec "$VENV/bin/jupyter" lab --ServerApp.ip=127.0.0.1 \
       --ServerApp.default_url=/lab/tree/notebooks/quickstart.ipynb "${root[@]}" "$@"
     ;;
-  train|watch|stop|submit)
+  train|watch|stop|submit|preview)
     shift
     setup test
     cd "$CALLER_DIR"  # paths are made absolute against it, so the engine (in this folder) finds them

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
+from app.cli_preview import preview
 from contract.args import resolve_args
 from contract.config.schema import ConfigError, RunConfig, SHORTCUTS
 from contract.preflight import PreflightError, PreflightReport, preflight
@@ -52,6 +53,7 @@ HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TRAIN_HELP = """usage: ./launch.sh train [--detach] [CONFIG.yaml] [key=value ...]
        ./launch.sh watch RUN_FOLDER
        ./launch.sh stop RUN_FOLDER [save=false]
+       ./launch.sh preview DATA_FILE [format=...]   (rows, format; preference pairs side by side)
 
 Train from the terminal. No config: the embedded default task. Overrides are dotted field names
 (optim.lr=1e-4, data.train=my.jsonl) or the short names:
@@ -89,7 +91,7 @@ def say(text: str, style: str | None = None) -> None:
 def train(argv: list[str]) -> int:
     """`train [--detach] [CONFIG.yaml] [key=value ...]`; returns the exit code."""
     if any(a in ("-h", "--help") for a in argv):
-        save = " (saving a checkpoint and the final model first)" if Stop.save else ""
+        save = " (saving a checkpoint and the final model first)" if Stop().save else ""
         print(TRAIN_HELP.format(shortcuts="\n  ".join(f"{k:<11} {v}" for k, v in SHORTCUTS.items()),
                                 save=save))
         return 0
@@ -140,7 +142,7 @@ def _stop_on_signal(handle: RunHandle, signum: int) -> int:
 
     for sig in HANDLED_SIGNALS:
         signal.signal(sig, end_now)
-    how = "saving, then stopping the run" if Stop.save else "stopping the run"
+    how = "saving, then stopping the run" if Stop().save else "stopping the run"
     say(f"{signal.Signals(signum).name}: {how} the run (again to end it at once) ...", "yellow")
     info = handle.stop(timeout=STOP_TIMEOUT_S)
     say(f"stopped at step {info.step}")
@@ -346,7 +348,7 @@ def stop(argv: list[str]) -> int:
     if not argv or any(a not in ("save=false", "save=true") for a in argv[1:]):
         say("usage: ./launch.sh stop RUN_FOLDER [save=false]", "red")
         return 2
-    save = "save=false" not in argv[1:] and ("save=true" in argv[1:] or Stop.save)
+    save = "save=false" not in argv[1:] and ("save=true" in argv[1:] or Stop().save)
     try:
         handle = _handle_of(argv[0])
     except RunError as e:
@@ -423,7 +425,7 @@ def submit(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "watch": watch, "stop": stop, "submit": submit}
+COMMANDS = {"train": train, "watch": watch, "stop": stop, "submit": submit, "preview": preview}
 
 
 def main(argv: list[str] | None = None) -> None:

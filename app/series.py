@@ -13,6 +13,7 @@ own fold), so every view agrees on them; this module adds the history behind the
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -105,6 +106,41 @@ class RunHistory:
         if self._times:  # time already spent on the step under way
             left -= max(0.0, (now or time.time()) - self._times[-1][1])
         return max(0.0, left)
+
+
+# TRL's preference metrics, as the engine logs them every step (and at each evaluation under
+# `eval/`), grouped into panels: (panel title, [(split, metric, line label), ...]). An SFT run logs
+# none of them, so it gets no panel.
+PREFERENCE_PANELS: tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...] = (
+    ("rewards", (("train", "rewards/chosen", "chosen"), ("train", "rewards/rejected", "rejected"))),
+    ("reward accuracy", (("train", "rewards/accuracies", "train"), ("eval", "rewards/accuracies", "eval"))),
+    ("reward margin", (("train", "rewards/margins", "train"), ("eval", "rewards/margins", "eval"))),
+    ("log-probability", (("train", "logps/chosen", "chosen"), ("train", "logps/rejected", "rejected"))),
+    ("kl (KTO)", (("train", "kl", "train"),)),
+    ("nll loss (ORPO)", (("train", "nll_loss", "train"),)),
+    ("log odds ratio (ORPO)", (("train", "log_odds_ratio", "train"),)),
+    ("log odds chosen (ORPO)", (("train", "log_odds_chosen", "train"),)),
+)
+
+
+def preference_panels(train: dict[str, list[Point]], evals: dict[str, list[Point]]
+                      ) -> list[tuple[str, list[tuple[str, list[Point]]]]]:
+    """The preference panels that have points: [(title, [(line label, points), ...]), ...], in
+    PREFERENCE_PANELS' order, non-finite values left out; empty for a run without them (SFT)."""
+    out = []
+    for title, lines in PREFERENCE_PANELS:
+        drawn = [(label, finite) for split, metric, label in lines
+                 if (finite := [(s, v) for s, v in (train if split == "train" else evals).get(metric, [])
+                                if math.isfinite(v)])]
+        if drawn:
+            out.append((title, drawn))
+    return out
+
+
+def preference_series(train: dict[str, list[Point]], evals: dict[str, list[Point]]) -> dict[str, list[Point]]:
+    """The preference panels as flat series named "panel · line" (the web plot's grouping)."""
+    return {f"{title} · {label}": points for title, lines in preference_panels(train, evals)
+            for label, points in lines}
 
 
 def format_seconds(seconds: float | None) -> str:

@@ -8,6 +8,7 @@ Torch-free, Gradio-free, ipywidgets-free.
     view.sources     # [{"name", "path", "format", "weight", "seen"}, ...] as of the last change
     view.seen        # {source: [(step, samples drawn so far), ...]}
     view.inbox       # [{"id", "prompt", "answer", "step", "removed", "old", "new", "learned"}, ...]
+                     # a preference also "rejected", "margin_before", "margin_after", "prefers"
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def data_view(folder: RunFolder, events: Iterable[dict] | None = None,
     totals: dict[str, float] = {}
     seen: dict[str, list[Point]] = {}
     checks: dict[str, dict] = {}
+    margins: dict[str, float] = {}  # a preference's margin when it came in (its teach event)
     # the sources as each checkpoint / snapshot recorded them: a rewind to one takes them back
     kept: dict[str, list[dict]] = {}
     for event in events:
@@ -65,6 +67,8 @@ def data_view(folder: RunFolder, events: Iterable[dict] | None = None,
                     points.append((step, totals[name]))
         elif kind == EventType.TEACH_CHECK and isinstance(event.get("id"), str):
             checks[event["id"]] = event
+        elif kind == EventType.TEACH and isinstance(event.get("id"), str) and "margin" in event:
+            margins[event["id"]] = event["margin"]
     if live_sources:
         sources = [dict(s) for s in live_sources if isinstance(s, dict)]
     for source in sources:
@@ -73,7 +77,9 @@ def data_view(folder: RunFolder, events: Iterable[dict] | None = None,
     for entry in read_inbox(inbox_path(folder.root)):
         check = checks.get(entry.id, {})
         inbox.append({**entry.to_dict(), "old": check.get("old"), "new": check.get("new"),
-                      "learned": check.get("learned"), "checked_at": check.get("step")})
+                      "learned": check.get("learned"), "checked_at": check.get("step"),
+                      "margin_before": check.get("margin_before", margins.get(entry.id)),
+                      "margin_after": check.get("margin_after"), "prefers": check.get("prefers")})
     return DataView(sources, seen, inbox)
 
 
@@ -97,6 +103,21 @@ def configured_sources(folder: RunFolder) -> list[dict]:
                 if isinstance(s, dict)]
     return [{"name": DEFAULT_SOURCE, "path": data.get("train") or "(the embedded default task)",
              "format": data.get("format", "auto"), "weight": 1.0}]
+
+
+def margin_text(entry: dict) -> str:
+    """A preference's log-probability margin of chosen over rejected when it came in and at its
+    check, and which answer the model then prefers; empty for a taught answer."""
+    before, after = entry.get("margin_before"), entry.get("margin_after")
+    if not _real(before):
+        return ""
+    if not _real(after):
+        return f"{before:+.3f} → (not checked yet)"
+    return f"{before:+.3f} → {after:+.3f} (prefers {entry.get('prefers') or '?'})"
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def number(text: Any, what: str) -> float:

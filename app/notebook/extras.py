@@ -1,7 +1,8 @@
 """The run panel's branch and data controls, as in the web app: the branch
 tree, Rewind / Branch from any branch's checkpoint or a kept snapshot, Snapshot now; the
 training sources with their weights and samples drawn, a weight set live, a source added or
-removed, the inbox of taught answers with Remove. They read the run folder (`app.branches`,
+removed, the inbox of taught answers and preferences (rejected answer, margin before and
+after) with Remove. They read the run folder (`app.branches`,
 `app.sources`) and send through the panel's command thread (`RunPanel._command`), so the kernel
 never waits for a step boundary; each control is enabled when the run's state allows its command.
 """
@@ -17,7 +18,7 @@ import ipywidgets as widgets
 from app.branches import branch_view, tree_lines
 from app.notebook.api import Run
 from app.session import allowed
-from app.sources import data_view, number
+from app.sources import data_view, margin_text, number
 from contract.run_folder import RunFolder
 from contract.protocol.states import RunState
 
@@ -118,7 +119,7 @@ class DataControls:
             widgets.HTML("<b>Data</b>"), self.sources,
             widgets.HBox([self.source, self.weight, self.weight_button, self.remove_button]),
             widgets.HBox([self.path, self.format, self.add_weight, self.add_button]),
-            widgets.HTML("<b>Inbox</b> (answers taught from the chat)"), self.inbox,
+            widgets.HTML("<b>Inbox</b> (answers taught and preferences given from the chat)"), self.inbox,
             widgets.HBox([self.entry, self.forget_button, self.refresh_button])])
 
     def refresh(self, state: str | None = None) -> None:
@@ -138,10 +139,13 @@ class DataControls:
                                     [[s.get("name"), s.get("weight"), s.get("seen", 0), s.get("path")]
                                      for s in view.sources])
         self.source.options = [str(s.get("name")) for s in view.sources]
-        self.inbox.value = _table(["id", "prompt", "wanted", "step", "before", "after", "removed"],
-                                  [[e["id"], e["prompt"], e["answer"], e["step"], e.get("old") or "",
-                                    e.get("new") or "", "yes" if e["removed"] else ""] for e in view.inbox])
-        self.entry.options = [(f"{e['id']}: {e['answer']}", e["id"]) for e in view.inbox if not e["removed"]]
+        self.inbox.value = _table(["id", "prompt", "wanted", "rejected", "step", "before", "after",
+                                   "margin before → after", "removed"],
+                                  [[e["id"], e["prompt"], e["answer"], e.get("rejected") or "", e["step"],
+                                    e.get("old") or "", e.get("new") or "", margin_text(e),
+                                    "yes" if e["removed"] else ""] for e in view.inbox])
+        self.entry.options = [(f"{e['id']}: {e['answer']}" + (f" over {e['rejected']}" if e.get("rejected") else ""),
+                               e["id"]) for e in view.inbox if not e["removed"]]
         self.enable(state if state is not None else run.info().state)
 
     def enable(self, state: str | None) -> None:

@@ -1,7 +1,8 @@
 """The Train tab's data panel: the run's sources with their weights and the samples
 drawn from each (a table and a plot), a weight changed live, a source added or removed at the
 next step boundary, and the inbox of answers taught from the Chat tab (with the engine's check:
-the answer before and after), where an entry can be removed. Read from the run folder
+the answer before and after; a preference's rejected answer and its margin before and after),
+where an entry can be removed. Read from the run folder
 (`app.sources`); the commands go through `Session.command` by wire name (`add_source`,
 `set_weight`, `remove_source`, `forget`), so the engine's validation messages (a bad file by
 row, a negative weight) are the ones shown, and nothing changes when it refuses."""
@@ -16,7 +17,7 @@ import gradio as gr
 import pandas as pd
 
 from app.session import SessionError, allowed
-from app.sources import DataView, data_view, number
+from app.sources import DataView, data_view, margin_text, number
 from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from contract.run_folder import RunFolder
@@ -24,8 +25,8 @@ from contract.protocol.states import RunState
 from contract.protocol.data_commands import AddSource, Forget, RemoveSource, SetWeight
 
 SOURCE_COLUMNS = ["source", "weight", "samples drawn", "format", "path"]
-INBOX_COLUMNS = ["id", "prompt", "wanted answer", "taught at step", "answer before", "answer after",
-                 "learned", "removed"]
+INBOX_COLUMNS = ["id", "prompt", "wanted answer", "rejected answer", "taught at step", "answer before",
+                 "answer after", "learned", "margin before → after", "removed"]
 FORMATS = ["auto", "text", "input_output", "chat", "tokenized"]
 
 
@@ -72,7 +73,7 @@ def build(backend: Backend, run_state: gr.State) -> DataPanel:
             add = gr.Button("Add source", interactive=False, scale=1, elem_id="data-add")
         seen = live_plot("seen", "data-plot-seen")
         inbox = gr.Dataframe(pd.DataFrame(columns=INBOX_COLUMNS), interactive=False, elem_id="data-inbox",
-                             wrap=True, max_height=260, label="Inbox: answers taught from the Chat tab")
+                             wrap=True, max_height=260, label="Inbox: answers taught and preferences given from the Chat tab")
         with gr.Row(equal_height=True):
             entry = gr.Dropdown([], label="Inbox entry", scale=3, elem_id="data-entry")
             forget = gr.Button("Remove from the inbox", interactive=False, scale=1, elem_id="data-forget")
@@ -114,8 +115,7 @@ def show(backend: Backend, panel: DataPanel, path: str | None, seq: int = 1) -> 
                 **_buttons(panel, None), panel.seen: batch({}, None, "", seq)}
     view = data_view(RunFolder(Path(path)), live_sources=live_sources(backend, path))
     names = [str(s.get("name")) for s in view.sources]
-    entries = [(f"{e['id']}: {_short(e['prompt'])} → {_short(e['answer'])}", e["id"]) for e in view.inbox
-               if not e.get("removed")]
+    entries = [(entry_label(e), e["id"]) for e in view.inbox if not e.get("removed")]
     return {panel.sources: _sources_frame(view), panel.inbox: _inbox_frame(view),
             panel.source: gr.update(choices=names, value=names[0] if names else None),
             panel.entry: gr.update(choices=entries, value=entries[-1][1] if entries else None),
@@ -148,10 +148,16 @@ def _sources_frame(view: DataView) -> pd.DataFrame:
 
 
 def _inbox_frame(view: DataView) -> pd.DataFrame:
-    rows = [[e["id"], e["prompt"], e["answer"], e["step"], e.get("old") or "", e.get("new") or "",
-             "" if e.get("learned") is None else ("yes" if e["learned"] else "not yet"),
-             "yes" if e.get("removed") else ""] for e in view.inbox]
+    rows = [[e["id"], e["prompt"], e["answer"], e.get("rejected") or "", e["step"], e.get("old") or "",
+             e.get("new") or "", "" if e.get("learned") is None else ("yes" if e["learned"] else "not yet"),
+             margin_text(e), "yes" if e.get("removed") else ""] for e in view.inbox]
     return pd.DataFrame(rows, columns=INBOX_COLUMNS)
+
+
+def entry_label(entry: dict) -> str:
+    """An inbox entry as the picker lists it: a taught answer, or a preference's pair."""
+    label = f"{entry['id']}: {_short(entry['prompt'])} → {_short(entry['answer'])}"
+    return label + (f" over {_short(entry['rejected'])}" if entry.get("rejected") is not None else "")
 
 
 def _short(text: Any, width: int = 40) -> str:

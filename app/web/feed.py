@@ -34,14 +34,14 @@ from markdown_it import MarkdownIt
 from app.session import SessionError
 from app.web import chat
 from app.web.backend import Backend
-from app.web.plots import MAIN_PLOTS, MORE_PLOTS, batch, plot_id
+from app.web.plots import MAIN_PLOTS, MORE_PLOTS, PREFERENCE_PLOTS, batch, plot_id
 from app.web.widgets import status_html
 
 EVERY_MS = 1000  # how often the page asks while the Train or Chat tab shows
 JS = (Path(__file__).with_name("feed.js")).read_text().replace("EVERY_MS_VALUE", str(EVERY_MS))
 MARKER_ID = "train-looked"  # the look's marker: the run the page shows and its state then
 LOOK_ID = "train-look"      # the hidden button the feed presses to ask for a look
-PLOT_IDS = {name: plot_id("train", name) for name in (*MAIN_PLOTS, *MORE_PLOTS)}  # make_plots("train")
+PLOT_IDS = {name: plot_id("train", name) for name in (*MAIN_PLOTS, *PREFERENCE_PLOTS, *MORE_PLOTS)}  # make_plots("train")
 HOST_ID = "live-feed"       # the hidden element whose js_on_load runs the feed
 PARTS = ("status", "header", "plots")  # what a page may want: the Train tab all, the Chat tab the header
 _MARKDOWN = MarkdownIt("commonmark", {"html": False})

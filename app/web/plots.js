@@ -18,6 +18,7 @@ const box = element.querySelector('.lt-plot');
 const canvas = box.querySelector('.lt-canvas');
 const empty = box.querySelector('.lt-empty');
 const legend = box.querySelector('.lt-legend');
+if (spec.hide_empty) element.style.display = 'none';  // until a point comes (draw shows it)
 
 function apply(text) {
   if (!text) return;
@@ -95,7 +96,8 @@ function panel(svg, lines, x0, y0, w, h, steps, log, title) {
   const left = x0 + 52, right = x0 + w - 8, top = y0 + (title ? 16 : 6), bottom = y0 + h - 20;
   const sx = s => left + (steps[1] > steps[0] ? (s - steps[0]) / (steps[1] - steps[0]) : 0.5) * (right - left);
   const sy = v => bottom - (ty(v) - lo) / (hi - lo) * (bottom - top);
-  if (title) el('text', { x: left, y: y0 + 12, class: 'lt-title', fill: spec.compare ? 'currentColor' : lines[0].color }, svg).textContent = title;
+  const titleFill = spec.compare || spec.grouped ? 'currentColor' : lines[0].color;
+  if (title) el('text', { x: left, y: y0 + 12, class: 'lt-title', fill: titleFill }, svg).textContent = title;
   el('rect', { x: left, y: top, width: right - left, height: bottom - top, class: 'lt-frame' }, svg);
   for (const t of niceTicks(lo, hi, 4, false)) {
     const y = bottom - (t - lo) / (hi - lo) * (bottom - top);
@@ -118,6 +120,10 @@ function panel(svg, lines, x0, y0, w, h, steps, log, title) {
 
 // compare mode: series are named "kind · run"; each run keeps one colour across the plots
 function lineStyle(name, i) {
+  if (spec.grouped) {  // "panel · line": a panel per group, a line's colour by its label (chosen, rejected, eval)
+    const [kind, line] = name.split(' · ');
+    return { color: spec.colors[line] || spec.palette[i % spec.palette.length], kind, run: line, eval: line === 'eval' };
+  }
   if (!spec.compare) {
     const color = spec.colors[name] || spec.palette[i % spec.palette.length];
     return { color, kind: name, eval: name === 'eval' };
@@ -133,13 +139,14 @@ function lineStyle(name, i) {
 function draw() {
   const names = Object.keys(store.series).filter(n => store.series[n].length).sort();
   empty.style.display = names.length ? 'none' : '';
+  if (spec.hide_empty) element.style.display = names.length ? '' : 'none';  // a plot only some runs have
   canvas.replaceChildren();
   legend.replaceChildren();
   if (!names.length) return;
   const lines = [], keys = new Map();
   names.forEach((name, i) => {
     const style = lineStyle(name, i), points = store.series[name];
-    const label = spec.compare ? style.run : name;
+    const label = spec.compare || spec.grouped ? style.run : name;
     if (!style.eval && spec.smoothable && store.smoothing > 0) {
       const faded = spec.compare ? style.color : (spec.colors.raw_faded || style.color);
       lines.push({ name, kind: style.kind, points, color: faded, opacity: 0.3, width: 1 });
@@ -148,7 +155,7 @@ function draw() {
       if (!spec.compare) keys.set('raw', faded);
       keys.set(spec.compare ? label : 'smoothed', style.color);
     } else {
-      lines.push({ name, kind: style.kind, points, color: style.color, dots: style.eval || spec.panels,
+      lines.push({ name, kind: style.kind, points, color: style.color, dots: style.eval || (spec.panels && !spec.grouped),
                    width: style.eval ? 2.5 : 1.5, dash: style.dash });
       keys.set(label, style.color);
     }
@@ -157,14 +164,17 @@ function draw() {
   lines.sort((a, b) => (a.kind.includes('eval')) - (b.kind.includes('eval')));
   const steps = [Math.min(...lines.map(l => l.points[0][0])), Math.max(...lines.map(l => l.points[l.points.length - 1][0]))];
   const w = Math.max(240, canvas.clientWidth || box.clientWidth || 400);
-  // panels: one per kind (an evaluation metric), each with its own scale
+  // panels: one per kind (an evaluation metric, a group), each with its own scale; grouped
+  // panels side by side as the width allows (at least 300 px each)
   const kinds = spec.panels ? [...new Set(lines.map(l => l.kind))] : [null];
-  const h = spec.panels ? kinds.length * 110 : spec.height;
+  const cols = spec.grouped ? Math.max(1, Math.min(kinds.length, Math.floor(w / 300))) : 1;
+  const pw = w / cols, ph = spec.panels ? 110 : spec.height;
+  const h = spec.panels ? Math.ceil(kinds.length / cols) * ph : spec.height;
   const svg = el('svg', { width: w, height: h, viewBox: `0 0 ${w} ${h}` });
   kinds.forEach((kind, i) => {
     const mine = kind === null ? lines : lines.filter(l => l.kind === kind);
-    panel(svg, mine, 0, i * (spec.panels ? 110 : 0), w, spec.panels ? 110 : h, steps, !spec.panels && store.log,
-          spec.panels ? kind : null);
+    panel(svg, mine, (i % cols) * pw, Math.floor(i / cols) * (spec.panels ? ph : 0), pw, ph, steps,
+          !spec.panels && store.log, spec.panels ? kind : null);
   });
   canvas.appendChild(svg);
   for (const [label, color] of keys) {

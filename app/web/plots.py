@@ -7,7 +7,10 @@ tick, not a redraw of every plot's whole history. Hidden tabs get nothing (train
 
 Each plot's empty box says what will appear there and when. The loss plot draws the raw loss,
 its smoothing (a slider in the plot, applied in the page) and the evaluation loss over both,
-with a log-scale toggle; evaluation metrics each get their own panel, colour and scale.
+with a log-scale toggle; evaluation metrics each get their own panel, colour and scale. A
+preference run's metrics (rewards of chosen and rejected, reward accuracy and margin,
+log-probabilities; KTO's kl, ORPO's terms) share one plot of panels, laid out side by side as
+the width allows; the plot stays hidden for a run that logs none of them (SFT).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from app.web.backend.views import MAX_POINTS, Series
 JS = (Path(__file__).with_name("plots.js")).read_text()
 
 PALETTE = ["#4f46e5", "#059669", "#d97706", "#db2777", "#0891b2", "#7c3aed", "#65a30d", "#dc2626"]
-COLORS = {"raw": "#4f46e5", "raw_faded": "#818cf8", "eval": "#ea580c"}
+COLORS = {"raw": "#4f46e5", "raw_faded": "#818cf8", "eval": "#ea580c", "chosen": "#059669", "rejected": "#dc2626",
+          "train": "#4f46e5"}
 
 CSS = """
 .lt-plot { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 6px 8px; min-height: 120px; }
@@ -56,6 +60,8 @@ class PlotSpec:
     panels: bool = False  # one panel (own scale) per series (per kind, comparing)
     height: int = 220
     compare: bool = False  # series named "kind · run", one colour per run
+    grouped: bool = False  # series named "panel · line": one panel per group, lines coloured by label
+    hide_empty: bool = False  # hidden until it has a point (a plot only some runs have)
 
 
 SPECS = {
@@ -87,12 +93,16 @@ SPECS = {
     "seen": PlotSpec("seen", "Samples drawn from each source (so far)",
                      "The samples drawn from each training source appear here once steps are logged."),
     "memory": PlotSpec("memory", "Memory, rank 0 (MiB)", "Rank 0's memory appears here after the first logged step."),
+    "rewards": PlotSpec("rewards", "Preference: rewards, reward accuracy and margin, log-probabilities (TRL's names)",
+                        "A preference run's rewards appear here after its first logged step.",
+                        panels=True, grouped=True, hide_empty=True),
 }
 
 
 def _template(spec: PlotSpec, elem_id: str, smoothing: float) -> str:
     data = {"id": elem_id, "colors": COLORS, "palette": PALETTE, "smoothable": spec.smoothable,
-            "panels": spec.panels, "height": spec.height, "smoothing": smoothing, "compare": spec.compare}
+            "panels": spec.panels, "height": spec.height, "smoothing": smoothing, "compare": spec.compare,
+            "grouped": spec.grouped, "hide_empty": spec.hide_empty}
     controls = ""
     if spec.smoothable:
         controls += (f"<label class='lt-smooth' title='TensorBoard-style exponential moving average'>smoothing "
@@ -126,6 +136,7 @@ class Plots:
 
 
 MAIN_PLOTS = ("loss", "eval")             # every run view's plots
+PREFERENCE_PLOTS = ("rewards",)           # every run view's too, shown once a preference run logs them
 MORE_PLOTS = ("lr", "tokens", "memory")   # and, in full, these
 
 
@@ -135,9 +146,10 @@ def plot_id(prefix: str, name: str) -> str:
 
 
 def make_plots(prefix: str, full: bool = True) -> Plots:
-    """The plots of a run: loss and evaluation metrics, with `full` also lr, tokens/s, memory."""
+    """The plots of a run: loss and evaluation metrics, a preference run's rewards (hidden for an
+    SFT run), with `full` also lr, tokens/s, memory."""
     plots: dict[str, gr.HTML] = {}
-    for names in (MAIN_PLOTS, MORE_PLOTS) if full else (MAIN_PLOTS,):
+    for names in (MAIN_PLOTS, PREFERENCE_PLOTS, MORE_PLOTS) if full else (MAIN_PLOTS, PREFERENCE_PLOTS):
         with gr.Row(equal_height=True):
             for name in names:
                 plots[name] = live_plot(name, plot_id(prefix, name))

@@ -13,6 +13,7 @@ import sys
 import threading
 from typing import Any
 
+from app.data_preview import pairs_markdown
 from supervisor.launch import REPO_ROOT
 
 TIMEOUT_S = 180.0  # the first answer pays for importing torch and transformers
@@ -114,7 +115,9 @@ def describe_data(info: dict) -> str:
         text += f" · {info['unreadable']} unreadable rows (first: {info['unreadable_rows']})"
     if info.get("other_formats"):
         text += f" · other formats also present: {', '.join(info['other_formats'])}"
-    if info.get("examples"):
+    if info.get("pairs"):  # preference rows: prompt above, chosen | rejected (KTO: completion | label)
+        text += "\n\n" + pairs_markdown(info["pairs"])
+    elif info.get("examples"):
         text += "\n\nfirst row: `" + json.dumps(info["examples"][0], ensure_ascii=False)[:200] + "`"
     return text
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from app.series import RunHistory
+from app.series import RunHistory, preference_series
 from contract.protocol.states import RunState
 from contract.run_folder import EventTail, RunFolder, tail_lines
 from contract.events import EventType
@@ -73,7 +73,8 @@ class RunView:
     # -- series for the plots ---------------------------------------------------------------------
     def series(self) -> dict[str, dict[str, Series]]:
         """Each plot's series, whole (app.web.plots sends a page only what it lacks): loss (raw,
-        eval), eval (the other evaluation metrics, each its own), lr, tokens, memory."""
+        eval), eval (the other evaluation metrics, each its own), lr, tokens, memory, rewards (the
+        preference metrics as "panel · line", app.series.preference_series)."""
         with self._lock:
             train = {name: list(points) for name, points in self.history.train.items()}
             evals = {name: list(points) for name, points in self.history.eval.items()}
@@ -86,6 +87,7 @@ class RunView:
             "lr": {"lr": pick(train["lr"])} if "lr" in train else {},
             "tokens": {"tokens/s": pick(train["tokens_per_s"])} if "tokens_per_s" in train else {},
             "memory": {"rank 0": pick(train["mem_mb"])} if "mem_mb" in train else {},
+            "rewards": preference_series(train, evals),  # a preference run's TRL metrics; none for SFT
         }
 
     # -- tables for the plots ---------------------------------------------------------------------
