@@ -16,7 +16,12 @@ Models: one per live run (its folder name) and per chat-only session of a checkp
 Keys: `Authorization: Bearer <key>`. Each run folder keeps its own key in `api_key.json` (mode
 0600, beside control.json; made when the API first sees the run, kept after it ends); it grants
 that run and its name only. The output folder's own `api_key.json` grants every run in it (for
-Open WebUI and other tools that list models). A wrong or missing key: 401.
+Open WebUI and other tools that list models). A wrong or missing key: 401. Beside each
+`api_key.json` (the operator's key) is `api_viewer_key.json` (a viewer's key, also 0600, to hand
+out on its own): the API asks only a viewer's rights of a run (`complete` is a viewer's command,
+contract.protocol.roles), so both keys work for every endpoint, and the API itself connects to each
+run with the run's viewer token (viewer.json): it cannot pause, stop or change a run whatever it is
+sent. Delete a key file to revoke its key (a new one is made when the API next looks).
 
 Errors come in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad request,
 401 key, 404 unknown model, 413 body over MAX_BODY_BYTES, 429 more than MAX_IN_FLIGHT requests
@@ -47,12 +52,14 @@ from starlette.concurrency import run_in_threadpool
 from contract.protocol.completion_commands import Complete
 from contract.protocol.wire import MAX_MESSAGE_BYTES
 from contract.protocol.base import ProtocolError
+from contract.protocol.roles import Role, refusal
 from contract.run_folder import write_private_json
 from supervisor.client import CommandError, Generation, RunClient, RunGone
 from supervisor.openai_models import ChatRequest, CompletionRequest, first_problem
 from supervisor.openai_stream import StopFilter, chat_chunk, chat_logprobs, sse
 
-KEY_FILE = "api_key.json"
+KEY_FILE = "api_key.json"                # the operator's key
+VIEWER_KEY_FILE = "api_viewer_key.json"  # a viewer's key: every endpoint today needs no more
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES  # what the run's control socket takes in one message
 MAX_IN_FLIGHT = 32                  # requests waiting for one run at once; more get 429
 CONNECT_TIMEOUT_S = 5.0             # a run that does not take the connection by then: 503
@@ -72,9 +79,9 @@ class ApiError(Exception):
                                        "code": self.code}}, status_code=self.status)
 
 
-def key_of(folder: Path) -> str:
-    """The API key kept in `folder` (made, mode 0600, the first time it is asked for)."""
-    path = folder / KEY_FILE
+def key_of(folder: Path, file: str = KEY_FILE) -> str:
+    """The API key kept in `folder`'s `file` (made, mode 0600, the first time it is asked for)."""
+    path = folder / file
     try:
         return str(json.loads(path.read_text())["key"])
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
@@ -142,9 +149,19 @@ class Runs:
         self._busy: dict[Path, threading.BoundedSemaphore] = {}
         self._lock = threading.Lock()
         self._names, self._keys = _ByMtime(model_name), _ByMtime(key_of)
+        self._viewer_keys = _ByMtime(lambda folder: key_of(folder, VIEWER_KEY_FILE))
 
     def key(self, folder: Path) -> str:
+        """`folder`'s operator key (its viewer key is made with it)."""
+        self._viewer_keys(folder, VIEWER_KEY_FILE)
         return self._keys(folder, KEY_FILE)
+
+    def role(self, key: str, folder: Path) -> Role | None:
+        """The role `key` has in `folder` (both compared in constant time), None for neither."""
+        given = key.encode()  # bytes: a non-ASCII header is a wrong key, not a TypeError
+        operator = secrets.compare_digest(given, self.key(folder).encode())
+        viewer = secrets.compare_digest(given, self._viewer_keys(folder, VIEWER_KEY_FILE).encode())
+        return Role.OPERATOR if operator else Role.VIEWER if viewer else None
 
     def live(self) -> dict[str, Path]:
         """{model name: run folder} of every run whose control server is up."""
@@ -158,20 +175,23 @@ class Runs:
                 found.setdefault(self._names(control.parent, "config.yaml"), control.parent)
         return found
 
-    def granted(self, key: str) -> set[Path] | None:
-        """The run folders `key` opens (None: every one, the output folder's key); raises 401."""
-        if key and secrets.compare_digest(key, self.key(self.root)):
-            return None
-        for path in self.root.glob(f"*/{KEY_FILE}"):
-            if key and secrets.compare_digest(key, self.key(path.parent)):
-                return {path.parent}
+    def granted(self, key: str, needs: Role = Role.VIEWER) -> set[Path] | None:
+        """The run folders `key` opens (None: every one, the output folder's key); raises 401,
+        or 403 when the key's role may not do what `needs` (every endpoint now: a viewer's)."""
+        for folder, grant in ((self.root, None), *((p.parent, {p.parent}) for p in self.root.glob(f"*/{KEY_FILE}"))):
+            role = self.role(key, folder) if key else None
+            if role is not None:
+                if not role.may(needs):
+                    raise ApiError(403, refusal("this request", role), "permission_error", code="insufficient_role")
+                return grant
         raise ApiError(401, "Incorrect API key provided (see api_key.json in the run folder, or the "
                             "output folder's for every run)", "invalid_request_error", code="invalid_api_key")
 
     def client(self, run: Path) -> RunClient:
         with self._lock:
             if run not in self._clients:
-                self._clients[run] = RunClient(run, connect_timeout=CONNECT_TIMEOUT_S)
+                # a viewer's token (viewer.json): the API can answer, never change a run
+                self._clients[run] = RunClient(run, connect_timeout=CONNECT_TIMEOUT_S, role=Role.VIEWER)
                 self._busy[run] = threading.BoundedSemaphore(MAX_IN_FLIGHT)
             return self._clients[run]
 
@@ -429,11 +449,13 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.runs).resolve()
     root.mkdir(parents=True, exist_ok=True)
     key_of(root)
+    key_of(root, VIEWER_KEY_FILE)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {args.host}, not loopback only: anyone who reaches port {args.port} "
               "and holds a key can use the runs' models", file=sys.stderr, flush=True)
     print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1 for the runs in {root}\n"
-          f"key for every run: {root / KEY_FILE}; each run's own: <run>/{KEY_FILE}", flush=True)
+          f"key for every run: {root / KEY_FILE} (a viewer's: {root / VIEWER_KEY_FILE}); each run's own: "
+          f"<run>/{KEY_FILE} and <run>/{VIEWER_KEY_FILE}", flush=True)
     uvicorn.run(create_app(root), host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -94,3 +94,42 @@ def test_a_copied_viewer_file_is_a_key(served, tmp_path):
         with pytest.raises(CommandError, match="needs the operator role"):
             client.send(Set(lr=0.5))
         assert client.send(Generate(prompt="x")) is not None
+
+
+# -- the OpenAI API: both keys answer, a viewer's only what a viewer may, and the API itself holds a viewer's token
+def test_the_api_takes_both_keys_and_holds_only_a_viewers_rights(tmp_path):
+    import httpx
+
+    from supervisor.openai_api import KEY_FILE, VIEWER_KEY_FILE, ApiError, ApiServer, key_of
+
+    served, server = Served(tmp_path / "run"), None
+    try:
+        server = ApiServer(tmp_path).start()
+        runs = server.app.state.runs
+        operator_key, viewer_key = runs.key(served.folder.root), key_of(served.folder.root, VIEWER_KEY_FILE)
+        for file in (KEY_FILE, VIEWER_KEY_FILE):
+            assert stat.S_IMODE(os.stat(served.folder.root / file).st_mode) == 0o600
+        assert operator_key != viewer_key
+        body = {"model": "run", "prompt": "hi", "max_tokens": 2}
+        for key in (operator_key, viewer_key):
+            auth = {"Authorization": f"Bearer {key}"}
+            assert [m["id"] for m in httpx.get(f"{server.url}/models", headers=auth).json()["data"]] == ["run"]
+            assert httpx.post(f"{server.url}/completions", headers=auth, json=body).status_code == 200
+        wrong = httpx.post(f"{server.url}/completions", headers={"Authorization": "Bearer lt-x"}, json=body)
+        assert wrong.status_code == 401
+        assert [cmd for _, cmd, _ in served.executed] == ["complete", "complete"]
+        # the rule, should an endpoint ever need an operator: a viewer's key gets 403 and the sentence
+        assert runs.granted(operator_key, needs=Role.OPERATOR) == {served.folder.root}
+        with pytest.raises(ApiError) as refused:
+            runs.granted(viewer_key, needs=Role.OPERATOR)
+        assert refused.value.status == 403 and "needs the operator role; this key is a viewer's" in refused.value.message
+        # the API connects to the run with the run's viewer token: it cannot change the run
+        client = runs.client(served.folder.root)
+        assert client.key_role() is Role.VIEWER
+        with pytest.raises(CommandError, match="refused: pause needs the operator role"):
+            client.pause()
+        assert [cmd for _, cmd, _ in served.executed] == ["complete", "complete"]
+    finally:
+        if server is not None:
+            server.close()
+        served.close()
