@@ -12,6 +12,10 @@ state allows and what Stop means cannot differ between them. It is built on the 
 `supervisor.RunManager` (start, watch, stop a process group) and `supervisor.client.RunClient`
 (one connection to a run's control socket), and talks in the contract's typed commands
 (`contract.protocol`). Every failure is raised as `SessionError`, with a sentence a user can act on.
+Who may do what (contract.protocol.roles): `role_of()` says the role of whoever is asking (an
+operator unless a front end says otherwise: the web app asks the login of the request); a command
+whose class needs the operator role, and starting, submitting, stopping or exporting a run, are
+refused to a viewer with the same sentence the run itself refuses a viewer's key with.
 Torch-free, Gradio-free, ipywidgets-free.
 """
 
@@ -24,12 +28,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from contract.config.schema import RunConfig
 from contract.preflight import PreflightReport, fingerprint, preflight
 from contract.protocol.base import Command, ProtocolError
 from contract.protocol.commands import Generate, Stop, allowed_commands
+from contract.protocol.roles import Role, refusal
 from contract.protocol.states import RunState
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, RunRefused, stopping
 from supervisor.client import CommandError, Generation, RunClient, RunGone
@@ -87,7 +92,16 @@ class Session:
         self._stops: dict[str, threading.Thread] = {}
         self._stop_errors: dict[str, str] = {}
         self._current: str | None = None
+        # the role of whoever is asking now, and what they hold ("key", "login") for messages
+        self.role_of: Callable[[], Role] = lambda: Role.OPERATOR
+        self.holder = "key"
         self.manager(self.output_dir)
+
+    def require(self, action: str, needed: Role = Role.OPERATOR) -> None:
+        """Refuse `action` (SessionError, the run's own sentence) unless the asker may do it."""
+        role = self.role_of()
+        if not role.may(needed):
+            raise SessionError(refusal(action, role, self.holder))
 
     def close(self) -> None:
         """Stop watching and close connections (the runs themselves go on)."""
@@ -177,6 +191,7 @@ class Session:
               env: dict[str, str] | None = None) -> RunInfo:
         """Start a run of `cfg` in its own process group, in `output_dir` (default: the config's
         logging.output_dir); it becomes the current run."""
+        self.require("start")
         manager = self.manager(output_dir or cfg.logging.output_dir or self.output_dir)
         try:
             handle = manager.start(cfg, env={**self.run_env, **(env or {})} or None)
@@ -197,6 +212,7 @@ class Session:
         (`checked`: a report the caller already made for this config); `options.procs_per_node`,
         when set, is the run's parallel.nproc. The run becomes the current run; it shows as
         queued until Slurm starts the job."""
+        self.require("submit")
         try:
             options.check()
         except ValueError as e:
@@ -226,6 +242,7 @@ class Session:
         adapter or a model folder: `supervisor.chat_sessions`), beside whatever else runs; chat
         with it through `chat` / `generate` with its path, end it with `stop`. The current run
         stays what it was."""
+        self.require("chat with a checkpoint (it starts a process)")
         try:
             cfg = chat_config(source)
         except (ValueError, OSError) as e:  # ChatSourceError, a config the run left that is bad now
@@ -285,11 +302,12 @@ class Session:
         answer: at its next step boundary (status at once). Stop goes through `stop`."""
         if isinstance(command, Stop):
             raise SessionError("stop a run with Session.stop, which also ends its processes")
+        self.require(command.name, command.role)
         path = self.resolve(ref)
         try:
             return self.client(path, connect_timeout).send(command, timeout=timeout)
-        except CommandError as e:
-            raise SessionError(f"{command.name} refused: {e}") from None
+        except CommandError as e:  # a viewer's key refused by the run: its sentence as it is
+            raise SessionError(str(e) if "needs the operator role" in str(e) else f"{command.name} refused: {e}") from None
         except TimeoutError:
             raise SessionError(f"{command.name}: no answer from the run within {timeout:g} s") from None
         except (RunGone, OSError) as e:
@@ -297,12 +315,13 @@ class Session:
             raise SessionError(f"{command.name}: the run is not reachable ({e})") from None
 
     # -- stopping -------------------------------------------------------------------------------
-    def stop(self, ref: str | Path | None, save: bool = Stop.save, wait: bool = False,
+    def stop(self, ref: str | Path | None, save: bool = Stop().save, wait: bool = False,
              timeout: float = 60.0) -> RunInfo:
         """Stop a run at its next step boundary, saving first unless `save` is False (the
         contract's Stop default); then every rank and the launcher end. Without `wait` the stop
         goes on in the background and the run shows as stopping. A second stop while one is
         going on ends the process group at once, without waiting for the save."""
+        self.require(Stop.name, Stop.role)
         path = self.resolve(ref)
         info = self.info(path, fresh=True)
         if not info.alive:
@@ -355,6 +374,7 @@ class Session:
     # -- chat -----------------------------------------------------------------------------------
     def generate(self, ref: str | Path | None, request: Generate, connect_timeout: float = 60.0) -> Generation:
         """Stream the live model's answer to a typed request: iterate for the pieces."""
+        self.require(request.name, request.role)
         path = self.resolve(ref)
         args = request.args()
         prompt, messages = args.pop("prompt", None), args.pop("messages", None)

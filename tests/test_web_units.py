@@ -374,9 +374,9 @@ def test_port_in_use_is_a_clear_error():
     assert "Traceback" not in done.stderr
 
 
-def test_username_needs_a_password():
-    done = _app("--username", "me")
-    assert done.returncode == 2 and "give both --username and --password" in done.stderr
+def test_a_password_on_the_command_line_is_refused():
+    done = _app("--username", "me", "--password", "secret")  # `ps` would show it to every user
+    assert done.returncode == 2 and "LIVETUNE_PASSWORD" in done.stderr and "app.users add" in done.stderr
 
 
 # -- the preview worker (a real child process running the engine's code) -------------------------

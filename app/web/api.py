@@ -8,6 +8,9 @@
 
 Each takes plain values and returns a JSON object; `run` is a run name, a run folder path, or
 empty for the app's current run. A failure comes back as a Gradio error with a readable message.
+With logins (app.users), a viewer's client (`Client(url, auth=(name, password))`) may call /chat,
+/status, /runs, /branches and /inbox; every other endpoint answers "refused: <endpoint> needs
+the operator role; this login is a viewer's" (the session checks, app.web.access).
 """
 
 from __future__ import annotations
@@ -47,10 +50,11 @@ def register(backend: Backend) -> None:
     def start(config: str = "", preset: str = DEFAULT_PRESET) -> dict:
         """Start a run: `config` is YAML or JSON (a partial run config) laid over `preset`
         ("" for the schema defaults). Returns the run's info (name, path, state ...)."""
+        _call(backend.session.require, "start")  # before the config is even read
         cfg = _call(config_from_text, config, preset, str(backend.output_dir))
         return _info(_call(backend.session.start, cfg))
 
-    def stop(run: str = "", save: bool = Stop.save) -> dict:
+    def stop(run: str = "", save: bool = Stop().save) -> dict:
         """Stop a run (with `save`, the default as in every front end: a checkpoint first and the
         final model); waits until every process of it has ended. Returns its final info."""
         return _info(_call(backend.session.stop, run, save=save, wait=True))

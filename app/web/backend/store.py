@@ -156,6 +156,7 @@ class Store:
 
     def export(self, source: str, target: str, merge_lora: bool = False) -> str:
         """Export a checkpoint, model or adapter into the new folder `target` (see `export`)."""
+        self.session.require("export")  # it writes a folder as the app's user: an operator's
         if not source or not Path(source).exists():
             raise SessionError("pick a checkpoint, model or adapter first")
         if not target:
