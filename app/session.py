@@ -81,7 +81,7 @@ class Session:
     one. Thread-safe: pages, widgets and their threads share one session."""
 
     def __init__(self, output_dir: str | Path, run_env: dict[str, str] | None = None,
-                 hang_timeout: float = 300.0):
+                 hang_timeout: float = 300.0, role: Role | None = None):
         self.output_dir = Path(output_dir).resolve()
         self.run_env = dict(run_env or {})
         self.hang_timeout = hang_timeout
@@ -92,8 +92,10 @@ class Session:
         self._stops: dict[str, threading.Thread] = {}
         self._stop_errors: dict[str, str] = {}
         self._current: str | None = None
-        # the role of whoever is asking now, and what they hold ("key", "login") for messages
-        self.role_of: Callable[[], Role] = lambda: Role.OPERATOR
+        # which run key the clients use (None: the operator's when readable, else the viewer's;
+        # RunClient), the role of whoever is asking now, and what they hold ("key", "login")
+        self.key_role = role
+        self.role_of: Callable[[], Role] = lambda: role or Role.OPERATOR
         self.holder = "key"
         self.manager(self.output_dir)
 
@@ -280,7 +282,7 @@ class Session:
         if not info.alive:
             raise SessionError(f"run {info.name} is {info.state}; it takes no commands")
         try:
-            client = RunClient.connect(path, timeout=timeout)
+            client = RunClient.connect(path, timeout=timeout, role=self.key_role)
         except (RunGone, OSError, TimeoutError) as e:
             starting = info.state == RunState.STARTING
             raise SessionError(f"run {info.name} is still starting; try again in a few seconds"

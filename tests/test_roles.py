@@ -133,3 +133,20 @@ def test_the_api_takes_both_keys_and_holds_only_a_viewers_rights(tmp_path):
         if server is not None:
             server.close()
         served.close()
+
+
+def test_a_viewers_session_is_refused_with_the_same_sentence(tmp_path):
+    """The notebook's and terminal's Session: Session(role=Role.VIEWER) uses the viewer's key and
+    refuses, before sending, what the run would refuse that key."""
+    from app.session import Session, SessionError
+    session = Session(tmp_path, role=Role.VIEWER)
+    try:
+        for act, name in ((lambda: session.send(None, Pause()), "pause"), (lambda: session.stop(None), "stop"),
+                          (lambda: session.send(None, Set(lr=0.1)), "set")):
+            with pytest.raises(SessionError) as refused:
+                act()
+            assert str(refused.value) == refusal(name, Role.VIEWER)
+        with pytest.raises(SessionError, match="no run yet"):  # a viewer may ask: refused for want of a run
+            session.send(None, Status())
+    finally:
+        session.close()
