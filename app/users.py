@@ -26,6 +26,7 @@ import os
 import secrets
 import stat
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,13 +139,13 @@ def write_users(path: str | Path, users: Users) -> None:
 
 
 def logins(output_dir: str | Path, users_file: str | Path | None = None,
-           environ: dict[str, str] | None = None) -> Users:
+           environ: MutableMapping[str, str] | None = None) -> Users:
     """The app's logins: the users file (`users_file`, else `default_file`), plus
     LIVETUNE_USERNAME / LIVETUNE_PASSWORD as an operator (the password is hashed here and removed
     from `environ`, os.environ by default)."""
-    environ = os.environ if environ is None else environ
+    env: MutableMapping[str, str] = os.environ if environ is None else environ
     users = read_users(users_file or default_file(output_dir))
-    name, password = environ.get(ENV_NAME), environ.pop(ENV_PASSWORD, None)
+    name, password = env.get(ENV_NAME), env.pop(ENV_PASSWORD, None)
     if bool(name) != bool(password):
         raise UsersError(f"set both {ENV_NAME} and {ENV_PASSWORD}, or neither")
     if name and password:
