@@ -135,32 +135,40 @@ def hf_generate(run: RunContext, prompts: Sequence[Prompt], *, max_new_tokens: i
     """`generate` on a model every rank holds whole or in shards (Hugging Face's generate; under
     ZeRO-3 the ranks keep stepping together until every rank is done)."""
     engine, tok = run.engine, run.tokenizer
-    model = engine.module
     inputs = encode_prompts(tok, prompts, engine.device, add_special_tokens)
     sample = temperature > 0
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=tok.pad_token_id,
-                  eos_token_id=tok.eos_token_id, repetition_penalty=repetition_penalty,
-                  synced_gpus=run.config.parallel.zero_stage == 3 and run.env.world_size > 1)
+                  eos_token_id=tok.eos_token_id, repetition_penalty=repetition_penalty)
     if sample:
         kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k or None)
     if stop:
         kwargs.update(stop_strings=stop, tokenizer=tok)
     if on_text is not None:
         kwargs["streamer"] = CallbackStreamer(tok, on_text, inputs["input_ids"].shape[1])
+    out = model_generate(run, inputs, kwargs, seed=seed, use_base=use_base)
+    new = out[:, inputs["input_ids"].shape[1]:]
+    texts = tok.batch_decode(new, skip_special_tokens=True)
+    if on_ids is not None:
+        on_ids([new_tokens(row, tok) for row in new.tolist()])
+    return [cut_at_stop(t, stop) for t in texts]
+
+
+def model_generate(run: RunContext, inputs: dict[str, torch.Tensor], kwargs: dict, seed: int = 0,
+                   use_base: bool = False) -> torch.Tensor:
+    """Hugging Face's generate on the engine's model (collective under ZeRO-3: `synced_gpus`, set
+    here): eval mode and no gradients, the global RNG seeded with `seed` and every RNG, the train
+    mode and (with `use_base`) the PEFT adapter put back afterwards. Returns prompt + new ids."""
+    model = run.engine.module
+    kwargs = {**kwargs, "synced_gpus": run.config.parallel.zero_stage == 3 and run.env.world_size > 1}
     adapter_off = run.method.base_model(model) if use_base else contextlib.nullcontext()
     was_training = model.training
     with preserved_rng(), torch.no_grad(), adapter_off:
         torch.manual_seed(seed)
         model.eval()
         try:
-            out = model.generate(**inputs, **kwargs)
+            return model.generate(**inputs, **kwargs)
         finally:
             model.train(was_training)
-    new = out[:, inputs["input_ids"].shape[1]:]
-    texts = tok.batch_decode(new, skip_special_tokens=True)
-    if on_ids is not None:
-        on_ids([new_tokens(row, tok) for row in new.tolist()])
-    return [cut_at_stop(t, stop) for t in texts]
 
 
 def end_ids(tokenizer) -> set[int]:

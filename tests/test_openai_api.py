@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from contract.protocol.completion_commands import Complete
 from contract.run_folder import read_events
 from control_runs import end_leftover_runs  # noqa: F401 - autouse: no run outlives its test
 from control_runs import CONNECT_S, end_run, launch, logs_of, losses, task_files, wait_exit, wait_for_step
@@ -136,6 +138,46 @@ def test_refusals_come_in_openais_shape_with_their_status(served):
     assert httpx.get(f"{url}/models").status_code == 401
     # the quiet run has no control server: it is not a model
     assert "quiet" not in [m.id for m in _openai(served, key_of(served.tmp / "runs")).models.list().data]
+
+
+@pytest.mark.slow
+def test_requests_waiting_together_share_a_generation_and_answer_as_alone(served):
+    """Requests queued while the run is busy answer as the same requests one by one: greedy text
+    and scores alike, a seeded sample the same (engine.batch_generation); the greedy ones of the
+    same settings went through one generation (`batch` in the command's recorded result)."""
+    api = _openai(served)
+    asks = [dict(model="api", prompt="reverse: kernel\n", max_tokens=8, temperature=0),
+            dict(model="api", messages=[{"role": "user", "content": "sort: dcba"}], max_tokens=12, temperature=0),
+            dict(model="api", prompt=["sort: hello\n", "reverse: abc\n"], max_tokens=5, temperature=0, logprobs=2),
+            dict(model="api", prompt="reverse: hello\n", max_tokens=6, temperature=1.0, n=2, seed=3)]
+
+    def ask(kwargs: dict) -> list:
+        if "messages" in kwargs:
+            return [c.message.content for c in api.chat.completions.create(**kwargs).choices]
+        return [(c.text, c.logprobs.token_logprobs if c.logprobs else None)
+                for c in api.completions.create(**kwargs).choices]
+
+    before = len(list(read_events(served.run.folder.events)))
+    for _ in range(3):  # until all four wait at once behind a long generation (a loaded machine)
+        busy = served.client.stream(Complete(prompts=["x"], n=16, temperature=5.0, max_new_tokens=240))
+        while served.client.status()["queue"]:
+            time.sleep(0.01)  # the long one is being generated
+        with ThreadPoolExecutor(len(asks)) as pool:
+            answers = [pool.submit(ask, kwargs) for kwargs in asks]
+            while served.client.status()["queue"] < len(asks) and not all(a.done() for a in answers):
+                time.sleep(0.01)
+            together = [a.result() for a in answers]
+        busy.wait()
+        batches = [e["result"]["batch"] for e in list(read_events(served.run.folder.events))[before:]
+                   if e["type"] == "command" and e["cmd"] == "complete" and e["status"] == "done"]
+        if 3 in batches:
+            break
+    assert batches.count(3) == 3, batches  # the three greedy ones shared a generation
+    alone = [ask(kwargs) for kwargs in asks]
+    assert [[t for t, _ in a] for a in together[:1] + together[2:]] == [[t for t, _ in a] for a in alone[:1] + alone[2:]]
+    assert together[1] == alone[1]
+    for (_, mine), (_, reference) in zip(together[2], alone[2]):
+        assert all(math.isclose(m, r, abs_tol=1e-5) for m, r in zip(mine, reference))
 
 
 def _task(name: str) -> dict:

@@ -9,30 +9,83 @@ tokens (engine.scoring): the model's own distribution, before temperature or top
 `max_new_tokens: 0` scores the prompt only; greedy with one new token (lm-evaluation-harness's
 log-likelihood request) takes that token from the same pass. Nothing here touches the run's RNG
 streams or train mode (engine.generation, engine.scoring restore them).
+
+Several requests waiting at the same boundary (`complete_many`, from the control plane) are
+answered together: those with the same temperature, top-p, top-k, repetition penalty and stop
+strings share one generation (engine.batch_generation: each row keeps its own `max_new_tokens`,
+each request samples from its own seed, so its reported seed repeats its sample alone or batched),
+at most BATCH_ROWS rows at once; all their log-probabilities come from one scoring pass. Under
+pipeline parallelism each request still generates alone: the stages' token loop
+(engine.pipeline_generate) samples from the one global generator and stops every row at one limit,
+and teaching it per-request seeds and limits is more than the few requests that meet at a
+boundary gain there; its scoring passes are batched as everywhere.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from contract.capabilities import Layout
 from contract.protocol.completion_commands import Complete
+from engine.batch_generation import Request, generate_requests
 from engine.control.limits import context_tokens
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.generation import end_ids, fresh_seed, generate, new_tokens
 from engine.scoring import RowScores, score
 
+BATCH_ROWS = 64  # rows generated together at most (a request with more rows still runs whole)
+
 
 class CompletionRefused(RuntimeError):
     """The request cannot be answered (the same on every rank); nothing was changed."""
 
 
+@dataclass
+class Job:
+    """One request on its way: its settings, its prompts and rows (`n` per prompt), then its new
+    tokens and texts, their scores, and how many requests shared its generation."""
+    cmd: Complete
+    reply: Reply
+    params: dict[str, Any]
+    prompts: list[list[int]]
+    rows: list[list[int]]
+    new: list[list[int]] | None = None
+    texts: list[str] | None = None
+    scores: list[RowScores] | None = None
+    batch: int = 1
+
+
 def complete(control: Plane, cmd: Complete, reply: Reply) -> dict:
     """Answer `cmd`: every choice's text, finish reason, token ids and (with `logprobs`) scores."""
+    outcome = complete_many(control, [(cmd, reply)])[0]
+    if isinstance(outcome, CompletionRefused):
+        raise outcome
+    return outcome
+
+
+def complete_many(control: Plane, asked: list[tuple[Complete, Reply]]) -> list[dict | CompletionRefused]:
+    """Answer several requests that met at one boundary, batched where they allow (collective:
+    every rank calls it with the same requests). Each gets its answer or its refusal."""
+    outcomes: list[Job | CompletionRefused] = []
+    for cmd, reply in asked:
+        try:
+            outcomes.append(_prepare(control, cmd, reply))
+        except CompletionRefused as e:
+            outcomes.append(e)
+    jobs = [j for j in outcomes if isinstance(j, Job)]
+    for group in _groups(control, jobs):
+        _sample(control, group)
+    _score(control, [j for j in jobs if j.cmd.logprobs])
+    return [_answer(control, j) if isinstance(j, Job) else j for j in outcomes]
+
+
+def _prepare(control: Plane, cmd: Complete, reply: Reply) -> Job:
     trainer = control.trainer
     tok = trainer.tokenizer
     params = control.settings.generation_params(cmd.sampling())
-    if params["seed"] is None:
+    if params["seed"] is None:  # drawn before anything can refuse: every rank draws alike
         params["seed"] = fresh_seed()
     prompts = prompt_ids(tok, cmd)
     room = context_tokens(trainer.engine.module, tok) - max(len(p) for p in prompts)
@@ -40,15 +93,17 @@ def complete(control: Plane, cmd: Complete, reply: Reply) -> dict:
         raise CompletionRefused(f"complete: the prompt fills the model's context of "
                                 f"{context_tokens(trainer.engine.module, tok)} tokens; shorten it")
     params["max_new_tokens"] = min(params["max_new_tokens"], room)
-    rows = [p for p in prompts for _ in range(cmd.n)]
-    new, texts = _sample(control, cmd, rows, params, reply)
-    top = cmd.top_logprobs if cmd.logprobs else 0
-    scores = score(trainer.ctx, [r + n for r, n in zip(rows, new)], top) if cmd.logprobs else None
-    choices = [_choice(tok, i, rows[i], new[i], texts[i], params, cmd,
-                       scores[i] if scores is not None else None) for i in range(len(rows))]
-    return {"step": trainer.state.global_step, "seed": params["seed"], "model": "current",
-            "choices": choices,
-            "usage": {"prompt_tokens": sum(len(p) for p in prompts),
+    return Job(cmd, reply, params, prompts, [p for p in prompts for _ in range(cmd.n)])
+
+
+def _answer(control: Plane, job: Job) -> dict:
+    tok, params, cmd = control.trainer.tokenizer, job.params, job.cmd
+    new, texts = job.new or [], job.texts or []
+    choices = [_choice(tok, i, job.rows[i], new[i], texts[i], params, cmd,
+                       job.scores[i] if job.scores is not None else None) for i in range(len(job.rows))]
+    return {"step": control.trainer.state.global_step, "seed": params["seed"], "model": "current",
+            "choices": choices, "batch": job.batch,
+            "usage": {"prompt_tokens": sum(len(p) for p in job.prompts),
                       "completion_tokens": sum(len(n) for n in new)}}
 
 
@@ -68,29 +123,94 @@ def prompt_ids(tokenizer, cmd: Complete) -> list[list[int]]:
     return out
 
 
-def _sample(control: Plane, cmd: Complete, rows: list[list[int]], params: dict[str, Any],
-            reply: Reply) -> tuple[list[list[int]], list[str]]:
-    """The new tokens and text of every row (none with max_new_tokens 0)."""
+# -- which requests share a generation --------------------------------------------------------------
+def _kind(job: Job) -> tuple:
+    """Requests of one kind can share a pass: scoring only, one greedy token read off the scoring
+    pass, or a generation with these sampling settings."""
+    p = job.params
+    if p["max_new_tokens"] == 0:
+        return ("scored",)
+    if p["max_new_tokens"] == 1 and p["temperature"] == 0 and p["repetition_penalty"] == 1 and job.cmd.logprobs:
+        return ("greedy-one",)
+    sampled = (p["temperature"], p["top_p"], p["top_k"]) if p["temperature"] > 0 else (0,)
+    return ("generated", *sampled, p["repetition_penalty"], tuple(p["stop"] or ()))
+
+
+def _groups(control: Plane, jobs: list[Job]) -> list[list[Job]]:
+    """The jobs in groups that share a pass, in order of first arrival, each at most BATCH_ROWS
+    rows (a larger job alone); under pipeline parallelism every generation alone."""
+    alone = control.trainer.ctx.layout.kind is Layout.PIPELINE
+    groups: dict[tuple, list[list[Job]]] = {}
+    for job in jobs:
+        kind = _kind(job)
+        chunks = groups.setdefault(kind, [[]])
+        last = chunks[-1]
+        full = sum(len(j.rows) for j in last) + len(job.rows) > BATCH_ROWS
+        if last and (full or (alone and kind[0] == "generated")):
+            chunks.append(last := [])
+        last.append(job)
+    return [chunk for chunks in groups.values() for chunk in chunks]
+
+
+# -- generation and scoring ---------------------------------------------------------------------------
+def _sample(control: Plane, group: list[Job]) -> None:
+    """Every job's new tokens and text (none with max_new_tokens 0)."""
     trainer = control.trainer
-    if params["max_new_tokens"] == 0:
-        return [[] for _ in rows], ["" for _ in rows]
-    if params["max_new_tokens"] == 1 and params["temperature"] == 0 and params["repetition_penalty"] == 1 \
-            and cmd.logprobs:
-        return _greedy_one(trainer, rows, params)
-    ids: list[list[list[int]]] = []
-    streams = control.rank == 0 and cmd.stream and len(rows) == 1
-    texts = generate(trainer.ctx, rows, **params, on_ids=ids.append,
-                     on_text=(lambda t: reply.token(t, "current")) if streams else None)
-    return [_covering(trainer.tokenizer, n, t) for n, t in zip(ids[0], texts)], texts
-
-
-def _greedy_one(trainer, rows: list[list[int]], params: dict[str, Any]) -> tuple[list[list[int]], list[str]]:
-    """One greedy token per row, read off the scoring pass (what generate would pick)."""
     tok = trainer.tokenizer
-    picked = [[s.next_top[0][0]] for s in score(trainer.ctx, rows, 1)]
-    new = [new_tokens(p, tok) for p in picked]
-    texts = [_cut(tok.decode(n, skip_special_tokens=True), params["stop"]) for n in new]
-    return [_covering(tok, n, t) for n, t in zip(new, texts)], texts
+    kind = _kind(group[0])
+    for job in group:
+        job.batch = len(group)
+    if kind[0] == "scored":
+        for job in group:
+            job.new, job.texts = [[] for _ in job.rows], ["" for _ in job.rows]
+        return
+    if kind[0] == "greedy-one":  # one greedy token per row, read off the scoring pass
+        picked = iter(score(trainer.ctx, [r for j in group for r in j.rows], 1))
+        for job in group:
+            new = [new_tokens([next(picked).next_top[0][0]], tok) for _ in job.rows]
+            _finish(tok, job, new)
+        return
+    if trainer.ctx.layout.kind is Layout.PIPELINE:
+        _sample_alone(control, group[0])
+        return
+    p = group[0].params
+    requests = [Request(j.rows, j.params["max_new_tokens"], j.params["seed"], _stream(control, j)) for j in group]
+    answers = generate_requests(trainer.ctx, requests, temperature=p["temperature"], top_p=p["top_p"],
+                                top_k=p["top_k"], repetition_penalty=p["repetition_penalty"], stop=p["stop"])
+    for job, new in zip(group, answers):
+        _finish(tok, job, new)
+
+
+def _stream(control: Plane, job: Job):
+    """Where a single-sample request that asked to stream sends its text (rank 0 only)."""
+    if control.rank == 0 and job.cmd.stream and len(job.rows) == 1:
+        return lambda text, reply=job.reply: reply.token(text, "current")
+    return None
+
+
+def _finish(tok, job: Job, new: list[list[int]]) -> None:
+    """The texts (cut at the first stop string) and the ids that cover them."""
+    texts = [_cut(tok.decode(n, skip_special_tokens=True), job.params["stop"]) for n in new]
+    job.new, job.texts = [_covering(tok, n, t) for n, t in zip(new, texts)], texts
+
+
+def _sample_alone(control: Plane, job: Job) -> None:
+    """One request through the layout's own generate (pipeline parallelism)."""
+    trainer = control.trainer
+    ids: list[list[list[int]]] = []
+    texts = generate(trainer.ctx, job.rows, **job.params, on_ids=ids.append, on_text=_stream(control, job))
+    job.new = [_covering(trainer.tokenizer, n, t) for n, t in zip(ids[0], texts)]
+    job.texts = texts
+
+
+def _score(control: Plane, jobs: list[Job]) -> None:
+    """Every job's rows (prompt + new tokens) scored in one pass."""
+    if not jobs:
+        return
+    top = max(j.cmd.top_logprobs for j in jobs)
+    scores = iter(score(control.trainer.ctx, [r + n for j in jobs for r, n in zip(j.rows, j.new or [])], top))
+    for job in jobs:
+        job.scores = [next(scores) for _ in job.rows]
 
 
 def _cut(text: str, stop: list[str] | None) -> str:

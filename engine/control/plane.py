@@ -21,10 +21,11 @@ from typing import Any
 
 from contract.events import CommandEvent, CommandStatus, EventType, WarningEvent, state_event
 from contract.protocol.commands import Set, Status
+from contract.protocol.completion_commands import Complete
 from contract.protocol.states import STATES, RunState
 from engine.callbacks import Signal
 from engine.checkpoint.rewind import StateLost
-from engine.control import data_commands, handlers
+from engine.control import completions, data_commands, handlers
 from engine.control.boundary import Boundary
 from engine.control.chat_page import ChatPage
 from engine.control.handlers import CommandRefused, HANDLERS
@@ -125,21 +126,52 @@ class Control:
         self.at_boundary()  # what arrived between the two: executed, not dropped
 
     def _execute(self, items: list[Pending]) -> None:
-        for item in items:
-            started = time.perf_counter()
-            try:
-                result = HANDLERS[type(item.command)](self, item.command, item.reply)
-            except CommandRefused as e:
-                self._answer_error(item, str(e))
-            except StateLost as e:  # the run cannot go on (every rank alike): answered, then it ends
-                self._answer_error(item, f"{item.cmd} failed: {e}")
-                raise
-            except Exception as e:  # noqa: BLE001 - a failed command is answered; training goes on
-                traceback.print_exc()  # to this rank's log; the answer names the error
+        """Execute in order; consecutive `complete` commands together (one batched generation)."""
+        at = 0
+        while at < len(items):
+            end = at
+            while end < len(items) and isinstance(items[end].command, Complete):
+                end += 1
+            if end - at > 1:
+                self._execute_completions(items[at:end])
+                at = end
+            else:
+                self._execute_one(items[at])
+                at += 1
+
+    def _execute_completions(self, items: list[Pending]) -> None:
+        """Several requests of the OpenAI-compatible API at once (engine.control.completions)."""
+        started = time.perf_counter()
+        try:
+            outcomes = completions.complete_many(self, [(item.command, item.reply) for item in items])
+        except Exception as e:  # noqa: BLE001 - failed commands are answered; training goes on
+            traceback.print_exc()
+            for item in items:
                 self._answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
-            else:  # recorded first: whoever hears `done` finds the effect in the event log
-                self._record(item, CommandStatus.DONE, result=result, seconds=round(time.perf_counter() - started, 4))
-                item.reply.done(result)
+            return
+        seconds = round(time.perf_counter() - started, 4)
+        for item, outcome in zip(items, outcomes):
+            if isinstance(outcome, completions.CompletionRefused):
+                self._answer_error(item, str(outcome))
+            else:
+                self._record(item, CommandStatus.DONE, result=outcome, seconds=seconds)
+                item.reply.done(outcome)
+
+    def _execute_one(self, item: Pending) -> None:
+        started = time.perf_counter()
+        try:
+            result = HANDLERS[type(item.command)](self, item.command, item.reply)
+        except CommandRefused as e:
+            self._answer_error(item, str(e))
+        except StateLost as e:  # the run cannot go on (every rank alike): answered, then it ends
+            self._answer_error(item, f"{item.cmd} failed: {e}")
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed command is answered; training goes on
+            traceback.print_exc()  # to this rank's log; the answer names the error
+            self._answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
+        else:  # recorded first: whoever hears `done` finds the effect in the event log
+            self._record(item, CommandStatus.DONE, result=result, seconds=round(time.perf_counter() - started, 4))
+            item.reply.done(result)
 
     def _answer_error(self, item: Pending, message: str) -> None:
         self._record(item, CommandStatus.FAILED, error=message)
