@@ -291,6 +291,14 @@ def test_gradio_client_start_chat_set_stop(app):
     assert final["done"] and isinstance(final["step"], int) and final["step"] >= 2
     assert len(partials) >= 2 and not partials[0]["done"]  # streamed before it was done
 
+    # the OpenAI-compatible API on the app's own port (app.web.openai_mount), the folder's key
+    import openai
+    from supervisor.openai_api import key_of
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key=key_of(runs), max_retries=0, timeout=SLOW / 1000)
+    assert "api-run" in [m.id for m in api.models.list().data]
+    answer = api.completions.create(model="api-run", prompt="sort: dcba\n", max_tokens=6, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens <= 6
+
     # above the schedule's peak (3e-3): never within 5% of the unchanged schedule's own next rate,
     # whichever step the change lands on (5e-4 once met the warm-up ramp there)
     changed = client.predict(run="api-run", lr=6e-3, api_name="/set")
