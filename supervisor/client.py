@@ -7,7 +7,7 @@
     for event in client.events(from_line=0):  # history from events.jsonl, then the live stream
         ...
 
-Commands are contract.protocol's dataclasses: each method builds one (so its defaults, e.g.
+Commands are contract.protocol's pydantic models: each method builds one (so its defaults, e.g.
 `stop(save=True)`, and its validation are the contract's, and a bad argument is refused here
 with the server's message), `send(command)` sends one already built.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from contract.events import run_state
-from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, SourceFormat, Teach
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import Command, ProtocolError
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop, Subscribe, command_from_wire
@@ -169,7 +169,7 @@ class RunClient:
             args["prompt"] = prompt
         if messages is not None:
             args["messages"] = messages
-        command = _build(lambda: Generate.from_args(args))
+        command = _build(lambda: Generate(**args))
         return Generation(self._request(command), timeout)
 
     def stream(self, command: Command, timeout: float | None = None) -> Generation:
@@ -186,7 +186,7 @@ class RunClient:
     def resume(self) -> dict:
         return self.send(Resume())
 
-    def stop(self, save: bool = Stop.save) -> dict:
+    def stop(self, save: bool = Stop().save) -> dict:
         """Stop at the next boundary; `save` (contract.protocol.commands.Stop's default, true): a
         checkpoint now and the final model at the end."""
         return self.send(_build(lambda: Stop(save=save)))
@@ -200,7 +200,7 @@ class RunClient:
     def set(self, **changes: Any) -> dict:
         """Live settings: lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps,
         generation (a dict of generation defaults)."""
-        return self.send(_build(lambda: Set.from_args(changes)))
+        return self.send(_build(lambda: Set(**changes)))
 
     def rewind(self, target: str | int) -> dict:
         """Go back in place to a checkpoint ("step-40", 40) or snapshot (its name); the steps
@@ -210,7 +210,7 @@ class RunClient:
     def branch(self, target: str | int, name: str, **settings: Any) -> dict:
         """Rewind to `target` and go on as the new branch `name`, optionally with changed
         settings (lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps)."""
-        return self.send(_build(lambda: Branch.from_args({"target": str(target), "branch": name, **settings})))
+        return self.send(_build(lambda: Branch(target=str(target), branch=name, **settings)))
 
     def snapshot(self, name: str | None = None) -> dict:
         """Keep the training state in host memory (for an instant rewind); its size and the
@@ -222,7 +222,8 @@ class RunClient:
         return self.send(Branches())
 
     # -- data: sources and the inbox of taught answers -------------------------------------
-    def add_source(self, path: str, weight: float = AddSource.weight, format: str = AddSource.format,
+    def add_source(self, path: str, weight: float = AddSource.model_fields["weight"].default,
+                   format: SourceFormat = AddSource.model_fields["format"].default,
                    name: str = "") -> dict:
         """Add a training source from the next step on (read and checked like data at start: the
         reply's `report` names dropped rows; an unusable file is refused). Returns the source and
@@ -248,7 +249,7 @@ class RunClient:
             args["messages"] = messages
         else:
             args["prompt"] = prompt
-        return self.send(_build(lambda: Teach.from_args(args)))
+        return self.send(_build(lambda: Teach(**args)))
 
     def prefer(self, prompt: str | None, chosen: str, rejected: str, *, messages: list[dict] | None = None,
                **rate: Any) -> dict:

@@ -343,7 +343,7 @@ class RunHandle:
         finally:
             watch.close()
 
-    def stop(self, save: bool = Stop.save, timeout: float = 60.0) -> RunInfo:
+    def stop(self, save: bool = Stop().save, timeout: float = 60.0) -> RunInfo:
         """Stop the run: ask it through its control socket (it stops at the next step boundary,
         saving first with `save`: the contract's `Stop` default) and give it `timeout` s to end
         by itself, then end whatever is left of its process group. Returns the run's info once

@@ -142,7 +142,7 @@ class RunManager:
             infos.append(handle.info(refresh=False))
         return sorted(infos, key=lambda i: i.start_time or 0.0, reverse=True)
 
-    def stop(self, name: str, save: bool = Stop.save, timeout: float = 60.0) -> RunInfo:
+    def stop(self, name: str, save: bool = Stop().save, timeout: float = 60.0) -> RunInfo:
         """Stop run `name`: gracefully through its control socket when it has one (saving
         first with `save`, by default as the contract's `Stop` command says), within `timeout`
         s; then every rank and the launcher are ended."""

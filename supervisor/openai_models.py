@@ -70,9 +70,8 @@ class CompletionRequest(_Request):
 
     def command(self) -> Complete:
         """The run's `complete` command for this request."""
-        return Complete.from_args({"prompts": self.prompts(), **self.sampling(), "n": self.n,
-                                   "logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0,
-                                   "echo": self.echo, "stream": self.stream})
+        return Complete(prompts=self.prompts(), **self.sampling(), n=self.n, logprobs=self.logprobs is not None,
+                        top_logprobs=self.logprobs or 0, echo=self.echo, stream=self.stream)
 
 
 class TextPart(BaseModel):
@@ -104,9 +103,8 @@ class ChatRequest(_Request):
         args = self.sampling()
         if self.max_completion_tokens is not None:
             args["max_new_tokens"] = self.max_completion_tokens
-        return Complete.from_args({"messages": [m.plain() for m in self.messages], **args, "n": self.n,
-                                   "logprobs": self.logprobs, "top_logprobs": self.top_logprobs or 0,
-                                   "stream": self.stream})
+        return Complete(messages=[m.plain() for m in self.messages], **args, n=self.n, logprobs=self.logprobs,
+                        top_logprobs=self.top_logprobs or 0, stream=self.stream)
 
 
 def first_problem(error: ValidationError) -> tuple[str, str]:

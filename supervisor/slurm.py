@@ -265,7 +265,7 @@ class SlurmHandle(RunHandle):
                    f"{slurm} without a final state; rank {rank}: no exception logged")
         return Failure(self.name, verdict.kind.value, message, rank, str(self.folder.rank_log(rank)), lines)
 
-    def stop(self, save: bool = Stop.save, timeout: float = 60.0) -> RunInfo:
+    def stop(self, save: bool = Stop().save, timeout: float = 60.0) -> RunInfo:
         """Ask the run to stop (saving with `save`), give it `timeout` s, then scancel the job
         and wait until Slurm confirms it ended. A job still waiting in the queue is cancelled:
         nothing of it ran, so the run finished, with that as its reason."""

@@ -1,11 +1,10 @@
 """contract.protocol, contract.events and the event-log tailer: pure and fast (no engine, no socket).
 
-Each command's defaults and bounds come from its dataclass; these tests pin the values a user
+Each command's defaults and bounds come from its pydantic model; these tests pin the values a user
 relies on (literals, not read back from the declaration) and check that every declared bound is
 enforced at both ends, on the wire and when a command is built in Python.
 """
 
-import dataclasses
 import json
 import math
 
@@ -27,7 +26,7 @@ def _parse(cmd, args=None, id="r1"):
 
 # -- defaults --------------------------------------------------------------------------------------
 def test_the_defaults_a_user_relies_on():
-    assert Stop().save is True and Stop.save is True  # stop saves, in every front end
+    assert Stop().save is True  # stop saves, in every front end
     assert _parse("stop")[1] == Stop(save=True)
     assert Status().ranks is False and Subscribe().from_line == 0
     g = Generate(prompt="hi")
@@ -46,8 +45,9 @@ def test_the_defaults_a_user_relies_on():
 
 def test_every_field_is_documented_where_it_is_declared():
     for cls in [*COMMANDS.values(), Subscribe, GenerationParams]:
-        for f in dataclasses.fields(cls):
-            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+        for name, f in cls.model_fields.items():
+            assert f.description, f"{cls.__name__}.{name} has no description"
+        assert cls.model_json_schema()["additionalProperties"] is False  # the schema says: nothing else
 
 
 # -- validation ------------------------------------------------------------------------------------
@@ -102,10 +102,12 @@ def test_bad_messages_are_refused():
 
 
 def _bounded_fields():
+    """(command, argument, its JSON schema) of every argument with bounds."""
     for cls in [*COMMANDS.values(), Subscribe]:
-        for f in dataclasses.fields(cls):
-            if "minimum" in f.metadata:
-                yield cls, f
+        for name, schema in cls.model_json_schema()["properties"].items():
+            schema = next((s for s in schema.get("anyOf", [schema]) if "maximum" in s), None)
+            if schema is not None:
+                yield cls, name, schema
 
 
 def _valid_base(cls):
@@ -115,20 +117,22 @@ def _valid_base(cls):
             "teach": {"prompt": "x", "answer": "y"}, "complete": {"prompts": ["x"], "echo": True}}.get(cls.name, {})
 
 
-@pytest.mark.parametrize("cls, f", list(_bounded_fields()), ids=lambda x: getattr(x, "name", str(x)))
-def test_every_declared_bound_holds_on_the_wire_and_in_python(cls, f):
-    lo, hi, exclusive = f.metadata["minimum"], f.metadata["maximum"], f.metadata.get("exclusive_minimum", False)
-    is_int = isinstance(lo, int) and isinstance(hi, int) and f.name not in ("lr", "grad_clip")
+@pytest.mark.parametrize("cls, name, schema", list(_bounded_fields()),
+                         ids=lambda x: getattr(x, "name", x if isinstance(x, str) else ""))
+def test_every_declared_bound_holds_on_the_wire_and_in_python(cls, name, schema):
+    exclusive = "exclusiveMinimum" in schema
+    lo, hi = schema["exclusiveMinimum"] if exclusive else schema["minimum"], schema["maximum"]
+    is_int = schema["type"] == "integer"
     below = lo - 1 if is_int else lo - 1e-9
     above = hi + 1 if is_int else hi * 1.0001
     base = _valid_base(cls)
     for bad in ([below, above] + ([lo] if exclusive else [])):
-        with pytest.raises(ProtocolError, match=f"argument '{f.name}' must be"):
-            _parse(cls.name, {**base, f.name: bad})
-        with pytest.raises(ProtocolError, match=f"argument '{f.name}' must be"):
-            cls(**{**base, f.name: bad})
+        with pytest.raises(ProtocolError, match=f"argument '{name}' must be"):
+            _parse(cls.name, {**base, name: bad})
+        with pytest.raises(ProtocolError, match=f"argument '{name}' must be"):
+            cls(**{**base, name: bad})
     for good in ([hi] + ([] if exclusive else [lo])):
-        assert getattr(_parse(cls.name, {**base, f.name: good})[1], f.name) == good
+        assert getattr(_parse(cls.name, {**base, name: good})[1], name) == good
 
 
 def test_numbers_are_normalised_to_their_declared_type():

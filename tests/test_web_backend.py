@@ -126,7 +126,7 @@ def test_stop_means_the_same_in_the_web_app_and_the_notebook(runs, monkeypatch):
     from app.web.train import _act
     from contract.protocol.commands import Stop
 
-    assert Stop.save is True
+    assert Stop().save is True
     monkeypatch.setenv("LIVETUNE_OUTPUT_DIR", str(runs))
     web = Backend(runs)
     try:

@@ -253,7 +253,7 @@ class Run:
     def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None, **rate: Any) -> dict:
         """Teach `answer` for `prompt` (or chat `messages`); rate: per_step, steps, check_after, weight."""
         where = {"messages": messages} if messages is not None else {"prompt": prompt}
-        return self._data(lambda: Teach.from_args({"answer": answer, **where, **rate}))
+        return self._data(lambda: Teach(answer=answer, **where, **rate))
 
     def prefer(self, prompt: str | None, chosen: str, rejected: str, *, messages: list[dict] | None = None,
                **rate: Any) -> dict:
@@ -283,7 +283,7 @@ class Run:
     def branch(self, target: str | int, name: str, **settings: Any) -> dict:
         """Rewind to `target` and go on as branch `name`, with optional lr, lr_scale, grad_clip,
         eval_every_n_steps, save_every_n_steps."""
-        return self._send(_command(lambda: Branch.from_args({"target": str(target), "branch": name, **settings})))
+        return self._send(_command(lambda: Branch(target=str(target), branch=name, **settings)))
 
     def snapshot(self, name: str | None = None) -> dict:
         """Keep the training state in host memory for an instant rewind."""
@@ -293,7 +293,7 @@ class Run:
         """The run's branch tree, the present branch, its checkpoints and the snapshots kept."""
         return self._send(Branches())
 
-    def stop(self, save: bool = Stop.save, timeout: float = 60.0) -> RunInfo:
+    def stop(self, save: bool = Stop().save, timeout: float = 60.0) -> RunInfo:
         """Stop at the next step boundary (unless `save` is False: a checkpoint and the final
         export first, the contract's Stop default), then end every process of the run; returns
         the final RunInfo."""

@@ -79,7 +79,7 @@ class RunPanel:
         self.stop_button = button("Stop", "stop", self.stop, "danger")
         self.save_button = button("Save", "save", self.save)
         self.evaluate_button = button("Evaluate", "check", self.evaluate)
-        self.save_on_stop = widgets.Checkbox(value=Stop.save, description="save on stop", indent=False,
+        self.save_on_stop = widgets.Checkbox(value=Stop().save, description="save on stop", indent=False,
                                              layout=widgets.Layout(width="120px"))
         # empty until typed in (a number shown there would be sent by Set as it is); its
         # placeholder follows the run's present rate (`_on_tick`), as the progress line does

@@ -58,7 +58,7 @@ CONFIRM_LR_JS = ("(lr) => String(lr ?? '').trim() === '' || Number(lr) !== 0 || 
 COMMAND_OF = {"pause": "pause", "resume": "resume", "stop": "stop", "stop_other": "stop",
               "save": "save", "evaluate": "evaluate", "set_lr": "set"}
 # "stop" is Stop() as the contract defines it; "stop_other" is the same with the save the other way
-OTHER_SAVE = not Stop.save
+OTHER_SAVE = not Stop().save
 
 
 def _stop_label(save: bool) -> str:
@@ -85,7 +85,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
         buttons = {
             "pause": gr.Button("Pause", interactive=False, elem_id="train-pause", min_width=90),
             "resume": gr.Button("Resume", interactive=False, elem_id="train-resume", min_width=90),
-            "stop": gr.Button(_stop_label(Stop.save), variant="stop", interactive=False,
+            "stop": gr.Button(_stop_label(Stop().save), variant="stop", interactive=False,
                               elem_id="train-stop", min_width=120),
             "stop_other": gr.Button(_stop_label(OTHER_SAVE), variant="stop", interactive=False,
                                     elem_id="train-stop-save" if OTHER_SAVE else "train-stop-nosave",
@@ -272,7 +272,7 @@ def _number(text: Any) -> float:
 def _act(backend: Backend, what: str, path: str | None, new_lr: Any = None, confirmed: bool = True) -> None:
     session = backend.session
     if what in ("stop", "stop_other"):
-        save = Stop.save if what == "stop" else OTHER_SAVE
+        save = Stop().save if what == "stop" else OTHER_SAVE
         info = session.stop(path, save=save)
         # closed by the page once the run shows finished (AFTER_TICK_JS)
         gr.Info(f"Stopping {info.name}{' (saving first)' if save else ''} ...", duration=60)

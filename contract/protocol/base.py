@@ -1,150 +1,150 @@
-"""What every command of the protocol is made of: the error a bad message gets, the declaration of
-an argument (default, documentation, bounds in one place), the validation that those
-declarations drive, and the Command base class. The commands themselves are in contract.protocol,
-contract.protocol.branch_commands and contract.protocol.data_commands; import them through contract.protocol."""
+"""What every command of the protocol is made of: the error a bad message gets, the pydantic
+model whose fields are a command's arguments (type, default, bounds and description declared
+once with `Field`; pydantic validates them, strictly), the argument types several commands share,
+and the translation of pydantic's errors into this project's messages: each names the command,
+the argument and what is allowed. The commands are in contract.protocol.commands,
+branch_commands, data_commands and completion_commands."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
 import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Self, Union
+from typing import Annotated, Any, ClassVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from contract.protocol.roles import Role
 
 _ROLES = ("system", "user", "assistant")
+# the validation context of a decoded message: there an explicit null is refused (in Python, an
+# argument given as None is one not given: the run's setting applies)
+WIRE = {"wire": True}
 
 
 class ProtocolError(ValueError):
     """A message or command that breaks the protocol; the text names the field at fault."""
 
 
-def _arg(default: Any, help: str, **meta: Any) -> Any:
-    """A command argument: its default, its documentation and its bounds (minimum, maximum,
-    exclusive_minimum) in one declaration. `base`: the run's own default where the argument's
-    default is None (\"the run's setting\")."""
-    return field(default=default, metadata={"help": help, **meta})
+# -- argument types several commands share -------------------------------------------------------
+def _non_empty_strings(stop: list[str]) -> list[str]:
+    if not all(stop):
+        raise ValueError("argument 'stop' must be a list of non-empty strings")
+    return stop
 
 
-# -- validation, driven by the dataclass declarations ------------------------------------------
-class _Checked:
-    """Validates a dataclass's fields against their declared types and bounds on construction."""
+def _chat(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    if not messages:
+        raise ValueError("`messages` must not be empty")
+    for i, m in enumerate(messages):
+        if set(m) != {"role", "content"} or m["role"] not in _ROLES:
+            raise ValueError(f"messages[{i}] must be {{\"role\": one of {', '.join(_ROLES)}, \"content\": a string}}")
+    return messages
 
-    label: ClassVar[str] = ""  # how errors name the thing (the command's name)
 
-    def __post_init__(self) -> None:
-        hints = _hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if value is None and f.default is None:
-                continue  # not given: the run's setting applies
-            value = _checked_type(self.label, f.name, value, hints[f.name])
-            object.__setattr__(self, f.name, value)
-            _check_bounds(self.label, f.name, value, f.metadata)
-        self._check()
+StopStrings = Annotated[list[str], AfterValidator(_non_empty_strings)]
+# a chat: a non-empty list of {"role": system|user|assistant, "content": str}
+Chat = Annotated[list[dict[str, str]], AfterValidator(_chat)]
 
-    def _check(self) -> None:
-        """Rules between fields (a subclass adds them)."""
 
+# -- the model every command's arguments are --------------------------------------------------------
+class Arguments(BaseModel):
+    """Validated arguments: unknown names, wrong types (strictly: no "1" for 1, no 1 for true),
+    bounds and non-finite numbers are refused on construction, with a ProtocolError."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+    label: ClassVar[str] = ""  # how errors name them (a command: by its name)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ProtocolError(in_words(e.errors(), type(self))) from None
+
+    # pydantic's own mark (as on BaseModel.__init__ and RootModel.__init__): this __init__ only
+    # renames the error, so a command nested in a message is validated without calling it (and
+    # keeps the message's validation context)
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @field_validator("*", mode="before")
     @classmethod
-    def from_args(cls, args: Any, label: str | None = None) -> Self:
-        """Build from a wire `args` object: unknown names and explicit nulls are refused."""
-        label = label or cls.label
-        if not isinstance(args, dict):
-            raise ProtocolError(f"{label}: the arguments must be an object")
-        hints, names = _hints(cls), [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        values = {}
-        for key, value in args.items():
-            if key not in names:
-                raise ProtocolError(f"{label}: unknown argument {key!r}; allowed: {', '.join(names) or 'none'}")
-            nested = _nested(hints[key])
-            if nested is not None and isinstance(value, dict):
-                value = nested.from_args(value, f"{label} {key}")
-            elif value is None:
-                raise ProtocolError(f"{label}: argument {key!r} has the wrong type (NoneType)")
-            values[key] = value
-        return cls(**values)
+    def _no_null_on_the_wire(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and isinstance(info.context, dict) and info.context.get("wire"):
+            raise PydanticCustomError("null_given", "leave it out for the run's setting")
+        return value
 
-    def given(self) -> dict[str, Any]:
+    def args(self) -> dict[str, Any]:
         """The arguments that were given (not None), nested ones as plain dicts: the wire form."""
-        out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if value is not None:
-                out[f.name] = value.given() if isinstance(value, _Checked) else value
-        return out
+        return self.model_dump(exclude_none=True)
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+def label_of(model: type[Arguments]) -> str:
+    """How errors name a command (its wire name) or other arguments (their label)."""
+    return getattr(model, "name", "") or model.label
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
+# -- pydantic's errors in this project's words ---------------------------------------------------
+_EXPECTED = {"bool_type": "true or false", "int_type": "an integer", "float_type": "a number",
+             "string_type": "a string", "list_type": "a list", "dict_type": "an object",
+             "model_type": "an object", "model_attributes_type": "an object"}
+_BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
 
 
-def _nested(hint: Any) -> Any:
-    """The dataclass a field holds (`Set.generation`), if it holds one."""
-    for t in typing.get_args(hint) or (hint,):
-        if isinstance(t, type) and not typing.get_args(t) and issubclass(t, _Checked):
-            return t
+def in_words(errors: list[ErrorDetails], model: type[Arguments], label: str | None = None) -> str:
+    """Every problem pydantic found, one a line, each naming the command (`label`, else the
+    model's), the argument and what is allowed."""
+    label = label or label_of(model)
+    return "\n".join(dict.fromkeys(_problem(err, model, label) for err in errors))
+
+
+def _problem(err: ErrorDetails, model: type[BaseModel], label: str) -> str:
+    loc, kind, given = list(err["loc"]), err["type"], err.get("input")
+    while loc and isinstance(loc[0], str) and (inner := _nested(model, loc[0])) is not None and \
+            (len(loc) > 1 or kind == "value_error"):  # an argument of a nested object (set generation)
+        label, model, loc = f"{label} {loc[0]}", inner, loc[1:]
+    name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    field = model.model_fields.get(loc[0]) if loc and isinstance(loc[0], str) else None
+    if kind in ("value_error", "assertion_error"):
+        return f"{label}: {err.get('ctx', {}).get('error', err['msg'])}"
+    if kind == "extra_forbidden":
+        return f"{label}: unknown argument {name!r}; allowed: {', '.join(model.model_fields) or 'none'}"
+    if kind == "missing":
+        return f"{label}: argument {name!r} is required: {field.description if field else ''}"
+    if kind == "null_given":
+        return f"{label}: argument {name!r} has the wrong type (NoneType); {err['msg']}"
+    big = kind == "float_type" and isinstance(given, int) and not isinstance(given, bool)
+    if field is not None and (kind in _BOUNDS or big):  # a 400-digit integer: no float holds it
+        return f"{label}: argument {name!r} must be {_bounds(field.metadata)}, got {_shown(given)}"
+    if kind == "literal_error":
+        return f"{label}: argument {name!r} must be one of {err.get('ctx', {}).get('expected')}, got {given!r}"
+    expected = _EXPECTED.get(kind, err["msg"].lower())
+    return f"{label}: argument {name!r} has the wrong type ({type(given).__name__}); expected {expected}"
+
+
+def _nested(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The model an argument holds (`Set.generation`), if it holds one."""
+    field = model.model_fields.get(name)
+    annotation = field.annotation if field is not None else None
+    for kind in typing.get_args(annotation) or (annotation,):
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            return kind
     return None
 
 
-def _checked_type(label: str, name: str, value: Any, hint: Any) -> Any:
-    """`value` if it has the declared type (an int given for a float becomes a float)."""
-    kinds = [t for t in (typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,))
-             if t is not type(None)]
-    for kind in kinds:
-        base = typing.get_origin(kind) or kind
-        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                return float(value)
-            except OverflowError:  # a 400-digit integer: no float holds it
-                raise ProtocolError(f"{label}: argument {name!r} is too large ({len(str(value))} "
-                                    f"digits)") from None
-        if base is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if base is not int and base is not float and isinstance(value, base):
-            return value
-    raise ProtocolError(f"{label}: argument {name!r} has the wrong type ({type(value).__name__})")
+def _bounds(metadata: list[Any]) -> str:
+    """A field's bounds in words (`> 0.0 and <= 1.0`), from its `gt` / `ge` / `le` (annotated_types)."""
+    signs = {"gt": ">", "ge": ">=", "le": "<="}
+    return " and ".join(f"{sign} {getattr(m, key)}" for key, sign in signs.items() for m in metadata if hasattr(m, key))
 
 
-def _check_bounds(label: str, name: str, value: Any, meta: Any) -> None:
-    if "minimum" not in meta or isinstance(value, bool):
-        return
-    lo, hi, lo_ok = meta["minimum"], meta["maximum"], not meta.get("exclusive_minimum", False)
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an int too large for a float (a 400-digit number) is out of range
-        finite = False
-    if not finite or value > hi or value < lo or (value == lo and not lo_ok):
-        low = f">= {lo}" if lo_ok else f"> {lo}"
-        raise ProtocolError(f"{label}: argument {name!r} must be {low} and <= {hi}, got {value}")
-
-
-def _check_stop_strings(label: str, stop: list | None) -> None:
-    if stop is not None and not all(isinstance(s, str) and s for s in stop):
-        raise ProtocolError(f"{label}: argument 'stop' must be a list of non-empty strings")
-
-
-def check_messages(messages: list) -> None:
-    """A chat: a non-empty list of {"role": system|user|assistant, "content": str}."""
-    if not messages:
-        raise ProtocolError("generate: `messages` must not be empty")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or \
-                m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-            raise ProtocolError(f"generate: messages[{i}] must be {{\"role\": one of {', '.join(_ROLES)}, "
-                                f"\"content\": a string}}")
+def _shown(value: Any) -> str:
+    if isinstance(value, int) and abs(value) >= 10**18:
+        return f"a {int(math.log10(abs(value))) + 1}-digit number"
+    return str(value)
 
 
 # -- the commands ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Command(_Checked):
+class Command(Arguments):
     """A request to the run. `name` is its wire name; `to_wire()` its {"cmd", "args"} form."""
 
     name: ClassVar[str] = ""
@@ -152,15 +152,6 @@ class Command(_Checked):
     immediate: ClassVar[bool] = False
     # who may send it (contract.protocol.roles): a command changes the run unless it says viewer
     role: ClassVar[Role] = Role.OPERATOR
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            cls.label = cls.name  # errors name the command they refuse
-
-    def args(self) -> dict[str, Any]:
-        """The wire arguments: every argument that was given (None ones are left out)."""
-        return self.given()
 
     def to_wire(self) -> dict[str, Any]:
         return {"cmd": self.name, "args": self.args()}

@@ -13,17 +13,18 @@ Server -> client, one object per line, each tagged with the request id it belong
     {"type": "error", "id": ..., "message": "..."}              refused or failed; nothing changed
     {"type": "event", "line": N, "event": {...}}                an events.jsonl record (subscribers)
 
-Each command is one frozen dataclass below (:class:`Generate`, :class:`Pause`, :class:`Resume`,
-:class:`Stop`, :class:`Save`, :class:`Evaluate`, :class:`Set`, :class:`Status`, :class:`Rewind`,
-:class:`Branch`, :class:`Snapshot`, :class:`Branches`, the data commands :class:`AddSource`,
-:class:`SetWeight`, :class:`RemoveSource`, :class:`Teach`, :class:`Inbox`, :class:`Forget`, and the
-:class:`Subscribe` request). Its fields are its arguments; their types, defaults, documentation
-and bounds are declared there once, and validation, the wire form and every front end's
-defaults (`Stop.save` is True everywhere) come from that declaration. Constructing a command
-validates it; :func:`parse_command` turns a decoded message into one, `command.to_wire()` back.
-The machinery they share is in contract.protocol.base, the branch commands in
-contract.protocol.branch_commands and the data commands in contract.protocol.data_commands; everything is imported
-through this module.
+Each command is one frozen pydantic model (:class:`Generate`, :class:`Pause`, :class:`Resume`,
+:class:`Stop`, :class:`Save`, :class:`Evaluate`, :class:`Set`, :class:`Status`, :class:`Subscribe`
+below; :class:`Rewind`, :class:`Branch`, :class:`Snapshot`, :class:`Branches` in
+contract.protocol.branch_commands; the data commands :class:`AddSource`, :class:`SetWeight`,
+:class:`RemoveSource`, :class:`Teach`, :class:`Inbox`, :class:`Forget` in
+contract.protocol.data_commands; :class:`Complete` in contract.protocol.completion_commands). Its
+fields are its arguments: type, default, description and bounds declared once with pydantic's
+`Field`, and validation, the wire form, the JSON schema (`Set.model_json_schema()`) and every
+front end's defaults (`Stop().save` is True everywhere) come from that declaration. Constructing
+a command validates it; :func:`parse_command` validates a decoded message through one pydantic
+discriminated union on `cmd`, and `command.to_wire()` gives the message back. What they share
+(the base model, the error words) is in contract.protocol.base.
 
 Commands are applied in order at the next step boundary, by every rank. `status` is answered at
 once by rank 0 (rank 0's memory only); `status` with `ranks: true` waits for the boundary and
@@ -34,13 +35,14 @@ in contract.events.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import copy
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import Field, TypeAdapter, ValidationError, create_model, model_validator
 
 from contract.protocol.roles import Role
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
-from contract.protocol.base import Command, ProtocolError, _arg, _check_stop_strings, _Checked, check_messages
+from contract.protocol.base import WIRE, Arguments, Chat, Command, ProtocolError, StopStrings, in_words
 from contract.protocol.completion_commands import Complete
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 from contract.protocol.states import RunState
@@ -71,135 +73,129 @@ def allowed_commands(state: RunState | str) -> frozenset[str]:
     return ALLOWED_COMMANDS[RunState(state)]
 
 
-@dataclass(frozen=True)
-class GenerationParams(_Checked):
+def _run_default(value: Any) -> Any:
+    """The run's default of a generation parameter (until `set generation` changes it)."""
+    return {"run_default": value}
+
+
+class GenerationParams(Arguments):
     """Sampling parameters. None: the run's default, which `set generation={...}` changes and
-    which starts at each field's `base` (GENERATION_DEFAULTS)."""
+    which starts at each field's `run_default` (GENERATION_DEFAULTS)."""
 
     label: ClassVar[str] = "set generation"
-    max_new_tokens: int | None = _arg(None, "Most tokens to generate.", base=64,
-                                      minimum=1, maximum=MAX_NEW_TOKENS)
-    temperature: float | None = _arg(None, "Sampling temperature; 0 is greedy.", base=0.0,
-                                     minimum=0.0, maximum=100.0)
-    top_p: float | None = _arg(None, "Nucleus sampling: keep the most likely tokens up to this "
-                               "probability mass.", base=1.0, minimum=0.0, maximum=1.0,
-                               exclusive_minimum=True)
-    top_k: int | None = _arg(None, "Keep only the k most likely tokens; 0: all.", base=0,
-                             minimum=0, maximum=1 << 20)
-    repetition_penalty: float | None = _arg(None, "Penalty on tokens already generated; 1: none.",
-                                            base=1.0, minimum=0.0, maximum=100.0, exclusive_minimum=True)
-    stop: list[str] | None = _arg(None, "Strings that end the answer.", base=())
-    # base None: an unseeded sample draws a fresh seed and reports it (engine.generation.fresh_seed)
-    seed: int | None = _arg(None, "Sampling seed; none: a fresh one each time, reported in the answer.",
-                            base=None, minimum=0, maximum=2**63 - 1)
-
-    def _check(self) -> None:
-        _check_stop_strings(self.label, self.stop)
+    max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_NEW_TOKENS, description="Most tokens to generate.",
+                                       json_schema_extra=_run_default(64))
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, description="Sampling temperature; 0 is greedy.",
+                                      json_schema_extra=_run_default(0.0))
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling: keep the most likely "
+                                "tokens up to this probability mass.", json_schema_extra=_run_default(1.0))
+    top_k: int | None = Field(default=None, ge=0, le=1 << 20, description="Keep only the k most likely tokens; 0: all.",
+                              json_schema_extra=_run_default(0))
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="Penalty on tokens already "
+                                             "generated; 1: none.", json_schema_extra=_run_default(1.0))
+    stop: StopStrings | None = Field(default=None, description="Strings that end the answer.",
+                                     json_schema_extra=_run_default([]))
+    # run default None: an unseeded sample draws a fresh seed and reports it (engine.generation.fresh_seed)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="Sampling seed; none: a fresh one each "
+                             "time, reported in the answer.", json_schema_extra=_run_default(None))
 
     def sampling(self) -> dict[str, Any]:
         """The generation parameters given here (not None), by name."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(GenerationParams)
-                if getattr(self, f.name) is not None}
+        return self.model_dump(include=set(GENERATION_PARAMS), exclude_none=True)
 
 
-GENERATION_PARAMS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(GenerationParams))
+GENERATION_PARAMS: tuple[str, ...] = tuple(GenerationParams.model_fields)
 # what a chat request gets when neither it nor `set generation` says otherwise
 GENERATION_DEFAULTS: dict[str, Any] = {
-    f.name: list(f.metadata["base"]) if isinstance(f.metadata["base"], tuple) else f.metadata["base"]
-    for f in dataclasses.fields(GenerationParams)}
+    name: copy.deepcopy(f.json_schema_extra["run_default"])  # type: ignore[index]
+    for name, f in GenerationParams.model_fields.items()}
 
 
-@dataclass(frozen=True)
 class Generate(GenerationParams, Command):
     """Answer `prompt` (continued as is) or chat `messages` (through the model's chat template)
     with the live weights, streamed token by token."""
 
     name: ClassVar[str] = "generate"
     role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
-    prompt: str | None = _arg(None, "Text the model continues (give this or `messages`).")
-    messages: list[dict[str, str]] | None = _arg(
-        None, "A chat: [{role: system|user|assistant, content}] (give this or `prompt`).")
-    compare_base: bool = _arg(False, "Also answer with the PEFT adapter disabled (the base model).")
+    prompt: str | None = Field(default=None, description="Text the model continues (give this or `messages`).")
+    messages: Chat | None = Field(default=None, description="A chat: [{role: system|user|assistant, content}] "
+                                  "(give this or `prompt`).")
+    compare_base: bool = Field(default=False, description="Also answer with the PEFT adapter disabled (the base "
+                               "model).")
 
-    def _check(self) -> None:
+    @model_validator(mode="after")
+    def _prompt_or_chat(self) -> Generate:
         if (self.prompt is None) == (self.messages is None):
-            raise ProtocolError("generate: give exactly one of `prompt` or `messages`")
-        if self.messages is not None:
-            check_messages(self.messages)
-        super()._check()
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        return self
 
 
-@dataclass(frozen=True)
 class Pause(Command):
     """Hold training at the next step boundary; everything stays in memory."""
     name: ClassVar[str] = "pause"
 
 
-@dataclass(frozen=True)
 class Resume(Command):
     """Go on training after a pause."""
     name: ClassVar[str] = "resume"
 
 
-@dataclass(frozen=True)
 class Stop(Command):
     """End the run at the next step boundary."""
     name: ClassVar[str] = "stop"
-    save: bool = _arg(True, "Save a training checkpoint now and the final model at the end; "
-                      "false: neither (whatever checkpoint.save_at_end says).")
+    save: bool = Field(default=True, description="Save a training checkpoint now and the final model at the end; "
+                       "false: neither (whatever checkpoint.save_at_end says).")
 
 
-@dataclass(frozen=True)
 class Save(Command):
     """Write a training checkpoint of the present step."""
     name: ClassVar[str] = "save"
 
 
-@dataclass(frozen=True)
 class Evaluate(Command):
     """Run the evaluation now."""
     name: ClassVar[str] = "evaluate"
 
 
-@dataclass(frozen=True)
 class Set(Command):
     """Change live settings; all or nothing, recorded as a `set` event and in checkpoints."""
     name: ClassVar[str] = "set"
-    lr: float | None = _arg(None, "Learning rate from the next step on (the schedule goes on, scaled).",
-                            minimum=0.0, maximum=10.0)
-    lr_scale: float | None = _arg(None, "Factor on the configured schedule's learning rate.",
-                                  minimum=0.0, maximum=1e6, exclusive_minimum=True)
-    grad_clip: float | None = _arg(None, "Gradient clipping norm; 0: off.", minimum=0.0, maximum=1e9)
-    eval_every_n_steps: int | None = _arg(None, "Evaluate every n steps; 0: off.", minimum=0, maximum=2**31)
-    save_every_n_steps: int | None = _arg(None, "Checkpoint every n steps; 0: off.", minimum=0, maximum=2**31)
-    generation: GenerationParams | None = _arg(None, "New defaults of chat requests.")
+    lr: float | None = Field(default=None, ge=0.0, le=10.0, description="Learning rate from the next step on (the "
+                             "schedule goes on, scaled).")
+    lr_scale: float | None = Field(default=None, gt=0.0, le=1e6, description="Factor on the configured schedule's "
+                                   "learning rate.")
+    grad_clip: float | None = Field(default=None, ge=0.0, le=1e9, description="Gradient clipping norm; 0: off.")
+    eval_every_n_steps: int | None = Field(default=None, ge=0, le=2**31, description="Evaluate every n steps; 0: off.")
+    save_every_n_steps: int | None = Field(default=None, ge=0, le=2**31, description="Checkpoint every n steps; "
+                                           "0: off.")
+    generation: GenerationParams | None = Field(default=None, description="New defaults of chat requests.")
 
-    def _check(self) -> None:
-        if not self.given():
-            names = ", ".join(f.name for f in dataclasses.fields(self))
-            raise ProtocolError(f"set: name at least one of {names}")
+    @model_validator(mode="after")
+    def _something(self) -> Set:
+        if not self.args():
+            raise ValueError(f"name at least one of {', '.join(type(self).model_fields)}")
+        return self
 
 
-@dataclass(frozen=True)
 class Status(Command):
     """The run now: step, state, last metrics, queue, settings and memory."""
     name: ClassVar[str] = "status"
     role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     immediate: ClassVar[bool] = True  # unless `ranks`: see answered_at_once
-    ranks: bool = _arg(False, "Gather every rank's memory at the next boundary (else rank 0's, at once).")
+    ranks: bool = Field(default=False, description="Gather every rank's memory at the next boundary (else rank 0's, "
+                        "at once).")
 
     @property
     def answered_at_once(self) -> bool:
         return not self.ranks
 
 
-@dataclass(frozen=True)
 class Subscribe(Command):
     """Stream events.jsonl from line `from_line` on, then each new line (answered at once)."""
     name: ClassVar[str] = "subscribe"
     role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     immediate: ClassVar[bool] = True
-    from_line: int = _arg(0, "First line (0-based) of events.jsonl to send.", minimum=0, maximum=2**63 - 1)
+    from_line: int = Field(default=0, ge=0, le=2**63 - 1, description="First line (0-based) of events.jsonl to send.")
 
 
 # the commands a run executes, by wire name (subscribe is a request for events, not a command)
@@ -210,12 +206,30 @@ REQUESTS: dict[str, type[Command]] = {**COMMANDS, Subscribe.name: Subscribe}
 # the requests rank 0 may answer from its server thread (status only without `ranks`)
 IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate)
 
+# A message's {"cmd", "args"}: a union of one model per request, told apart by `cmd` (pydantic's
+# discriminated union), whose `args` is that request's arguments.
+# (the request classes are known only here, at run time: a type checker cannot follow them)
+_MESSAGES = tuple(create_model(f"{c.__name__}Message", cmd=(Literal[c.name], ...),  # type: ignore[valid-type, arg-type]
+                               args=(c, ...)) for c in REQUESTS.values())
+_MESSAGE: TypeAdapter[Any] = TypeAdapter(
+    Annotated[Union[_MESSAGES], Field(discriminator="cmd")])  # type: ignore[valid-type, arg-type]
+
 
 def command_from_wire(cmd: Any, args: Any) -> Command:
-    """The command named `cmd` with wire arguments `args`, validated."""
-    if not isinstance(cmd, str) or cmd not in REQUESTS:
-        raise ProtocolError(f"unknown command {cmd!r}; allowed: {', '.join(sorted(COMMANDS))}, subscribe")
-    return REQUESTS[cmd].from_args(args)
+    """The command named `cmd` with wire arguments `args`, validated (an explicit null refused)."""
+    try:
+        return _MESSAGE.validate_python({"cmd": cmd, "args": args}, context=WIRE).args
+    except ValidationError as e:
+        raise ProtocolError(_wire_words(e, cmd)) from None
+
+
+def _wire_words(e: ValidationError, cmd: Any) -> str:
+    first = e.errors()[0]
+    if first["type"].startswith("union_tag"):  # no `cmd`, or one that names no request
+        return f"unknown command {cmd!r}; allowed: {', '.join(sorted(COMMANDS))}, subscribe"
+    if first["type"] == "model_type" and first["loc"] == (cmd, "args"):
+        return f"{cmd}: field `args` must be an object (the arguments by name)"
+    return in_words([{**err, "loc": err["loc"][2:]} for err in e.errors()], REQUESTS[cmd])
 
 
 def parse_command(msg: Any) -> tuple[str, Command]:
@@ -223,9 +237,7 @@ def parse_command(msg: Any) -> tuple[str, Command]:
     (request id, command)."""
     if not isinstance(msg, dict):
         raise ProtocolError("a message must be a JSON object")
-    req_id, args = msg.get("id"), msg.get("args", {})
+    req_id = msg.get("id")
     if not isinstance(req_id, (str, int)) or isinstance(req_id, bool):
         raise ProtocolError("field `id` must be a string or integer")
-    if not isinstance(args, dict):
-        raise ProtocolError("field `args` must be an object")
-    return str(req_id), command_from_wire(msg.get("cmd"), args)
+    return str(req_id), command_from_wire(msg.get("cmd"), msg.get("args", {}))

@@ -25,7 +25,7 @@ Behaviour a user can count on:
   `trainer.live_settings`), never in the run config; recorded as `set` events, stored in every
   training checkpoint (this callback's state) and applied again on resume. The loop reads its
   eval / checkpoint schedule and the final save from it: `live_settings(trainer).eval_every(cfg)`.
-- Commands are contract.protocol dataclasses from the socket to the handler: each handler
+- Commands are contract.protocol models from the socket to the handler: each handler
   receives its typed command (engine.control.handlers.HANDLERS, keyed by command type).
 """
 

@@ -1,6 +1,6 @@
 """The command handlers, run at a step boundary by every rank in the same order.
 
-A handler gets the control plane, the command (a contract.protocol dataclass, already
+A handler gets the control plane, the command (a contract.protocol pydantic model, already
 validated) and the reply to its sender (a silent one on ranks other than 0) and returns the
 result sent back as `done`. It raises :class:`CommandRefused` when the command cannot apply in
 the run's present state; every rank refuses alike, because every rank sees the same state and
@@ -165,7 +165,7 @@ def set_values(control: Plane, cmd: Set, reply: Reply) -> dict:
         live.generation.update(cmd.generation.sampling())
     apply_settings(control)
     after = current_settings(control)
-    names = list(cmd.given())
+    names = list(cmd.args())
     changes = {k: after[k] for k in names}
     # set between steps: `lr` is the rate the next step trains with (train records log each
     # step's own rate), so the change applies from step + 1
@@ -298,7 +298,7 @@ DATA_HANDLERS: dict[type[Command], Handler] = {
     Inbox: _data(data_commands.inbox), Forget: _data(data_commands.forget)}
 
 
-# one handler per command type (the dataclass, not its name, picks it)
+# one handler per command type (the model class, not its name, picks it)
 HANDLERS: dict[type[Command], Handler] = {
     Generate: generate, Complete: complete, Pause: pause, Resume: resume, Stop: stop, Save: save,
     Evaluate: evaluate, Set: set_values, Status: status,

@@ -37,7 +37,6 @@ The limits (module constants; tests pass others to ControlServer(**limits)):
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any, Callable
 
 from contract.protocol.commands import Generate
@@ -134,4 +133,4 @@ class PromptLimit:
             raise ProtocolError(f"generate: the prompt is {n} tokens, and the model's context is {ctx} "
                                 "tokens (prompt and answer together); shorten it")
         wanted = command.max_new_tokens or self.default_new_tokens()
-        return dataclasses.replace(command, max_new_tokens=ctx - n) if wanted > ctx - n else command
+        return command.model_copy(update={"max_new_tokens": ctx - n}) if wanted > ctx - n else command
