@@ -81,11 +81,28 @@ def test_every_field_is_documented_where_it_is_declared():
     ("generate", {"prompt": 3}, "generate: argument 'prompt' has the wrong type (int)"),
     ("pause", {"now": True}, "pause: unknown argument 'now'; allowed: none"),
     ("subscribe", {"from_line": -1}, "subscribe: argument 'from_line' must be >= 0"),
+    ("set", {"lr": None}, "set: argument 'lr' has the wrong type (NoneType); leave it out for the run's setting"),
+    ("set", {"grad_clip": "x"}, "set: argument 'grad_clip' has the wrong type (str); expected a number"),
+    ("forget", {}, "forget: argument 'id' is required: The entry's id"),
+    ("add_source", {"path": "x", "format": "csv"}, "add_source: argument 'format' must be one of 'auto', 'text'"),
+    ("generate", {"messages": [{"role": "user", "content": 3}]},
+     "generate: argument 'messages[0].content' has the wrong type (int); expected a string"),
 ])
 def test_bad_commands_are_refused_with_a_message_naming_the_field(cmd, args, message):
     with pytest.raises(ProtocolError) as refused:
         _parse(cmd, args)
     assert str(refused.value).startswith(message)
+
+
+def test_every_problem_is_named_at_once():
+    with pytest.raises(ProtocolError) as refused:
+        _parse("set", {"lr": -1, "grad_clip": "x", "generation": {"beams": 4}})
+    assert str(refused.value).splitlines() == [
+        "set: argument 'lr' must be >= 0.0 and <= 10.0, got -1",
+        "set: argument 'grad_clip' has the wrong type (str); expected a number",
+        "set generation: unknown argument 'beams'; allowed: max_new_tokens, temperature, top_p, top_k, "
+        "repetition_penalty, stop, seed"]
+    assert Set(lr=None, grad_clip=0.5) == Set(grad_clip=0.5)  # in Python, None is "not given"
 
 
 def test_bad_messages_are_refused():
