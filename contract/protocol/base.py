@@ -78,7 +78,7 @@ class Arguments(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
-def label_of(model: type[Arguments]) -> str:
+def _label_of(model: type[Arguments]) -> str:
     """How errors name a command (its wire name) or other arguments (their label)."""
     return getattr(model, "name", "") or model.label
 
@@ -90,11 +90,10 @@ _EXPECTED = {"bool_type": "true or false", "int_type": "an integer", "float_type
 _BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
 
 
-def in_words(errors: list[ErrorDetails], model: type[Arguments], label: str | None = None) -> str:
-    """Every problem pydantic found, one a line, each naming the command (`label`, else the
-    model's), the argument and what is allowed."""
-    label = label or label_of(model)
-    return "\n".join(dict.fromkeys(_problem(err, model, label) for err in errors))
+def in_words(errors: list[ErrorDetails], model: type[Arguments]) -> str:
+    """Every problem pydantic found in `model`'s arguments, one a line, each naming the command,
+    the argument and what is allowed."""
+    return "\n".join(dict.fromkeys(_problem(err, model, _label_of(model)) for err in errors))
 
 
 def _problem(err: ErrorDetails, model: type[BaseModel], label: str) -> str:
@@ -104,7 +103,7 @@ def _problem(err: ErrorDetails, model: type[BaseModel], label: str) -> str:
         label, model, loc = f"{label} {loc[0]}", inner, loc[1:]
     name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     field = model.model_fields.get(loc[0]) if loc and isinstance(loc[0], str) else None
-    if kind in ("value_error", "assertion_error"):
+    if kind == "value_error":  # a rule of ours (a validator's ValueError): its own words
         return f"{label}: {err.get('ctx', {}).get('error', err['msg'])}"
     if kind == "extra_forbidden":
         return f"{label}: unknown argument {name!r}; allowed: {', '.join(model.model_fields) or 'none'}"
