@@ -48,9 +48,32 @@ COMMON = ("model.path", "data.train", "data.eval", "data.format", "data.max_leng
           "train.max_steps", "train.epochs", "train.micro_batch_size", "train.grad_accum",
           "train.precision", "train.seed",
           "parallel.nproc", "parallel.zero_stage", "parallel.tp_size", "parallel.pp_size",
-          "eval.every_n_steps", "eval.at_end", "eval.evaluators",
+          "eval.every_n_steps", "eval.at_end", "eval.evaluators", "eval.lm_eval_tasks",
           "checkpoint.every_n_steps", "checkpoint.keep_last", "checkpoint.save_at_end",
           "logging.run_name", "logging.output_dir", "resume")
+
+# Text-list fields both front ends show as a list of entries (typed one at a time) rather than
+# comma-separated text, with what an entry may be. Their values stay text in Form's convention
+# ("a, b"): `entries` and `entries_text` convert at the widget.
+ENTRY_LISTS = {
+    "eval.lm_eval_tasks": "One entry per task: an lm-evaluation-harness task name (arc_easy, hellaswag) "
+                          "or the path of a local task YAML file (tasks/my_task.yaml, its data named "
+                          "inside it); type it and press Enter. Run at every evaluation; results as "
+                          "eval/lm_eval/<task>/<metric>, plotted with the other metrics.",
+}
+
+
+def entries(text: Any) -> list[str]:
+    """A list field's widget text ("a, b") as its entries."""
+    if isinstance(text, (list, tuple)):
+        return [str(v).strip() for v in text if str(v).strip()]
+    return [v.strip() for v in str(text or "").split(",") if v.strip()]
+
+
+def entries_text(values: Any) -> str:
+    """Entries as the widget text Form works with."""
+    return ", ".join(entries(values))
+
 
 _MISSING = object()
 

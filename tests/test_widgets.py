@@ -13,7 +13,7 @@ import ipywidgets as widgets
 import pytest
 import yaml
 
-from app.form import Form
+from app.form import ENTRY_LISTS, Form
 from app.notebook.form import ConfigForm
 from app.series import RunHistory, format_seconds
 from contract.config.schema import ConfigError
@@ -39,7 +39,8 @@ def test_the_form_has_one_widget_per_schema_field_of_the_right_kind():
              "float": widgets.FloatText, "str": widgets.Text, "list": widgets.Text,
              "dict": widgets.Textarea}
     for entry in entries:
-        assert isinstance(form.widgets[entry["key"]], kinds[entry["kind"]]), entry["key"]
+        kind = widgets.TagsInput if entry["key"] in ENTRY_LISTS else kinds[entry["kind"]]  # entry lists
+        assert isinstance(form.widgets[entry["key"]], kind), entry["key"]
         if entry["kind"] == "choice":
             assert list(form.widgets[entry["key"]].options) == entry["choices"]
     # with no preset the form holds the schema's defaults, so its config is RunConfig()

@@ -15,7 +15,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from app.form import DEFAULT_PRESET, SCHEMA_DEFAULTS, Form
+from app.form import DEFAULT_PRESET, ENTRY_LISTS, SCHEMA_DEFAULTS, Form, entries, entries_text
 from app.notebook.fallback import with_note
 from contract.config.schema import RunConfig
 from contract.presets import PRESETS
@@ -49,6 +49,8 @@ def _field_widget(entry: dict) -> widgets.ValueWidget:
         return widgets.FloatText(**common)
     if kind == "dict":
         return widgets.Textarea(placeholder="YAML or JSON mapping", continuous_update=False, **common)
+    if entry["key"] in ENTRY_LISTS:  # a list of entries, each typed and confirmed with Enter
+        return widgets.TagsInput(value=[], allow_duplicates=False, **common)
     placeholder = "comma separated" if kind == "list" else ""
     return widgets.Text(placeholder=placeholder, continuous_update=False, **common)
 
@@ -79,6 +81,8 @@ class ConfigForm:
     def _row(self, f: dict) -> widgets.VBox:
         """A field: its widget (labelled with its human name), its config key and help beside it."""
         text = f"<code>{html.escape(f['key'])}</code> · {html.escape(f['help'])}"
+        if f["key"] in ENTRY_LISTS:
+            text += f" {html.escape(ENTRY_LISTS[f['key']])}"
         return widgets.VBox([widgets.HBox([self.widgets[f["key"]],
                                            widgets.HTML(f"<span style='{_HELP_STYLE}'>{text}</span>",
                                                         layout=widgets.Layout(width="520px"))]),
@@ -107,14 +111,14 @@ class ConfigForm:
     # -- values -------------------------------------------------------------------------------
     def set(self, key: str, value: Any) -> None:
         """Put a config value (a list, a dict, a number ...) into field `key`'s widget."""
-        self.widgets[key].value = self.form.display(self.form.field(key), value)
+        self._put(key, self.form.display(self.form.field(key), value))
 
     def get(self, key: str) -> Any:
         return self.widgets[key].value
 
     def values(self) -> dict[str, Any]:
         """Every widget's value, by field key (what `app.form.Form` takes)."""
-        return {key: w.value for key, w in self.widgets.items()}
+        return {key: entries_text(w.value) if key in ENTRY_LISTS else w.value for key, w in self.widgets.items()}
 
     def update(self, values: dict) -> None:
         """Set several fields from a nested dict (a preset, a config's to_dict())."""
@@ -140,7 +144,11 @@ class ConfigForm:
 
     def _show(self, values: dict[str, Any]) -> None:
         for key, value in values.items():
-            self.widgets[key].value = value
+            self._put(key, value)
+
+    def _put(self, key: str, value: Any) -> None:
+        """A widget value in Form's convention into field `key`'s widget (an entry list's as entries)."""
+        self.widgets[key].value = entries(value) if key in ENTRY_LISTS else value
 
     def raw(self) -> tuple[dict, list[tuple[str, str]]]:
         """The nested dict the widgets hold, and the problems of fields that cannot be read at

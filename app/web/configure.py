@@ -20,7 +20,7 @@ from typing import Any
 
 import gradio as gr
 
-from app.form import DEFAULT_PRESET, Checked, Form
+from app.form import DEFAULT_PRESET, ENTRY_LISTS, Checked, Form, entries, entries_text
 from app.web.backend import Backend
 from app.web import slurm
 from app.web.backend.preview import PreviewError, describe_data, describe_model
@@ -46,11 +46,13 @@ class ConfigureTab:
 
     def values(self, given: dict) -> dict[str, Any]:
         """The form's values by field key, from what Gradio hands a handler of `inputs`."""
-        return {key: given[component] for key, component in self.fields.items()}
+        return {key: entries_text(given[component]) if key in ENTRY_LISTS else given[component]
+                for key, component in self.fields.items()}
 
     def show(self, values: dict[str, Any]) -> dict:
         """Outputs that put `values` (by field key) into the fields."""
-        return {self.fields[key]: value for key, value in values.items() if key in self.fields}
+        return {self.fields[key]: entries(value) if key in ENTRY_LISTS else value
+                for key, value in values.items() if key in self.fields}
 
 
 def slug(key: str) -> str:
@@ -66,7 +68,8 @@ def _help(f: dict, problems: list[str], warnings: list[str] | None = None) -> di
     classes = ["cfg-field", "invalid"] if problems else ["cfg-field", "warned"] if warnings else ["cfg-field"]
     if f["kind"] == "dict":
         return {"label": f"{warn}{Form.label(f)}", "elem_classes": classes}
-    info = f["help"] + _bounds(f) + (" Comma-separated." if f["kind"] == "list" else "")
+    info = f["help"] + _bounds(f) + (f" {ENTRY_LISTS[f['key']]}" if f["key"] in ENTRY_LISTS else
+                                     " Comma-separated." if f["kind"] == "list" else "")
     return {"info": warn + info, "elem_classes": classes}
 
 
@@ -79,6 +82,8 @@ def _component(f: dict, value: Any, problems: list[str], warnings: list[str] | N
         return gr.Code(value=value, language="json", label=shown["label"], lines=3, elem_id=elem_id,
                        elem_classes=classes)
     common = dict(label=label, info=info, elem_id=elem_id, elem_classes=classes)
+    if f["key"] in ENTRY_LISTS:  # a list of entries, each typed and confirmed with Enter
+        return gr.Dropdown(choices=[], value=entries(value), multiselect=True, allow_custom_value=True, **common)
     if kind == "bool":
         return gr.Checkbox(value=value, **common)
     if kind == "choice":
