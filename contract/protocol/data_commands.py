@@ -11,7 +11,6 @@ from contract.protocol.roles import Role
 from contract.protocol.base import Chat, Command
 
 
-
 def _source_name(source: str, required: bool = True) -> str:
     if (required and not source.strip()) or source != source.strip() or "/" in source:
         raise ValueError(f"argument 'source' must name a source (no '/', no surrounding spaces), got {source!r}")
