@@ -1,12 +1,17 @@
-"""Which answer is better, from the chat, without a browser: the Chat tab's handlers (app.web.
-chat_prefer) ask a real one-rank DPO run the same question twice (two samples differ), send "B is
-better" and "edit and prefer" through the app's session as the contract's Teach with `rejected`,
-and show the entry's id and the margin before; the notebook's Run.prefer and its chat box's Prefer send the same pair. The
-refusals (no answers yet, nothing to compare with, an identical pair) reach the page as errors."""
+"""Which answer is better, from the chat: the Chat tab's handlers (app.web.chat_prefer) ask a real
+one-rank DPO run the same question twice (two samples differ), send "B is better" and "edit and
+prefer" through the app's session as the contract's Teach with `rejected`, and show the entry's id
+and the margin before; the notebook's Run.prefer and its chat box's Prefer send the same pair. The
+refusals (no answers yet, nothing to compare with, an identical pair) reach the page as errors.
+Then the same run in a browser (Debian's Chromium): its rewards plotted on the Train tab, "A is
+better" clicked in the Chat tab, the pair listed in the Train tab's inbox and removed from it."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -14,13 +19,14 @@ import pytest
 from app.notebook.api import Run
 from app.notebook.chat import ChatBox
 from app.session import SessionError
-from app.web import chat, chat_prefer
+from app.web import build_app, chat, chat_prefer, launch_options
 from app.web.backend import Backend
 from contract.protocol.base import ProtocolError
 from contract.config.load import load_config
 from contract.protocol.data_commands import Inbox, Teach
-from contract.protocol.commands import Pause
+from contract.protocol.commands import Pause, Resume
 from engine import default_task
+from test_web import SLOW, browser, free_port, open_tab, set_number, state, wait_until  # noqa: F401 - browser: the fixture
 
 SETTINGS = (8, 0.0, 1.0, 0, 1.0)  # max_new, temperature (greedy: the samples are warmed), top_p, top_k, repetition
 
@@ -71,55 +77,147 @@ def test_the_pair_and_the_refusals_before_any_run(tmp_path):
         backend.close()
 
 
-@pytest.mark.slow  # one single-rank launch
-def test_two_answers_then_this_one_is_better_and_edit_and_prefer_on_a_live_dpo_run(tmp_path):
-    _inputs(tmp_path)
-    backend = Backend(tmp_path / "runs", run_env={"LIVETUNE_CACHE": str(tmp_path / "cache"),
-                                                   "LIVETUNE_HEARTBEAT_S": "0.5"})
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """One single-rank DPO run, paused once its control server answers, for every live test here
+    (the handlers and the browser); yields (backend, run folder)."""
+    tmp = tmp_path_factory.mktemp("prefer")
+    _inputs(tmp)
+    backend = Backend(tmp / "runs", run_env={"LIVETUNE_CACHE": str(tmp / "cache"), "LIVETUNE_HEARTBEAT_S": "0.5"})
     cfg = load_config(overrides=[
-        f"output_dir={tmp_path / 'runs'}", "run_name=prefer-web", "nproc=1", "max_steps=1000", "batch_size=4",
-        "precision=fp32", "objective=dpo", f"model.path={tmp_path / 'model'}",
-        f"data.train={tmp_path / 'pairs.jsonl'}", "data.max_length=48", "eval.at_end=false",
+        f"output_dir={tmp / 'runs'}", "run_name=prefer-web", "nproc=1", "max_steps=1000", "batch_size=4",
+        "precision=fp32", "objective=dpo", f"model.path={tmp / 'model'}",
+        f"data.train={tmp / 'pairs.jsonl'}", "data.max_length=48", "eval.at_end=false",
         "eval.every_n_steps=0", "logging.tensorboard=false", "checkpoint.save_at_end=false",
         "teach.check_after=0"])
     path = backend.session.start(cfg).path
     try:
         backend.session.send(path, Pause(), connect_timeout=300.0)
-        view = _view()
-        for _ in range(3):  # a sample that is empty, or two that agree, is possible: ask again
-            shown = {}
-            for update in chat_prefer.two_answers(backend, view, path, "reverse: abc", chat_prefer.SAMPLE,
-                                                  None, *SETTINGS):
-                shown.update(update)
-            pair = shown[view.pair]
-            if pair["a"].strip() and pair["b"].strip() and pair["a"] != pair["b"]:
-                break
-        assert pair["question"] == "reverse: abc" and pair["a"] != pair["b"], pair
-        assert shown[view.edited] == pair["a"]  # the edit starts from A
-
-        # the Compare column's run answers B (here the same run, standing in for another live one)
-        compared = {}
-        for update in chat_prefer.two_answers(backend, view, path, "reverse: abc", chat_prefer.COMPARED,
-                                              {"path": path, "label": "run other"}, *SETTINGS):
-            compared.update(update)
-        assert compared[view.second]["label"] == "B: run other" and compared[view.pair]["question"] == "reverse: abc"
-
-        said = chat_prefer.pick(backend, view, path, pair, "b")[view.result]
-        assert said.startswith("**Preferred t1**") and "Margin before" in said, said
-        said = chat_prefer.prefer_edit(backend, view, path, pair, "cba")[view.result]
-        assert said.startswith("**Preferred t2**"), said
-        run = Run(path, backend.session)
-        taken = run.prefer("reverse: xy\n", "yx", "xy")
-        assert taken["id"] == "t3" and isinstance(taken["margin"], float)
-        box = ChatBox(lambda: run)  # the notebook chat box: the box's answer over the model's last one
-        box.transcript = [("user", "reverse: pq"), ("assistant", "pp")]
-        box.prefer("qp").join(timeout=120)
-        assert "preferred t4" in box.taught.value and "over pp, margin before" in box.taught.value, box.taught.value
-
-        entries = backend.session.send(path, Inbox())["entries"]
-        assert [(e["answer"], e["rejected"]) for e in entries] == [
-            (pair["b"], pair["a"]), ("cba", pair["a"]), ("yx", "xy"), ("qp", "pp")]
-        assert "reverse: abc" in entries[0]["prompt"] and "<|assistant|>" in entries[0]["prompt"]  # as the chat sent it
+        yield backend, path
     finally:
         backend.session.stop(path, save=False, wait=True)
         backend.close()
+
+
+def _words(text: str) -> str:
+    """Text as a page shows it: a sampled answer may hold any whitespace (a textbox turns \\r into \\n)."""
+    return " ".join(text.split())
+
+
+def _entry_id(said: str) -> str:
+    found = re.match(r"\*\*Preferred (t\d+)\*\*", said)
+    assert found, said
+    return found.group(1)
+
+
+@pytest.mark.slow  # the module's single-rank launch
+def test_two_answers_then_this_one_is_better_and_edit_and_prefer_on_a_live_dpo_run(live):
+    backend, path = live
+    view = _view()
+    for _ in range(3):  # a sample that is empty, or two that agree, is possible: ask again
+        shown = {}
+        for update in chat_prefer.two_answers(backend, view, path, "reverse: abc", chat_prefer.SAMPLE,
+                                              None, *SETTINGS):
+            shown.update(update)
+        pair = shown[view.pair]
+        if pair["a"].strip() and pair["b"].strip() and pair["a"] != pair["b"]:
+            break
+    assert pair["question"] == "reverse: abc" and pair["a"] != pair["b"], pair
+    assert shown[view.edited] == pair["a"]  # the edit starts from A
+
+    # the Compare column's run answers B (here the same run, standing in for another live one)
+    compared = {}
+    for update in chat_prefer.two_answers(backend, view, path, "reverse: abc", chat_prefer.COMPARED,
+                                          {"path": path, "label": "run other"}, *SETTINGS):
+        compared.update(update)
+    assert compared[view.second]["label"] == "B: run other" and compared[view.pair]["question"] == "reverse: abc"
+
+    said = chat_prefer.pick(backend, view, path, pair, "b")[view.result]
+    assert "Margin before" in said, said
+    picked = _entry_id(said)
+    edited = _entry_id(chat_prefer.prefer_edit(backend, view, path, pair, "cba")[view.result])
+    run = Run(path, backend.session)
+    taken = run.prefer("reverse: xy\n", "yx", "xy")
+    assert isinstance(taken["margin"], float)
+    box = ChatBox(lambda: run)  # the notebook chat box: the box's answer over the model's last one
+    box.transcript = [("user", "reverse: pq"), ("assistant", "pp")]
+    box.prefer("qp").join(timeout=120)
+    assert "over pp, margin before" in box.taught.value, box.taught.value
+    boxed = re.search(r"preferred (t\d+)", box.taught.value).group(1)
+
+    entries = {e["id"]: e for e in backend.session.send(path, Inbox())["entries"]}
+    assert [(entries[i]["answer"], entries[i]["rejected"]) for i in (picked, edited, taken["id"], boxed)] == [
+        (pair["b"], pair["a"]), ("cba", pair["a"]), ("yx", "xy"), ("qp", "pp")]
+    assert "reverse: abc" in entries[picked]["prompt"] and "<|assistant|>" in entries[picked]["prompt"]  # as the chat sent it
+    assert len({picked, edited, taken["id"], boxed}) == 4
+
+
+@pytest.mark.slow  # a browser on the module's run
+def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_are_plotted(live, browser):
+    """Chat tab: one question, two answers, "A is better"; the result names the entry, the Train
+    tab's inbox lists the pair and Remove takes it out; the Train tab plots the run's rewards."""
+    backend, path = live
+    demo = build_app(backend)
+    demo.queue(default_concurrency_limit=4)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, share=False,
+                show_error=False, **launch_options())
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"http://127.0.0.1:{port}")  # a page opened on a live run shows that run
+        wait_until(lambda: page.locator("#run-state").count() and state(page) == "paused", SLOW / 1000,
+                   "the page on the paused run")
+        # the rewards plot: drawn once the run logs its TRL metrics (a few steps of training)
+        held = backend.session.info(path, fresh=True).step
+        backend.session.send(path, Resume())
+        wait_until(lambda: backend.session.info(path, fresh=True).step >= held + 3, 240, "three more steps")
+        backend.session.send(path, Pause())
+        rewards = page.locator("#train-plot-rewards")
+        wait_until(lambda: rewards.is_visible() and rewards.locator("svg path").count() >= 6, 120,
+                   "the rewards plot drawn")
+        legend = rewards.locator(".lt-legend").inner_text()
+        assert "chosen" in legend and "rejected" in legend, legend
+        assert "reward accuracy" in rewards.locator("svg").text_content()
+        if os.environ.get("LIVETUNE_SHOTS"):  # a look at the page, for the docs
+            rewards.screenshot(path=str(Path(os.environ["LIVETUNE_SHOTS"]) / "test-rewards.png"))
+
+        open_tab(page, "Chat")
+        page.locator("#chat-settings").click()
+        set_number(page, "chat-max-new", "8")
+        page.locator("#chat-prefer-fold").click()
+        page.locator("#chat-prefer-question textarea").fill("reverse: abc")
+        a, b = page.locator("#chat-prefer-a textarea"), page.locator("#chat-prefer-b textarea")
+        for _ in range(3):  # two samples that agree (or an empty one) are possible: ask again
+            page.locator("#chat-prefer-ask").click()
+            wait_until(lambda: b.input_value() not in ("", "…"), 240, "the second answer")
+            if a.input_value().strip() and b.input_value().strip() and a.input_value() != b.input_value():
+                break
+        chosen, rejected = a.input_value(), b.input_value()
+        assert chosen != rejected and chosen.strip() and rejected.strip(), (chosen, rejected)
+        page.locator("#chat-prefer-a-better").click()
+        result = page.locator("#chat-prefer-result")
+        wait_until(lambda: "Preferred t" in result.inner_text(), 120, "the preference's answer")
+        entry = re.search(r"Preferred (t\d+)", result.inner_text()).group(1)
+        assert "Margin before" in result.inner_text()
+        taken = next(e for e in backend.session.send(path, Inbox())["entries"] if e["id"] == entry)
+        assert (_words(taken["answer"]), _words(taken["rejected"])) == (_words(chosen), _words(rejected))
+
+        # the Train tab's inbox shows the pair; Remove from the inbox takes it out
+        open_tab(page, "Train")
+        page.locator("#data-fold").click()
+        inbox = page.locator("#data-inbox")
+        wait_until(lambda: entry in inbox.inner_text(), 60, "the pair in the inbox")
+        listed = _words(inbox.inner_text())
+        assert _words(chosen) in listed and _words(rejected) in listed, listed
+        page.locator("#data-entry input").click()
+        page.get_by_role("option", name=re.compile(rf"^{entry}: ")).click()
+        page.locator("#data-forget").click()
+        wait_until(lambda: f"{entry}** is no longer trained on" in page.locator("#data-result").inner_text()
+                   or f"{entry} is no longer trained on" in page.locator("#data-result").inner_text(), 120,
+                   "the entry removed")
+        assert next(e for e in backend.session.send(path, Inbox())["entries"] if e["id"] == entry)["removed"]
+        if os.environ.get("LIVETUNE_SHOTS"):
+            page.screenshot(path=str(Path(os.environ["LIVETUNE_SHOTS"]) / "test-inbox.png"), full_page=True)
+    finally:
+        page.close()
+        demo.close()

@@ -137,7 +137,9 @@ function lineStyle(name, i) {
 }
 
 function draw() {
-  const names = Object.keys(store.series).filter(n => store.series[n].length).sort();
+  // grouped panels keep the server's order (rewards first); the others go by name
+  const names = Object.keys(store.series).filter(n => store.series[n].length);
+  if (!spec.grouped) names.sort();
   empty.style.display = names.length ? 'none' : '';
   if (spec.hide_empty) element.style.display = names.length ? '' : 'none';  // a plot only some runs have
   canvas.replaceChildren();
