@@ -1,7 +1,7 @@
 """Our preference objectives against the reference implementation, TRL: the same model, data,
 order, settings and DeepSpeed config give the same per-step losses and reward metrics
 (DPOTrainer, CPOTrainer with loss_type simpo, ORPOTrainer, KTOTrainer), on 2 ranks under ZeRO-2
-and ZeRO-3 with gradient accumulation."""
+and ZeRO-3 with gradient accumulation, and DPO under tensor parallelism."""
 
 import json
 
@@ -46,6 +46,8 @@ def compare(result: dict) -> float:
             assert theirs.pop("nll_loss") == 0.0  # CPOTrainer's behaviour cloning term, off for SimPO
         assert set(theirs) <= set(mine), (step, sorted(theirs), sorted(mine))
         for key, value in theirs.items():
+            if key == "rewards/accuracies" and abs(mine["rewards/margins"]) < 1e-5 and theirs["rewards/margins"] == 0:
+                continue  # the policy is the reference (step 1): each reward is 0 or rounding, a tie either way
             assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (cell["cell"], step, key, mine, theirs)
             worst = max(worst, abs(mine[key] - value))
     assert ours[-1]["loss"] != ours[0]["loss"]  # and the weights really moved
@@ -53,13 +55,14 @@ def compare(result: dict) -> float:
 
 
 @pytest.mark.slow
-def test_two_ranks_zero2_zero3_with_accumulation_match_trl(tmp_path):
+def test_two_ranks_zero2_zero3_tp_with_accumulation_match_trl(tmp_path):
     """One 2-rank launch for every objective: DPO and ORPO under ZeRO-2, SimPO and KTO (whose
-    reference point is all-reduced over the ranks) under ZeRO-3, two micro-batches a step.
+    reference point is all-reduced over the ranks) under ZeRO-3, and DPO with tp 2 (AutoTP's
+    sharded layers, the frozen reference sharded alike), two micro-batches a step.
     (On 1 rank: `--cells dpo:0,simpo:0,orpo:0,kto:0` under `deepspeed --num_gpus 1`; the figures
     are in docs/preferences.md.)"""
     write_inputs(tmp_path)
-    cells = ["dpo:2", "simpo:3", "orpo:2", "kto:3"]
+    cells = ["dpo:2", "simpo:3", "orpo:2", "kto:3", "dpo:tp"]
     proc = run_deepspeed(SCRIPTS / "trl_parity.py", nproc=2, timeout=1200,
                          args=("--work", str(tmp_path), "--cells", ",".join(cells), "--accum", "2"))
     results = parse_results(proc)

@@ -3,7 +3,9 @@ same model, data, order and DeepSpeed config (run under the DeepSpeed launcher; 
 lines: one per cell, {"cell", "ours", "trl"} with per-step dicts of loss and metrics).
 
 Cells are "<objective>:<zero stage>", the objective optionally with DPO's loss ("dpo-ipo:0",
-"dpo-hinge:0", "dpo-robust:0", robust with label smoothing 0.1). Our run goes first; the exact micro-batches our sampler
+"dpo-hinge:0", "dpo-robust:0", robust with label smoothing 0.1), or "<objective>:tp" for ours under
+tensor parallelism over every rank (ZeRO-1, one data rank): TRL then runs data-parallel with half
+of each of our micro-batches per rank, so that each of its global micro-batches is one of ours. Our run goes first; the exact micro-batches our sampler
 gave each rank are then laid out for TRL's sequential sampler (accelerate hands rank r the
 batches r, r + world, ...), so that TRL trains on the same rows in the same order.
 """
@@ -11,6 +13,7 @@ batches r, r + world, ...), so that TRL trains on the same rows in the same orde
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +31,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected", "kl", "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
 
-def ours(work: Path, objective: str, zero: int, accum: int, data: Path, loss: str = "sigmoid"):
+def ours(work: Path, objective: str, zero: int, accum: int, data: Path, loss: str = "sigmoid", tp: int = 1):
     from contract.config.load import load_config
     from engine.trainer import Trainer
     cfg = load_config(overrides=[
@@ -38,7 +41,7 @@ def ours(work: Path, objective: str, zero: int, accum: int, data: Path, loss: st
         f"max_steps={STEPS}", f"batch_size={MICRO}", f"train.grad_accum={accum}", f"lr={LR}",
         f"optim.warmup_steps={WARMUP}", "optim.scheduler=cosine", "optim.weight_decay=0", f"zero_stage={zero}",
         "precision=fp32", "eval.at_end=false", "checkpoint.save_at_end=false", "control.enabled=false",
-        "logging.tensorboard=false", f"output_dir={work / 'runs'}"])
+        "logging.tensorboard=false", f"output_dir={work / 'runs'}", f"tp={tp}", f"nproc={os.environ['WORLD_SIZE']}"])
     trainer = Trainer(config=cfg)
     # (source, index) keys of the one source; with no row dropped, index i is the file's row i
     order = [[index for _, index in b] for b in trainer.train_loader(0).batch_sampler][: STEPS * accum]
@@ -68,7 +71,7 @@ def trl_order(order: list[list[int]]) -> list[int]:
 
 
 def trl(work: Path, objective: str, zero: int, accum: int, rows: list[dict], ds: dict,
-        loss: str = "sigmoid") -> list[dict]:
+        loss: str = "sigmoid", micro: int = MICRO) -> list[dict]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from engine.model import load_tokenizer
@@ -80,7 +83,7 @@ def trl(work: Path, objective: str, zero: int, accum: int, rows: list[dict], ds:
             if logs and "loss" in logs:
                 logged.append({k: v for k, v in logs.items() if k == "loss" or k in METRICS})
 
-    common = dict(output_dir=str(work / f"trl-{objective}-{loss}-{zero}"), per_device_train_batch_size=MICRO,
+    common = dict(output_dir=str(work / f"trl-{objective}-{loss}-{zero}"), per_device_train_batch_size=micro,
                   gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=LR, warmup_steps=WARMUP,
                   lr_scheduler_type="cosine", weight_decay=0.0, max_grad_norm=1.0, bf16=False, fp16=False,
                   deepspeed=ds, logging_steps=1, save_strategy="no", report_to=[], optim="adamw_torch",
@@ -109,6 +112,14 @@ def trl(work: Path, objective: str, zero: int, accum: int, rows: list[dict], ds:
     return logged
 
 
+def forget_tensor_parallel() -> None:
+    """DeepSpeed keeps the tensor-parallel mesh of our run in module globals, which its next
+    engine (TRL's, data-parallel) would take for its own: a test-only reset before it."""
+    from deepspeed.utils import groups
+    groups.mpu = groups.mesh_device = None
+    groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--work", required=True)
@@ -124,10 +135,18 @@ def main() -> None:
         loss = loss or "sigmoid"
         data = work / ("unpaired.jsonl" if objective == "kto" else "pairs.jsonl")
         raw = [json.loads(line) for line in data.read_text().splitlines()]
-        steps, order, ds, kept = ours(work, objective, int(zero), a.accum, data, loss)
+        tp = int(os.environ["WORLD_SIZE"]) if zero == "tp" else 1
+        stage = 1 if zero == "tp" else int(zero)
+        steps, order, ds, kept = ours(work, objective, stage, a.accum, data, loss, tp)
         assert kept == len(raw), "every row is kept, so that index i is row i"
-        sequence = trl_order(order)
-        theirs = trl(work, objective, int(zero), a.accum, [raw[i] for i in sequence], ds, loss)
+        if tp > 1:  # one data rank: TRL's ranks share each of our micro-batches, in order
+            sequence, micro = [i for batch in order for i in batch], MICRO // tp
+            ds = {k: v for k, v in ds.items() if k != "tensor_parallel"}
+            forget_tensor_parallel()
+            ds.update(train_micro_batch_size_per_gpu=micro, train_batch_size=MICRO * a.accum)
+        else:
+            sequence, micro = trl_order(order), MICRO
+        theirs = trl(work, objective, stage, a.accum, [raw[i] for i in sequence], ds, loss, micro)
         if dist.get_rank() == 0:  # the figures are too long for a result line: a file, named by one
             out = work / f"parity-{name}-{zero}.json"
             out.write_text(json.dumps({"cell": cell, "ours": steps, "trl": theirs}))
