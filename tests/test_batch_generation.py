@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from conftest import make_tiny_tokenizer
@@ -71,3 +72,44 @@ def test_a_streamed_row_streams_its_own_text(one_process_group):
     answers = generate_requests(run, [Request([prompts[0]], 10, 4), Request([prompts[1]], 5, 4, heard.append)],
                                 temperature=1.0)
     assert "".join(heard) == tok.decode(answers[1][0], skip_special_tokens=True) and heard
+
+
+@pytest.mark.parametrize("layout", ["data-parallel", "pipeline"])
+def test_requests_answered_together_equal_each_answered_alone(one_process_group, layout):
+    """engine.control.completions.complete_many on both kinds of layout: greedy requests of
+    different lengths, a seeded sample, a scored prompt and a one-token log-likelihood request
+    answered together give each one's answer alone (under pipeline parallelism the generations
+    run one by one, the scoring passes together); a refused request refuses only itself."""
+    from contract.protocol.completion_commands import Complete
+    from engine.control.completions import CompletionRefused, complete_many
+    from engine.control.pending import NO_REPLY
+    from engine.control.settings import LiveSettings
+    from engine.parallel.layouts import DataParallel, Pipeline
+    tok = make_tiny_tokenizer()
+    whole, pipe = build_pair("llama", tok)
+    env = types.SimpleNamespace(rank=0, world_size=1)
+    ctx = _run(whole, tok) if layout == "data-parallel" else _run(pipe.module, tok)
+    ctx.engine = ctx.engine if layout == "data-parallel" else pipe
+    ctx.layout = DataParallel(env) if layout == "data-parallel" else Pipeline(env)
+    trainer = types.SimpleNamespace(tokenizer=tok, engine=ctx.engine, ctx=ctx,
+                                    state=types.SimpleNamespace(global_step=3))
+    control = types.SimpleNamespace(trainer=trainer, settings=LiveSettings(), rank=0, world_size=1)
+    asked = [Complete(prompts=["reverse: kcodw\n"], max_new_tokens=7, temperature=0),
+             Complete(prompts=["ab", "sort: hello\n"], max_new_tokens=3, temperature=0, logprobs=True, top_logprobs=2),
+             Complete(prompts=["sort: dcba\n"], max_new_tokens=5, temperature=1.0, n=2, seed=4),
+             Complete(prompts=["reverse: abc\n"], max_new_tokens=0, echo=True, logprobs=True),
+             Complete(prompts=[[5, 9, 7, 11]], max_new_tokens=1, temperature=0, logprobs=True, echo=True),
+             Complete(prompts=[[len(tok) + 5]], max_new_tokens=2)]
+    together = complete_many(control, [(c, NO_REPLY) for c in asked])
+    alone = [complete_many(control, [(c, NO_REPLY)])[0] for c in asked]
+    assert isinstance(together[-1], CompletionRefused) and isinstance(alone[-1], CompletionRefused)
+    for mine, reference in zip(together[:-1], alone[:-1]):
+        assert [c["text"] for c in mine["choices"]] == [c["text"] for c in reference["choices"]]
+        assert [c["token_ids"] for c in mine["choices"]] == [c["token_ids"] for c in reference["choices"]]
+        for a, b in zip(mine["choices"], reference["choices"]):
+            if a["logprobs"] is not None:
+                assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+                assert all(x == y or abs(x - y) < 1e-5 for x, y in
+                           zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]))
+    shared = 2 if layout == "data-parallel" else 1  # the two greedy generations
+    assert [r["batch"] for r in together[:-1]] == [shared, shared, 1, 1, 1]
