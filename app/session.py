@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 from contract.config.schema import RunConfig
 from contract.preflight import PreflightReport, fingerprint, preflight
 from contract.protocol.base import Command, ProtocolError
-from contract.protocol.commands import Generate, Stop, allowed_commands
+from contract.protocol.commands import REQUESTS, Generate, Stop, allowed_commands
 from contract.protocol.roles import Role, refusal
 from contract.protocol.states import RunState
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager, RunRefused, stopping
@@ -67,13 +67,14 @@ class ChatUpdate:
         return self.step is not None
 
 
-def allowed(state: str | None) -> frozenset[str]:
-    """The commands a run in `state` takes (none for no run or an unknown state): the contract's
-    table, which every front end's buttons follow."""
+def allowed(state: str | None, role: Role = Role.OPERATOR) -> frozenset[str]:
+    """The commands a run in `state` takes (none for no run or an unknown state) from someone of
+    `role`: the contract's tables, which every front end's buttons follow."""
     try:
-        return allowed_commands(state) if state else frozenset()
+        found = allowed_commands(state) if state else frozenset()
     except ValueError:
         return frozenset()
+    return frozenset(c for c in found if role.may(REQUESTS[c].role))
 
 
 class Session:

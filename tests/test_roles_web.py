@@ -160,3 +160,23 @@ def test_the_served_app_logs_in_by_role_and_refuses_a_viewer_the_endpoints_that_
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def test_a_viewers_train_tab_shows_its_controls_disabled(backend):
+    import gradio as gr
+    from gradio.context import LocalContext
+
+    from app.session import allowed
+    from app.web import train
+    assert allowed("running", Role.VIEWER) == {"generate", "complete", "status", "branches", "inbox"}
+    with gr.Blocks():
+        view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(), gr.Code(),
+                               gr.Textbox(), {name: gr.Button() for name in train.COMMAND_OF}, gr.Button(),
+                               role_of=backend.session.role_of)
+    for username, enabled in (("v", set()), ("op", {"pause", "stop", "stop_other", "save", "evaluate", "set_lr"})):
+        token = _as(username)
+        try:
+            controls = view.controls("running")
+        finally:
+            LocalContext.request.reset(token)
+        assert {n for n, b in view.buttons.items() if controls[b]["interactive"]} == enabled

@@ -14,7 +14,7 @@ loads, when the page's run changes, and when the feed sees the run's state chang
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import gradio as gr
 
@@ -25,6 +25,7 @@ from app.web.configure import ConfigureTab, start_run
 from app.web.plots import Plots, make_plots
 from app.web.widgets import banner_html, readable, status_html
 from contract.protocol.commands import Evaluate, Pause, Resume, Save, Set, Stop
+from contract.protocol.roles import Role
 from contract.protocol.states import RunState
 
 # Read in the page as each look leaves: the run it shows, whether the user has clicked a tab yet
@@ -119,7 +120,8 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     open_train = gr.Checkbox(False, visible=False)  # the first look found a run going
     confirmed = gr.Checkbox(True, visible=False)    # the page's answer to a confirmation
     configure.start_buttons.append(start)
-    view = TrainView(run_state, seen, open_train, status, banner, log, lr, buttons, start, side.note, marker)
+    view = TrainView(run_state, seen, open_train, status, banner, log, lr, buttons, start, side.note, marker,
+                     lambda: backend.session.role_of())  # a viewer's login: the buttons stay disabled
 
     def tick(path: str | None, shown: dict | None, navigated: bool, on_screen: bool, log_shown: bool) -> dict:
         return refresh(backend, view, path, shown, visible=on_screen, log_open=log_shown, open_tab=not navigated)
@@ -171,6 +173,7 @@ class TrainView:
     start: gr.Button | None = None
     chat_note: gr.Markdown | None = None  # the side chat's note on the embedded default
     marker: gr.HTML | None = None         # the run and state this look saw, for the feed
+    role_of: Callable[[], Role] = lambda: Role.OPERATOR  # whom the look is for (app.web.access)
 
     def outputs(self) -> list:
         extra = [c for c in (self.start, self.chat_note, self.marker) if c is not None]
@@ -179,8 +182,9 @@ class TrainView:
 
     def controls(self, state: str | None) -> dict:
         """Each button enabled when the run's state allows its command; Resume is the primary
-        button of a paused run, and Start is not primary while a run is live."""
-        ok = allowed(state)
+        button of a paused run, and Start is not primary while a run is live. A viewer's login
+        (`role_of`) gets them all disabled: each would be refused."""
+        ok = allowed(state, self.role_of())
         out = {button: gr.update(interactive=COMMAND_OF[name] in ok) for name, button in self.buttons.items()}
         out[self.buttons["resume"]] = gr.update(interactive="resume" in ok,
                                                 variant="primary" if state == RunState.PAUSED else "secondary")
