@@ -24,7 +24,7 @@ boundary gain there; its scoring passes are batched as everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from contract.capabilities import Layout
 from contract.protocol.completion_commands import Complete
@@ -147,7 +147,8 @@ def _groups(control: Plane, jobs: list[Job]) -> list[list[Job]]:
         last = chunks[-1]
         full = sum(len(j.rows) for j in last) + len(job.rows) > BATCH_ROWS
         if last and (full or (alone and kind[0] == "generated")):
-            chunks.append(last := [])
+            last = []
+            chunks.append(last)
         last.append(job)
     return [chunk for chunks in groups.values() for chunk in chunks]
 
@@ -181,7 +182,7 @@ def _sample(control: Plane, group: list[Job]) -> None:
         _finish(tok, job, new)
 
 
-def _stream(control: Plane, job: Job):
+def _stream(control: Plane, job: Job) -> Callable[[str], None] | None:
     """Where a single-sample request that asked to stream sends its text (rank 0 only)."""
     if control.rank == 0 and job.cmd.stream and len(job.rows) == 1:
         return lambda text, reply=job.reply: reply.token(text, "current")
