@@ -8,7 +8,7 @@ from __future__ import annotations
 
 _EXPORTS = {
     "Trainer": "engine.trainer",
-    "TrainerState": "engine.trainer",
+    "TrainerState": "engine.context",
     "Callback": "engine.callbacks",
     "RunConfig": "contract.config.schema",
     "load_config": "contract.config.load",

@@ -9,7 +9,7 @@ ZeRO-3: build models inside :func:`zero3_init`, and Hugging Face models through 
 class directly under zero.Init leaves torch's default init, as the Hugging Face init then only
 sees empty shards.
 
-Only this module and engine/setup.py talk to deepspeed directly; deepspeed and transformers are
+Only this module and engine/assembly/model.py talk to deepspeed directly; deepspeed and transformers are
 imported lazily so that building a config stays cheap.
 """
 
@@ -137,7 +137,7 @@ def zero3_init(ds_config: dict) -> Iterator[None]:
 zero3_from_pretrained_context = zero3_init  # the name transformers users look for
 
 
-# -- the running engine's internals (only this layer and engine setup touch them) -----------------
+# -- the running engine's internals (only this layer and the assembly touch them) -----------------
 
 def refresh_master_weights(engine) -> None:
     """Make the optimizer's fp32 master copy follow weights changed in the module (bf16 / fp16 /

@@ -1,4 +1,4 @@
-"""The spike guard in the training loop: a callback the config adds (engine.assembly.config_callbacks).
+"""The spike guard in the training loop: a callback the config adds (engine.assembly.loop.callbacks_of).
 
 The decisions are engine.spike_guard's (pure); this module feeds it and answers the loop with a
 Signal (engine.callbacks): skip, rewind to X then scale the learning rate, or pause. The loop

@@ -13,6 +13,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from contract import hub
+from contract.config.schema import RunConfig
+from engine.default_task import default_root, ensure_default_assets
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -38,6 +42,19 @@ def load_tokenizer(folder: str | Path, field: str = "model.tokenizer") -> PreTra
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def model_dir_of(cfg: RunConfig) -> Path:
+    """The run's model folder: model.path (a local folder, or a hub name found in the local
+    cache), else the embedded default's (written once)."""
+    return hub.local_folder(cfg.model.path) if cfg.model.path else ensure_default_assets(default_root()).model_dir
+
+
+def tokenizer_of(cfg: RunConfig) -> PreTrainedTokenizerBase:
+    """The run's tokenizer: model.tokenizer's folder, else the model folder's."""
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    folder = hub.local_folder(cfg.model.tokenizer) if cfg.model.tokenizer else model_dir_of(cfg)
+    return load_tokenizer(folder, field)
 
 
 def hidden_size(folder: str | Path) -> int | None:
@@ -98,7 +115,7 @@ def _import_model_class(config) -> None:
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(total, trainable) parameters; under ZeRO-3 the full (not partitioned) sizes. A model
     split by tensor or pipeline parallelism carries its whole model's counts (set when it was
-    split, engine.setup), so every rank reports the same numbers."""
+    split, engine.assembly.root), so every rank reports the same numbers."""
     whole = getattr(model, "whole_model_parameters", None)
     if whole is not None:
         return whole

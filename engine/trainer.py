@@ -22,17 +22,19 @@ import torch.distributed as dist
 
 from contract.config.schema import RunConfig
 from contract.protocol.states import RunState
-from contract.events import EvalEvent, EventType, SetupEvent, StateEvent, WarningEvent
-from engine import assembly, chat_only, checkpoint
-from engine.callbacks import NOTHING, Callback, CallbackList, Signal
+from contract.events import EvalEvent, EventType, StateEvent, WarningEvent
+from engine import chat_only, checkpoint
+from engine.assembly import data as run_data
+from engine.assembly.loop import start
+from engine.assembly.root import Given, assemble
+from engine.callbacks import NOTHING, Callback, Signal
 from engine.checkpoint import rewind as rewinding
 from engine.checkpoint import state as checkpoint_state
 from engine.checkpoint.locations import CheckpointError
-from engine.checkpoint.snapshots import SnapshotStore
-from engine.context import RunContext
+from engine.control.plane import Control
 from engine.control.settings import live_settings
 from engine.losses import PER_MICRO_BATCH, Window
-from engine.monitors import DEFAULT_MONITORS, Monitor, StepInfo
+from engine.monitors import Monitor, StepInfo
 from engine.rng import preserved_rng
 
 __all__ = ["Trainer",]
@@ -56,7 +58,9 @@ class Trainer:
     (arguments matched by name to the batch's and the model outputs' fields, plus
     `num_items_in_batch`, the step's label tokens, as the HF Trainer passes it), `train_fn(trainer,
     micro_batches) -> (loss, tokens)`, `eval_fn`, `optimizer`, `lr_scheduler`, `callbacks`,
-    `monitors` and `evaluators`; whatever you leave out is built from the config.
+    `monitors` and `evaluators`; whatever you leave out is built from the config. The constructor
+    hands them to the composition root (engine.assembly.root.assemble), stores the parts it
+    gets back, and lets engine.assembly.loop.start connect them.
     """
 
     env = _from_context("env", "This rank's place in the process group and layout.")
@@ -79,35 +83,25 @@ class Trainer:
                  eval_dataset_collate_fn: Callable | None = None,
                  monitors: Iterable[Monitor] | None = None, evaluators: Iterable | None = None,
                  run_dir: str | None = None, server: bool = False):
-        self.config = config or RunConfig()
-        self.callbacks = CallbackList([*callbacks, *assembly.config_callbacks(self.config)])
-        self.loss_fn, self.eval_fn = loss_fn, eval_fn
-        self.monitors = list(monitors) if monitors is not None else [m() for m in DEFAULT_MONITORS]
+        parts = assemble(config or RunConfig(), Given(
+            model=model, tokenizer=tokenizer, loss_fn=loss_fn, train_fn=train_fn, eval_fn=eval_fn,
+            optimizer=optimizer, lr_scheduler=lr_scheduler, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, train_collate_fn=train_dataset_collate_fn,
+            eval_collate_fn=eval_dataset_collate_fn, callbacks=tuple(callbacks), monitors=monitors,
+            evaluators=evaluators, run_dir=run_dir))
+        # the parts, as built (engine.assembly.root)
+        self.config, self.ctx, self.data, self.ds_setup = parts.config, parts.ctx, parts.data, parts.ds_setup
+        self.train_fn, self.loss_fn, self.eval_fn = parts.train_fn, parts.loss_fn, parts.eval_fn
+        self.callbacks, self.monitors, self.evaluators = parts.callbacks, parts.monitors, parts.evaluators
+        self.checkpoints, self.snapshots = parts.checkpoints, parts.snapshots  # snapshots: in host memory
+        self.control: Control | None = None  # made by `start` when the config enables it
+        # the loop's own bookkeeping
         self._stopping = False  # a stop signal came: training ends after this step's boundary
         self._restart = False   # a rewind moved the position: the loop starts its epoch again there
         self._pending = NOTHING  # what hooks asked inside a public method (evaluate), acted on next
-        self.snapshots = SnapshotStore(self.config.checkpoint.snapshots_keep,
-                                       self.config.checkpoint.snapshots_max_mib)  # in host memory
-        parts = assembly.assemble(
-            self.config, model=model, tokenizer=tokenizer, loss_fn=loss_fn, optimizer=optimizer,
-            lr_scheduler=lr_scheduler, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            train_collate_fn=train_dataset_collate_fn, eval_collate_fn=eval_dataset_collate_fn,
-            evaluators=evaluators, run_dir=run_dir)
-        self.ctx: RunContext = parts.ctx
-        self.data = parts.data
-        self.ds_setup = parts.ds_setup
-        self.train_fn = train_fn or parts.step
-        self.evaluators = parts.evaluators
-        self.checkpoints = parts.checkpoints
         self._sampler = None
         self._last_eval_step = -1
-        self.callbacks.fire("on_setup_parallel_model", self)
-        self._announce()
-        self.control = assembly.control_plane(self, chat_page=server)
-        self.callbacks.fire("on_after_trainer_initialized", self)
-        resume = assembly.resume_point(self.ctx)
-        if resume is not None:
-            self.load_checkpoint(resume)
+        start(self, chat_page=server)  # set-up hooks, setup event, control plane, resume
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> None:
@@ -370,29 +364,18 @@ class Trainer:
         return self.data.reports
 
     def train_loader(self, epoch: int, start_batch: int = 0):
-        return assembly.train_loader(self.ctx, self.data, epoch, start_batch)
+        return run_data.train_loader(self.ctx, self.data, epoch, start_batch)
 
     def eval_loader(self):
-        return assembly.eval_loader(self.ctx, self.data)
+        return run_data.eval_loader(self.ctx, self.data)
 
     def _epochs(self) -> int:
-        return assembly.epochs(self.config, assembly.micro_batches_per_epoch(self.ctx, self.data))
+        return run_data.epochs(self.config, run_data.micro_batches_per_epoch(self.ctx, self.data))
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, event: dict) -> None:
         """Write an event to events.jsonl (rank 0 only; other ranks' events are dropped)."""
         self.ctx.emit(event)
-
-    def _announce(self) -> None:
-        total, trainable = assembly.parameter_counts(self.ctx)
-        self.emit(SetupEvent(world_size=self.env.world_size, dp_size=self.env.dp_size,
-                             precision=self.precision, total_steps=self.state.total_steps,
-                             parameters=total, trainable_parameters=trainable,
-                             train_samples=len(self.train_dataset),
-                             eval_samples=len(self.eval_dataset) if self.eval_dataset is not None else 0,
-                             data={k: r.summary() for k, r in self.data_reports.items()},
-                             warnings=self.ds_setup.warnings, loss_average=self.config.train.loss_average,
-                             **({"lora_targets": self.method.lora_targets} if self.method.lora_targets else {})))
 
     def __enter__(self) -> "Trainer":
         return self

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from contract.config.load import load_config
-from engine import assembly, methods
+from engine import methods
+from engine.assembly import data as run_data
 from engine.context import DistEnv
 from engine.parallel import layouts
 from engine.steps import EngineStep
@@ -99,5 +100,5 @@ def test_only_the_peft_method_answers_without_its_adapter():
 ])
 def test_steps_and_epochs_of_the_loop(overrides, micro_batches, steps, epochs):
     c = cfg(*overrides)
-    assert assembly.total_steps(c, micro_batches) == steps
-    assert assembly.epochs(c, micro_batches) == epochs
+    assert run_data.total_steps(c, micro_batches) == steps
+    assert run_data.epochs(c, micro_batches) == epochs

@@ -11,7 +11,7 @@ from contract.preflight import preflight
 
 
 def test_backend_is_gloo_on_cpu_and_nccl_with_gloo_for_cpu_tensors_on_gpus():
-    from engine.setup import backend_for
+    from engine.assembly.process import backend_for
     assert backend_for(False) == "gloo"
     # NCCL alone refuses the loop's CPU-tensor collectives once there are two ranks
     assert backend_for(True) == "cpu:gloo,cuda:nccl"
@@ -21,7 +21,7 @@ def test_a_rank_without_a_gpu_of_its_own_is_named(monkeypatch):
     import pytest
     import torch
 
-    from engine.setup import device_of
+    from engine.assembly.process import device_of
     assert device_of(0) == torch.device("cpu")
     # no GPU here: the two facts device_of reads are what a 1-GPU machine would say
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -20,9 +20,10 @@ contract imports nothing of ours; supervisor and app never import the engine, to
 or the libraries that import torch (they start `python -m engine.worker` as a process); the
 front ends (app.web, app.notebook, app.cli) never import one another, only the app modules they
 share; the engine never imports gradio, ipywidgets, app or supervisor; within the engine only
-the entry points (engine.worker, the `engine` package's lazy `Trainer` export) and the
-composition root (engine.assembly) may import engine.trainer, nothing below the trainer reaches
-back up to it; and no module is in an import cycle with another.
+the entry points (engine.worker, the `engine` package's lazy `Trainer` export) may import
+engine.trainer, nothing below the trainer reaches back up to it (the composition root,
+engine.assembly, is called by the Trainer's constructor and never imports it); and no module is
+in an import cycle with another.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ FORBIDDEN_LIBS: dict[str, set[str]] = {
 FRONT_ENDS = {"app.web": ("app.web", "app.__main__"), "app.notebook": ("app.notebook",),
               "app.cli": ("app.cli",)}
 TRAINER = "engine.trainer"
-# The entry points and the composition root: the only modules that may import the trainer.
-MAY_IMPORT_TRAINER = {"engine", "engine.worker", "engine.assembly"}
+# The entry points: the only modules that may import the trainer.
+MAY_IMPORT_TRAINER = {"engine", "engine.worker"}
 
 
 @dataclass(frozen=True)

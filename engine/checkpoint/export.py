@@ -74,10 +74,9 @@ def export(source: str, target: str, merge_lora: bool = False,
 
 # -- sources ----------------------------------------------------------------------------------------
 def _from_training_checkpoint(src: Path, say):
-    from engine import setup
     from contract.config.load import load_config
     from engine.methods import prepare_model
-    from engine.model import build_model
+    from engine.model import build_model, model_dir_of, tokenizer_of
 
     marker = reading.complete_marker(str(src), kind="training")
     say(f"checking {len(marker.get('files', {}))} files of {src.name}")
@@ -98,14 +97,14 @@ def _from_training_checkpoint(src: Path, say):
                             "parallel": {**saved["parallel"], "hostfile": ""}})
     precision = record["model"]["precision"]
     say(f"building the model ({cfg.method.name}, {precision})")
-    model = prepare_model(build_model(setup.model_dir_of(cfg), seed=cfg.train.seed, precision="fp32",
+    model = prepare_model(build_model(model_dir_of(cfg), seed=cfg.train.seed, precision="fp32",
                                       trust_remote_code=cfg.model.trust_remote_code), cfg)
     say(f"reading the weights of step {record['position']['global_step']} "
         f"(ZeRO stage {layout['zero_stage']})")
     state = _deepspeed_state(src, record["ds_tag"], layout["zero_stage"])
     _load_state(model, state, src)
     from engine.model import DTYPES
-    return model.to(DTYPES[precision]), setup.tokenizer_of(cfg), \
+    return model.to(DTYPES[precision]), tokenizer_of(cfg), \
         f"{src.name} (step {record['position']['global_step']})"
 
 

@@ -1,6 +1,6 @@
 """Tensor parallelism through DeepSpeed AutoTP (training mode), for Hugging Face models.
 
-How a run uses it (engine.setup): the DeepSpeed config carries
+How a run uses it (engine.assembly.model): the DeepSpeed config carries
 `tensor_parallel: {autotp_size: N, vocab_parallel_lm_head: false}` and `deepspeed.initialize`
 gets `mpu=deepspeed.utils.groups`, whose data x tensor mesh `engine.parallel.groups` created.
 DeepSpeed then replaces the Hugging Face tp_plan's projections by sharded layers (q/k/v,
