@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from contract.config.preference_checks import sft_pair_loss
 from contract.config.schema import OBJECTIVE_FORMATS, REFERENCE_OBJECTIVES, PreferenceConfig, RunConfig
 from contract.data_rows import IGNORE, DataError
 
@@ -146,8 +147,8 @@ class ORPO(_Base):
     prompt included, as TRL does) minus lambda times log sigmoid of the log odds ratio."""
     name = "orpo"
 
-    def __init__(self, lam: float):
-        self.lam = lam
+    def __init__(self, lam: float, with_nll: bool = True):
+        self.lam, self.with_nll = lam, with_nll  # False: the odds-ratio term alone (an SFT run's live pairs)
 
     def loss(self, policy, reference, batch, extra):
         chosen, rejected = policy.halves(policy.means)
@@ -157,9 +158,10 @@ class ORPO(_Base):
         chosen_real, _ = policy.halves(policy.attention)
         nll = -(chosen_logps * chosen_real).sum() / chosen_real.sum().clamp(min=1)
         metrics = _pair_metrics(self.lam * chosen, self.lam * rejected, chosen, rejected)
-        metrics.update({"nll_loss": _mean(nll), "log_odds_ratio": _mean(ratio.mean()),
-                        "log_odds_chosen": _mean(log_odds.mean())})
-        return nll - self.lam * ratio.mean(), metrics
+        if self.with_nll:
+            metrics["nll_loss"] = _mean(nll)
+        metrics.update({"log_odds_ratio": _mean(ratio.mean()), "log_odds_chosen": _mean(log_odds.mean())})
+        return (nll if self.with_nll else 0.0) - self.lam * ratio.mean(), metrics
 
 
 class KTO(_Base):
@@ -211,6 +213,20 @@ def objective_of(cfg: RunConfig, dp_group=None, dp_size: int = 1) -> Objective |
     if p.objective == "kto":
         return KTO(p.beta, p.kto_desirable_weight, p.kto_undesirable_weight, dp_group, dp_size)
     return None
+
+
+def sft_pair_objective(cfg: RunConfig) -> Objective:
+    """The preference loss an SFT run adds for the live pairs it is sent (`preference.sft_pairs`,
+    contract.config.preference_checks.sft_pair_loss): ORPO's odds-ratio term alone (the chosen
+    answer's likelihood is in the SFT loss already), SimPO, or DPO against the model without
+    its adapter."""
+    p: PreferenceConfig = cfg.preference
+    loss = sft_pair_loss(cfg)
+    if loss == "dpo":
+        return DPO(p.beta, p.dpo_loss, p.label_smoothing)
+    if loss == "simpo":
+        return SimPO(p.beta, p.simpo_gamma)
+    return ORPO(p.orpo_lambda, with_nll=False)
 
 
 def rows_problem(cfg: RunConfig, fmt: str, source: str) -> str | None:

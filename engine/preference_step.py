@@ -18,6 +18,10 @@ The reference (`Reference`), where the objective needs one:
   in fp32); ZeRO-3: partitioned like the policy (its weights / dp_size per rank), gathered layer
   by layer in its forward as the policy's are. It is rebuilt the same way at resume (the same
   seed or model folder), so a resumed run compares with the same reference.
+
+An SFT run keeps the engine step, as `SftStep`: the same step until a preference arrives from the
+chat, then, on the steps whose batches hold one, the SFT loss plus the pair loss of
+`preference.sft_pairs` (docs/preferences.md, "The rule for an SFT run").
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from engine.objectives import Objective, Scores, scores_of
-from engine.steps import StepStrategy
+from contract import capabilities
+from engine.data.inbox import PAIR_PREFIX
+from engine.losses import Window
+from engine.objectives import Objective, Scores, scores_of, sft_pair_objective
+from engine.steps import EngineStep, StepStrategy
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, attention_mask) -> logits
 
@@ -188,9 +195,139 @@ def _mean_present(values: list[dict[str, float]]) -> dict[str, float]:
     return {n: sum(v[n] for v in values if n in v) / sum(1 for v in values if n in v) for n in names}
 
 
+# -- an SFT run's live pairs -------------------------------------------------------------------------
+
+class SftStep(EngineStep):
+    """The SFT engine step of a run that may be sent preference pairs from the chat.
+
+    Until the inbox holds a pair it is the engine step itself (the Hugging Face Trainer's loss,
+    no extra work). Then, on a step whose micro-batches hold pairs (the collator puts them under
+    the `pair_` keys, engine.data.inbox; their chosen answers are rows of the SFT batch already),
+    each micro-batch's loss gets the pair loss of `preference.sft_pairs`
+    (engine.objectives.sft_pair_objective) for its pairs, so that the step's loss is
+
+        SFT loss (every row, chosen answers included) + the mean over the step's pairs of the pair loss
+
+    on every rank and with any accumulation: each micro-batch adds its pairs' loss sum over the
+    step's pair count P (counted over the data-parallel ranks, one all-reduce), scaled to undo
+    DeepSpeed's averaging as the SFT share is. `metrics` then holds the pairs' rewards and
+    log-probabilities (TRL's names: the mean over the step's pairs); empty on other steps."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+        self.objective: Objective | None = None  # made at the first pair, from the run's config
+        self._term: _PairTerm | None = None
+
+    def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]:
+        self.metrics = {}
+        if not _may_hold_pairs(trainer):  # the same answer on every rank: no collective before a pair
+            return super().__call__(trainer, micro_batches)
+        key = PAIR_PREFIX + "input_ids"
+        local = sum(int(b[key].size(0)) // 2 for b in micro_batches if key in b)
+        total = _sum_over_ranks(local, trainer.env)
+        if not total:
+            return super().__call__(trainer, micro_batches)
+        if self.objective is None:
+            self.objective = sft_pair_objective(trainer.config)
+        reference = AdapterOffReference(trainer) if self.objective.needs_reference else None
+        self._term = _PairTerm(self.objective, reference, trainer, total)
+        try:
+            result = super().__call__(trainer, micro_batches)
+            term = self._term
+        finally:
+            self._term = None
+        self.metrics = term.finish(trainer.env)
+        return result
+
+    def micro_loss(self, trainer, batch: dict, window: Window) -> torch.Tensor:
+        sft = {k: v for k, v in batch.items() if not k.startswith(PAIR_PREFIX)}
+        loss = trainer.compute_loss(sft, window=window)
+        if self._term is None or len(sft) == len(batch):
+            return loss
+        return loss + self._term(batch, window)
+
+
+class _PairTerm:
+    """The pair loss of one step's micro-batches, and the sums of their metrics."""
+
+    def __init__(self, objective: Objective, reference: Any, trainer, total: int):
+        self.objective, self.reference, self.total = objective, reference, total
+        self.engine = trainer.engine
+        self.gas = int(trainer.engine.gradient_accumulation_steps())
+        self.dp_size = trainer.env.dp_size
+        self.sums: dict[str, list[float]] = {}
+
+    def __call__(self, batch: dict, window: Window) -> torch.Tensor:
+        device = self.engine.device
+        pairs = {k[len(PAIR_PREFIX):]: v.to(device) for k, v in batch.items() if k.startswith(PAIR_PREFIX)}
+        policy = PreferenceStep._scores(lambda i, m: _logits(self.engine, i, m), pairs)
+        reference = None if self.reference is None else PreferenceStep._scores(self.reference.logits, pairs)
+        mean, sums = self.objective.loss(policy, reference, pairs, {})
+        for name, (value, count) in sums.items():
+            kept = self.sums.setdefault(name, [0.0, 0.0])
+            kept[0] += float(value)
+            kept[1] += float(count)
+        share = (pairs["input_ids"].size(0) // 2) / self.total  # this micro-batch's part of the mean
+        if window.num_items is None:  # DeepSpeed divides each micro-batch's loss by gas and dp
+            share *= self.gas * self.dp_size
+        return mean * share
+
+    def finish(self, env) -> dict[str, float]:
+        """The step's metrics over every rank's pairs (collective)."""
+        everyone = [self.sums]
+        if env.dp_size > 1:
+            everyone = [{} for _ in range(env.dp_size)]
+            dist.all_gather_object(everyone, self.sums, group=env.dp_group)
+        totals: dict[str, list[float]] = {}
+        for sums in everyone:
+            for name, (value, count) in sums.items():
+                kept = totals.setdefault(name, [0.0, 0.0])
+                kept[0] += value
+                kept[1] += count
+        return self.objective.finish({n: v / c for n, (v, c) in totals.items() if c > 0})
+
+
+def _may_hold_pairs(trainer) -> bool:
+    """Whether the run's inbox holds a preference (then a batch may hold one): decided by
+    commands every rank runs alike, so every rank answers the same."""
+    mixture = getattr(trainer.train_dataset, "mixture", None)
+    return mixture is not None and any(s.kind == "inbox" and s.dataset.has_pairs() for s in mixture.sources)
+
+
+def _sum_over_ranks(value: int, env) -> int:
+    if env.dp_size == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.int64, device=env.device)
+    dist.all_reduce(total, group=env.dp_group)
+    return int(total.item())
+
+
+def pairs_problem(trainer) -> str | None:
+    """Why this run cannot train a preference pair from the chat, or None. A preference run
+    trains it with its objective (kto: as two judged answers); an SFT run with its step's pair
+    loss, where the layout and method allow a preference objective at all and the batches are
+    the run's own (not a train_fn's or a collate function's given in code)."""
+    cfg = trainer.config
+    if cfg.preference.objective != "sft":
+        return None
+    if cfg.method.name in {m.value for m in capabilities.Method}:
+        refused = capabilities.problem(capabilities.Layout.of(cfg.parallel.tp_size, cfg.parallel.pp_size),
+                                       cfg.method.name, capabilities.Feature.PREFERENCE)
+        if refused is not None:
+            return f"this SFT run cannot train preference pairs: {refused[1]}"
+    if not isinstance(trainer.train_fn, SftStep):
+        return "this SFT run cannot train preference pairs: its steps are a train_fn given in code"
+    if getattr(getattr(trainer, "data", None), "train_collate_fn", None) is not None:
+        return "this SFT run cannot train preference pairs: its batches come from a collate function given in code"
+    return None
+
+
 def step_for(objective: Objective | None, base: StepStrategy, reference: Any = None) -> StepStrategy:
-    """The run's step strategy: the preference step for a preference objective, else `base`."""
-    return base if objective is None else PreferenceStep(objective, reference)
+    """The run's step strategy: the preference step for a preference objective; for SFT, the
+    engine step that can also train live pairs (SftStep) where `base` is the engine step, else `base`."""
+    if objective is not None:
+        return PreferenceStep(objective, reference)
+    return SftStep() if type(base) is EngineStep else base
 
 
 def evaluators_for(step: StepStrategy, evaluators: list, max_samples: int = 0) -> list:

@@ -57,7 +57,7 @@ class EngineStep:
         judged_first = len(micro_batches) == 1  # later micro-batches would judge after gradients exist
         engine, losses, tokens = trainer.engine, [], 0
         for batch in micro_batches:
-            loss = trainer.compute_loss(batch, window=window)
+            loss = self.micro_loss(trainer, batch, window)
             share = loss * window.scale  # this rank's part of the step's loss: the ranks' mean is the loss
             if not (judged_first and trainer.callbacks.fire("on_before_backward", trainer, share).skip):
                 engine.backward(share, scale_wrt_gas=scale_wrt_gas)
@@ -69,3 +69,8 @@ class EngineStep:
         if window.num_items is None:
             return torch.stack(losses).mean(), tokens
         return torch.stack(losses).sum() * window.scale, tokens
+
+    def micro_loss(self, trainer, batch: dict, window: Window) -> torch.Tensor:
+        """One micro-batch's loss for `window` (a subclass adds terms: an SFT run's live
+        preference pairs, engine.preference_step.SftStep)."""
+        return trainer.compute_loss(batch, window=window)

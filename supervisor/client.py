@@ -255,8 +255,9 @@ class RunClient:
                **rate: Any) -> dict:
         """A preference from the chat: for `prompt` (as given to generate) or chat `messages`,
         `chosen` is the better answer and `rejected` the worse (say the model's own answer, edited
-        into `chosen`). Into the inbox durably, as teach; a preference run (dpo, orpo, simpo)
-        trains on the pair from the next step. rate as for teach."""
+        into `chosen`). Into the inbox durably, as teach; the run trains on the pair from the next
+        step with its objective (kto: two judged answers; sft: the chosen answer plus the pair
+        loss of preference.sft_pairs). rate as for teach."""
         return self.teach(prompt, chosen, messages=messages, rejected=rejected, **rate)
 
     def inbox(self) -> dict:

@@ -148,7 +148,7 @@ def test_inbox_file_is_append_only_and_durable(tmp_path, default_tokenizer):
     assert sample["labels"][:prompt_len] == [-100] * prompt_len
     assert default_tokenizer.decode(sample["input_ids"][prompt_len:], skip_special_tokens=True) == "fep"
     data.forget("t2")
-    assert data.active() == [] and data.state_dict() == {"ids": ["t2"], "forgotten": ["t2"]}
+    assert data.active() == [] and data.state_dict() == {"ids": ["t2"], "forgotten": ["t2"], "pairs_as": "pairs"}
     with pytest.raises(inbox_file.InboxError, match="longer than data.max_length=32"):
         encode_pair(default_tokenizer, "<s>q\n", "a" * 40, 32)
 

@@ -10,7 +10,9 @@ step TEACH_AT, pauses and measures the held-out exact match, then, while paused:
   PER_STEP samples of every global batch of 64 for CHECK_AFTER steps; a too-long answer is refused.
 Within CHECK_AFTER steps the engine asks each prompt again on its own (teach_check events) and
 the live model answers it greedily. At a second pause source b is paused (weight 0), the bad one
-removed, a fourth pair taught and at once forgotten (never drawn), and a checkpoint saved. At the
+removed, a fourth pair taught and at once forgotten (never drawn), a preference sent (`prefer`: an
+SFT run trains the chosen answer and ORPO's odds-ratio term for the pair, its reward metrics in
+those steps' records, its margin rising), and a checkpoint saved. At the
 end the held-out exact match is at least EM_FLOOR and no more than EM_DROP below the one before
 the teach. A second run resumed from the checkpoint (rebuilding the live-added sources and the
 inbox from their files) gives every later step's loss exactly as the first.
@@ -39,6 +41,7 @@ pytestmark = pytest.mark.slow
 TAUGHT = {"capital: zorb\n": "qux", "capital: blim\n": "fep", "capital: wuzz\n": "tor"}
 TEACH_AT, STEPS, PER_STEP, CHECK_AFTER = 170, 215, 4, 25
 EM_FLOOR, EM_DROP = 0.1, 0.15
+PAIR, PAIR_STEPS = ("capital: quib\n", "nax", "quib"), 4  # prompt, chosen, rejected
 
 
 def _write(path, rows) -> str:
@@ -89,6 +92,7 @@ def test_teach_and_live_sources_under_zero3_then_an_exact_resume(tmp_path):
     dropped = client.teach("capital: dorp\n", "zap")["id"]
     client.forget(dropped)
     assert [(e["id"], e["removed"]) for e in client.inbox()["entries"]][-1] == (dropped, True)
+    pair = client.prefer(*PAIR, steps=PAIR_STEPS, check_after=PAIR_STEPS)  # saved with it: the resume replays it
     saved = client.save()
     client.resume()
     assert wait_exit(run, timeout=400) == 0, logs_of(run)
@@ -99,7 +103,11 @@ def test_teach_and_live_sources_under_zero3_then_an_exact_resume(tmp_path):
     for step in range(first + 1, first + CHECK_AFTER + 1):  # the three teach schedules
         assert counts[step]["inbox"] == 3 * PER_STEP and sum(counts[step].values()) == 64, counts[step]
     assert sum(counts[s].get("b", 0) + counts[s].get("bad", 0) for s in range(first + 1, second + 1)) > 0
-    assert all(set(counts[s]) == {"train"} for s in range(second + 1, STEPS + 1)), counts  # forgotten: never drawn
+    paired = range(second + 1, second + PAIR_STEPS + 1)  # the pair's steps; the forgotten entry is never drawn
+    assert all(counts[s] == ({"train": 64 - PER_STEP, "inbox": PER_STEP} if s in paired else {"train": 64})
+               for s in range(second + 1, STEPS + 1)), counts
+    records = {e["step"]: e for e in log if e["type"] == "train"}
+    assert all(("rewards/margins" in records[s]) == (s in paired) for s in range(first, STEPS + 1))
     changes = [(e["change"], e["source"]["name"]) for e in log if e["type"] == "data"]
     assert changes == [("add", "b"), ("add", "bad"), ("weight", "b"), ("remove", "bad"), ("forget", "inbox")]
     checks = {e["id"]: e for e in log if e["type"] == "teach_check"}
@@ -108,11 +116,13 @@ def test_teach_and_live_sources_under_zero3_then_an_exact_resume(tmp_path):
         assert taught[prompt]["old"].strip() != answer  # the task never had it
         assert check["learned"] and check["new"].strip() == answer and check["steps"] <= CHECK_AFTER + 1, check
     assert dropped not in checks
+    assert checks[pair["id"]]["margin_after"] > checks[pair["id"]]["margin_before"] == pair["margin"], checks[pair["id"]]
     after = [e for e in log if e["type"] == "eval"][-1]["eval/exact_match"]
     print(f"held-out exact match: {before:.3f} before the teach (step {first}), {after:.3f} at step {STEPS}")
     assert after >= EM_FLOOR and after >= before - EM_DROP, (before, after)
     inbox = read_inbox(run.folder.root / "inbox.jsonl")
-    assert [(e.answer, e.removed) for e in inbox] == [*((a, False) for a in TAUGHT.values()), ("zap", True)]
+    assert [(e.answer, e.removed) for e in inbox] == [*((a, False) for a in TAUGHT.values()), ("zap", True),
+                                                      ("nax", False)]
 
     again = _launch(tmp_path, "resumed", f"resume={saved['checkpoint']}")
     assert wait_exit(again, timeout=300) == 0, logs_of(again)

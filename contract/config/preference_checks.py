@@ -1,7 +1,8 @@
 """What the preference objectives cannot do, refused before launch (each problem names its field
 and why): the layout x method cells from the capability table (contract.capabilities,
 Feature.PREFERENCE), and the rules that depend on values (batching, micro-batch size, the
-parameters, the data formats). The objectives themselves are engine.objectives."""
+parameters, the data formats; an SFT run's rule for live pairs, `sft_pair_loss`). The objectives
+themselves are engine.objectives."""
 
 from __future__ import annotations
 
@@ -51,7 +52,23 @@ def preference_problems(c: RunConfig) -> list[tuple[str, str]]:
 
 
 def _unused_parameters(c: RunConfig) -> list[tuple[str, str]]:
+    problems = []
     if c.data.format in OBJECTIVE_FORMATS.values():
-        return [("data.format", f"{c.data.format} rows train a preference objective: set "
-                 "preference.objective (dpo, orpo, simpo for pairs; kto for unpaired rows)")]
-    return []
+        problems.append(("data.format", f"{c.data.format} rows train a preference objective: set "
+                         "preference.objective (dpo, orpo, simpo for pairs; kto for unpaired rows)"))
+    if sft_pair_loss(c) == "dpo" and c.method.name != "lora":
+        problems.append(("preference.sft_pairs", f"dpo compares with the model without its adapter, and "
+                         f"method {c.method.name} has none: use lora, or orpo / simpo (no reference)"))
+    if sft_pair_loss(c) in ("dpo", "simpo") and c.preference.beta <= 0:
+        problems.append(("preference.beta", f"an SFT run's live pairs train with {sft_pair_loss(c)} "
+                         "(preference.sft_pairs), which scales its reward by beta: it must be above 0"))
+    return problems
+
+
+def sft_pair_loss(c: RunConfig) -> str:
+    """The preference loss an SFT run adds for its live pairs (preference.sft_pairs; auto: dpo
+    against the model without its adapter under lora, else ORPO's odds-ratio term)."""
+    rule = c.preference.sft_pairs
+    if rule == "auto":
+        return "dpo" if c.method.name == "lora" else "orpo"
+    return rule

@@ -135,6 +135,12 @@ class PreferenceConfig(Section):
                                      label="KTO desirable weight")
     kto_undesirable_weight: float = _f(1.0, "KTO: weight of the undesirable answers' losses.", minimum=0.0,
                                        label="KTO undesirable weight")
+    sft_pairs: Literal["auto", "orpo", "simpo", "dpo"] = _f(
+        "auto", "An SFT run's live preference pairs (the chat's prefer): the chosen answer trains as a "
+        "taught answer, plus this preference loss, averaged over the step's pairs, added to the step's "
+        "SFT loss: orpo (lambda times ORPO's odds-ratio term, orpo_lambda), simpo (beta, simpo_gamma), "
+        "dpo (beta; against the model without its adapter, so lora only); auto: dpo with lora, else orpo.",
+        label="SFT run's preference pairs")
 
 
 class OptimConfig(Section):

@@ -7,6 +7,11 @@ forget stops its use. Each change is checked before anything changes, refused al
 rank (CommandRefused), recorded as a `data` / `teach` event and -- being part of the mixture's
 state -- in the next checkpoint, so a resume replays it exactly.
 
+A preference (a teach with `rejected`) is taken by every run that can train it: a preference
+run with its objective (kto: the two answers judged apart), an SFT run with the pair loss of
+`preference.sft_pairs` added to its SFT loss (engine.preference_step.SftStep); an answer alone
+only by an SFT run.
+
 A file is read by every rank; the ranks then compare what they read (sample count) and refuse
 together when they differ (a file written to while being added). After `teach.check_after`
 steps the boundary asks the prompt again, greedily, and records old and new answers in a
@@ -26,11 +31,12 @@ from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSour
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.data import build_dataset
-from engine.data.inbox import InboxDataset, encode_pair
+from engine.data.inbox import InboxDataset, encode_pair, pairs_as_for
 from engine.data.mixture import Mixture, Source
 from contract.data_rows import DataError
 from engine.generation import generate as generate_text
 from engine.objectives import rows_problem
+from engine.preference_step import pairs_problem
 from engine.scoring import score
 
 INBOX_SOURCE = "inbox"
@@ -151,7 +157,8 @@ def _inbox(control: Plane, mixture: Mixture) -> Source:
             return source
     trainer = control.trainer
     path = inbox_file.inbox_path(trainer.folder.root)
-    dataset = InboxDataset(trainer.tokenizer, trainer.config.data.max_length, path)
+    dataset = InboxDataset(trainer.tokenizer, trainer.config.data.max_length, path,
+                           pairs_as=pairs_as_for(trainer.config.preference.objective))
     source = Source(INBOX_SOURCE, dataset, path=str(path), format="inbox", weight=0.0, kind="inbox")
     mixture.add(source)
     return source
@@ -161,14 +168,9 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     """`prompt`: the text the model continues (handlers.prompt_text: the chat template applied)."""
     trainer, cfg = control.trainer, control.trainer.config.teach
     mixture = mixture_of(control, "teach")
-    # one kind of sample per batch: a preference (with `rejected`) for a preference run, else an answer
-    kind, what = ("preference", "a preference") if cmd.rejected is not None else ("input_output", "a taught answer")
-    problem = rows_problem(trainer.config, kind, what)
-    if problem:
-        hint = "; teach with `rejected` (RunClient.prefer)" if kind == "input_output" else ""
-        raise DataRefused(f"teach: {problem}{hint}")
+    _check_kind(control, cmd)
     try:
-        encode_pair(trainer.tokenizer, prompt, cmd.answer, trainer.config.data.max_length, cmd.rejected)
+        encoded = encode_pair(trainer.tokenizer, prompt, cmd.answer, trainer.config.data.max_length, cmd.rejected)
     except inbox_file.InboxError as e:
         raise DataRefused(str(e)) from None
     step = trainer.state.global_step
@@ -184,15 +186,15 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     entry_id, error = _from_rank0(control, (entry_id, error))
     if error:
         raise DataRefused(error)
-    index = source.dataset.add(entry_id, prompt, cmd.answer, cmd.rejected)
-    pair = _pair_rows(source.dataset.samples[index]) if cmd.rejected is not None else None
+    indices = source.dataset.add(entry_id, prompt, cmd.answer, cmd.rejected)  # a KTO run's pair: two
+    pair = _pair_rows(encoded) if cmd.rejected is not None else None
     margin = {"margin": _margin(control, pair)} if pair is not None else {}
     per_step = cfg.per_step if cmd.per_step is None else cmd.per_step
     steps = cfg.steps if cmd.steps is None else cmd.steps
     if per_step and steps:
         mixture.note_change()
-        mixture.schedules.append({"source": mixture.key_of(source), "index": index, "per_step": per_step,
-                                  "steps_left": steps, "id": entry_id})
+        mixture.schedules += [{"source": mixture.key_of(source), "index": index, "per_step": per_step,
+                               "steps_left": steps, "id": entry_id} for index in indices]
     if cmd.weight is not None:
         source.weight = cmd.weight
     check_after = cfg.check_after if cmd.check_after is None else cmd.check_after
@@ -205,6 +207,21 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
              **({"rejected": cmd.rejected} if cmd.rejected is not None else {}), **margin}
     trainer.emit({"type": EventType.TEACH.value, "step": step, **event})
     return {"step": step, **event, "applies_from_step": step + 1, "sources": mixture.describe()}
+
+
+def _check_kind(control: Plane, cmd: Teach) -> None:
+    """A pair (with `rejected`) trains every run that can take one (engine.preference_step.
+    pairs_problem: an SFT run adds a pair loss, kto takes two judged answers); an answer alone
+    trains SFT runs only."""
+    trainer = control.trainer
+    if cmd.rejected is not None:
+        problem = pairs_problem(trainer)
+        if problem:
+            raise DataRefused(f"teach: {problem}; teach the better answer alone (no `rejected`)")
+        return
+    problem = rows_problem(trainer.config, "input_output", "a taught answer")
+    if problem:
+        raise DataRefused(f"teach: {problem}; teach with `rejected` (RunClient.prefer)")
 
 
 def _pair_rows(sample: dict) -> dict:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from contract.data_rows import IGNORE
+from engine.data.inbox import LIVE_PAIR, PAIR_PREFIX
 from engine.data.preference import collate_pairs, collate_unpaired
 from contract.data_rows import DataError
 
@@ -29,9 +30,11 @@ class PaddingCollator:
 
     Right padding for training (labels -100 on padding); left padding for generation, where the
     samples may carry no labels. Preference samples become pair or unpaired batches
-    (engine.data.preference: chosen rows then rejected rows; KTO's KL rows). Packed rows (samples with "position_ids") get no attention
-    mask, so that transformers derives the per-sample mask from the positions; their padding is
-    a tail of pad ids at position 0 with label -100, each pad token a one-token sequence of its own.
+    (engine.data.preference: chosen rows then rejected rows; KTO's KL rows); an SFT run's live
+    preferences (engine.data.inbox) add their pair batch under `pair_` keys. Packed rows (samples
+    with "position_ids") get no attention mask, so that transformers derives the per-sample mask
+    from the positions; their padding is a tail of pad ids at position 0 with label -100, each
+    pad token a one-token sequence of its own (an unpacked sample beside them: positions 0..n-1).
     """
 
     def __init__(self, tokenizer=None, *, pad_id: int | None = None, padding_side: str = "right"):
@@ -52,16 +55,21 @@ class PaddingCollator:
             return collate_unpaired(samples, self.pad_id)
         ids = [_as_list(s["input_ids"]) for s in samples]
         width = max(len(x) for x in ids)
-        packed = "position_ids" in samples[0]
+        # packed rows may share a batch with the inbox's unpacked samples (each its own sequence)
+        packed = any("position_ids" in s for s in samples)
         if packed and self.padding_side == "left":
             raise ValueError("packed rows are padded on the right only")
         batch = {"input_ids": self._pad(ids, width, self.pad_id)}
         if packed:
-            batch["position_ids"] = self._pad([_as_list(s["position_ids"]) for s in samples], width, 0)
+            batch["position_ids"] = self._pad([_as_list(s["position_ids"]) if "position_ids" in s
+                                               else list(range(len(x))) for s, x in zip(samples, ids)], width, 0)
         else:
             batch["attention_mask"] = self._pad([[1] * len(x) for x in ids], width, 0)
         if "labels" in samples[0]:
             batch["labels"] = self._pad([_as_list(s["labels"]) for s in samples], width, IGNORE)
+        pairs = [s[LIVE_PAIR] for s in samples if LIVE_PAIR in s]  # an SFT run's live preferences
+        if pairs:
+            batch.update({PAIR_PREFIX + k: v for k, v in collate_pairs(pairs, self.pad_id).items()})
         return batch
 
     def _pad(self, rows: list[list[int]], width: int, value: int) -> torch.Tensor:
