@@ -56,10 +56,9 @@ COMMON = ("model.path", "data.train", "data.eval", "data.format", "data.max_leng
 # comma-separated text, with what an entry may be. Their values stay text in Form's convention
 # ("a, b"): `entries` and `entries_text` convert at the widget.
 ENTRY_LISTS = {
-    "eval.lm_eval_tasks": "One entry per task: an lm-evaluation-harness task name (arc_easy, hellaswag) "
-                          "or the path of a local task YAML file (tasks/my_task.yaml, its data named "
-                          "inside it); type it and press Enter. Run at every evaluation; results as "
-                          "eval/lm_eval/<task>/<metric>, plotted with the other metrics.",
+    "eval.lm_eval_tasks": "One entry per task, typed and confirmed with Enter: a task name (arc_easy, "
+                          "hellaswag) or a local task YAML's path (tasks/my_task.yaml, its data files "
+                          "named inside it). Results are plotted with the other evaluation metrics.",
 }
 
 
