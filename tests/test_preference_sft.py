@@ -4,7 +4,8 @@ ORPO's odds-ratio term; LoRA: DPO against the model without its adapter), a KTO 
 pair as two judged answers (TRL's unpair_preference_dataset). Each run takes the pair at a pause,
 durably in its inbox, trains on it from the next step (its reward metrics in those steps' records
 only), its margin of chosen over rejected rises, and a run resumed from a checkpoint saved right
-after it repeats every later step exactly (the inbox replayed from its file).
+after it repeats every later step exactly (the inbox replayed from its file). A step's loss is
+checked against the SFT loss plus the mean pair loss computed apart.
 
 One rank, in this process (the client in a thread, through the real socket), tiny models (CI
 time); the 2-rank ZeRO-3 SFT run with a live pair (full fine-tuning: ORPO's term) and its exact
@@ -205,3 +206,38 @@ def test_the_inbox_encodes_a_pair_for_the_runs_objective_and_a_resume_alike(tmp_
     assert batch["pair_input_ids"].shape[0] == 2 and batch["pair_labels"][1].tolist()[3:5] == \
         sft.samples[0]["pair"]["rejected_ids"]  # beside it, its pair: chosen row, rejected row
     assert "pair_input_ids" not in PaddingCollator(tiny_tokenizer)(sft.samples[1:])
+
+
+@pytest.mark.slow  # one single-rank engine in this process
+def test_a_step_with_pairs_has_the_sft_loss_plus_the_mean_pair_loss(inputs, tmp_path):
+    """Two micro-batches a step, the per-micro-batch objective (DeepSpeed divides by the
+    accumulation steps): the step's loss is the SFT loss of its rows plus the mean over its pairs
+    of ORPO's odds-ratio term, however the pairs fall into the micro-batches."""
+    import torch
+    from engine.data.mixture import Source
+    from engine.objectives import sft_pair_objective
+    from engine.preference_step import PreferenceStep, _logits
+    from engine.trainer import Trainer
+    cfg = load_config(overrides=_overrides(inputs, tmp_path, "weights", "train.grad_accum=2", "batch_size=3",
+                                           "train.loss_average=micro_batch", "control.enabled=false"))
+    trainer = Trainer(config=cfg)
+    inbox = InboxDataset(trainer.tokenizer, 48, tmp_path / "inbox.jsonl", pairs_as="sft")
+    trainer.train_dataset.mixture.add(Source("inbox", inbox, format="inbox", weight=0.0, kind="inbox"))
+    inbox.add("t1", "<s>capital: zorb\n", "qux", "zorb")
+    inbox.add("t2", "<s>capital: blim\n", "fep", "blim")
+    rows, collate = trainer.train_dataset.sources[0].dataset, PaddingCollator(trainer.tokenizer)
+    micro_batches = [collate([rows[0], inbox[0], rows[1]]), collate([inbox[1], inbox[0], rows[2]])]
+    with torch.no_grad():  # the expected loss, under the weights before the step
+        sft = [trainer.compute_loss({k: v for k, v in b.items() if not k.startswith("pair_")}) for b in micro_batches]
+        pair_losses = []
+        for batch in micro_batches:
+            pairs = {k.removeprefix("pair_"): v for k, v in batch.items() if k.startswith("pair_")}
+            scores = PreferenceStep._scores(lambda i, m: _logits(trainer.engine, i, m), pairs)
+            mean, _ = sft_pair_objective(cfg).loss(scores, None, pairs, {})
+            pair_losses += [float(mean)] * (pairs["input_ids"].size(0) // 2)
+    loss, _ = trainer.train_fn(trainer, micro_batches)
+    metrics = trainer.train_fn.metrics
+    trainer.close()
+    expected = float(sum(sft)) / 2 + sum(pair_losses) / 3
+    assert float(loss) == pytest.approx(expected, rel=1e-6) and len(pair_losses) == 3
+    assert set(PAIR_METRICS) <= set(metrics) and metrics["rewards/accuracies"] in (0.0, 1 / 3, 2 / 3, 1.0)
