@@ -259,8 +259,8 @@ class Run:
                **rate: Any) -> dict:
         """A preference: for `prompt` (raw text, as given to generate) or chat `messages`, `chosen`
         is the better answer and `rejected` the worse (say the model's own answer, edited into
-        `chosen`). Into the inbox as teach; a preference run (dpo, orpo, simpo) trains on the pair
-        from the next step. The answer holds the entry's `id` and `margin`: log p(chosen) -
+        `chosen`). Into the inbox as teach; the run trains on the pair from the next step with its
+        objective (kto: two judged answers; sft: the chosen answer plus preference.sft_pairs' loss). The answer holds the entry's `id` and `margin`: log p(chosen) -
         log p(rejected) under the live weights. rate as for teach."""
         return self.teach(prompt, chosen, messages=messages, rejected=rejected, **rate)
 

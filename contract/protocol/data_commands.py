@@ -74,7 +74,8 @@ class Teach(Command):
     weight: float | None = Field(default=None, ge=0.0, le=1e9, description="The inbox source's weight from now on (all "
                                  "its entries, round robin); default: left as it is (0 at first).")
     rejected: str | None = Field(default=None, description="A worse answer to the same prompt: the pair (answer "
-                                 "preferred over rejected) trains a preference run (dpo, orpo, simpo) at once.")
+                                 "preferred over rejected) trains from the next step with the run's objective "
+                                 "(kto: two judged answers; sft: the answer plus preference.sft_pairs' loss).")
 
     @model_validator(mode="after")
     def _an_answer_to_a_prompt(self) -> Teach:
