@@ -5,7 +5,8 @@ pair as two judged answers (TRL's unpair_preference_dataset). Each run takes the
 durably in its inbox, trains on it from the next step (its reward metrics in those steps' records
 only), its margin of chosen over rejected rises, and a run resumed from a checkpoint saved right
 after it repeats every later step exactly (the inbox replayed from its file). A step's loss is
-checked against the SFT loss plus the mean pair loss computed apart.
+checked against the SFT loss plus the mean pair loss computed apart; the inbox's unpacked samples
+keep their own positions beside packed rows.
 
 One rank, in this process (the client in a thread, through the real socket), tiny models (CI
 time); the 2-rank ZeRO-3 SFT run with a live pair (full fine-tuning: ORPO's term) and its exact
@@ -241,3 +242,11 @@ def test_a_step_with_pairs_has_the_sft_loss_plus_the_mean_pair_loss(inputs, tmp_
     expected = float(sum(sft)) / 2 + sum(pair_losses) / 3
     assert float(loss) == pytest.approx(expected, rel=1e-6) and len(pair_losses) == 3
     assert set(PAIR_METRICS) <= set(metrics) and metrics["rewards/accuracies"] in (0.0, 1 / 3, 2 / 3, 1.0)
+
+
+def test_an_unpacked_inbox_sample_beside_packed_rows_is_its_own_sequence(tiny_tokenizer):
+    packed = {"input_ids": [1, 20, 21, 1, 22], "labels": [-100, 20, 21, -100, 22], "position_ids": [0, 1, 2, 0, 1]}
+    taught = {"input_ids": [1, 30, 31], "labels": [-100, 30, 31]}  # the inbox's, first in the batch
+    batch = PaddingCollator(tiny_tokenizer)([taught, packed])
+    assert "attention_mask" not in batch  # positions decide the sequences
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 0, 1]]
