@@ -18,7 +18,10 @@ const box = element.querySelector('.lt-plot');
 const canvas = box.querySelector('.lt-canvas');
 const empty = box.querySelector('.lt-empty');
 const legend = box.querySelector('.lt-legend');
-if (spec.hide_empty) element.style.display = 'none';  // until a point comes (draw shows it)
+// a plot only some runs have is hidden, its whole block (the element that carries its id), until
+// a point comes (draw shows it)
+const block = element.closest('#' + spec.id) || element;
+if (spec.hide_empty) block.style.display = 'none';
 
 function apply(text) {
   if (!text) return;
@@ -141,7 +144,7 @@ function draw() {
   const names = Object.keys(store.series).filter(n => store.series[n].length);
   if (!spec.grouped) names.sort();
   empty.style.display = names.length ? 'none' : '';
-  if (spec.hide_empty) element.style.display = names.length ? '' : 'none';  // a plot only some runs have
+  if (spec.hide_empty) block.style.display = names.length ? '' : 'none';
   canvas.replaceChildren();
   legend.replaceChildren();
   if (!names.length) return;
