@@ -250,3 +250,17 @@ def test_an_unpacked_inbox_sample_beside_packed_rows_is_its_own_sequence(tiny_to
     batch = PaddingCollator(tiny_tokenizer)([taught, packed])
     assert "attention_mask" not in batch  # positions decide the sequences
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 0, 1]]
+
+
+def test_a_pair_is_refused_where_the_sft_step_cannot_train_it():
+    from types import SimpleNamespace
+    from engine.preference_step import SftStep, pairs_problem
+    run = SimpleNamespace(config=load_config(overrides=["method=lomo"]), train_fn=None)  # the parts pairs_problem reads
+    assert "lomo updates inside backward" in pairs_problem(run)
+    run = SimpleNamespace(config=load_config(), train_fn=lambda trainer, batches: None)
+    assert "a train_fn given in code" in pairs_problem(run)
+    run = SimpleNamespace(config=load_config(), train_fn=SftStep(), data=SimpleNamespace(train_collate_fn=print))
+    assert "a collate function given in code" in pairs_problem(run)
+    run.data.train_collate_fn = None
+    assert pairs_problem(run) is None
+    assert pairs_problem(SimpleNamespace(config=load_config(overrides=["objective=kto"]))) is None
