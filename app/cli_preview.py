@@ -16,17 +16,17 @@ from app.data_preview import data_preview, pair_views, summary
 USAGE = "usage: ./launch.sh preview DATA_FILE [format=auto|text|input_output|chat|tokenized|preference|unpaired]"
 
 
-def pairs_table(pairs: list[dict]) -> Table:
-    """The pairs as one two-column table: per row, its prompt across both columns, then the answers."""
-    views = pair_views(pairs)
-    table = Table(show_lines=True, expand=True)
-    if views:
-        table.add_column(views[0].left[0], ratio=1)
-        table.add_column(views[0].right[0], ratio=1)
-    for view in views:
-        table.add_row(Group(Text("prompt: ", style="italic"), Text(view.prompt)), "")
+def pairs_table(pairs: list[dict]) -> Group:
+    """The pairs, each a two-column table (chosen | rejected, or completion | label) under its prompt."""
+    tables = []
+    for n, view in enumerate(pair_views(pairs), 1):
+        title = Text.assemble((f"row {n} · prompt: ", "italic"), view.prompt.rstrip("\n"))
+        table = Table(title=title, title_justify="left", expand=True)
+        table.add_column(view.left[0], ratio=1)
+        table.add_column(view.right[0], ratio=1)
         table.add_row(Text(view.left[1]), Text(view.right[1]))
-    return table
+        tables.append(table)
+    return Group(*tables)
 
 
 def preview(argv: list[str], console: Console | None = None) -> int:
@@ -34,7 +34,7 @@ def preview(argv: list[str], console: Console | None = None) -> int:
     console = console or Console()
     formats = [a.removeprefix("format=") for a in argv[1:] if a.startswith("format=")]
     if len(argv) < 1 or argv[0] in ("-h", "--help") or len(argv) - 1 != len(formats) or len(formats) > 1:
-        console.print(Text(USAGE))
+        console.print(Text(USAGE), soft_wrap=True)
         return 2
     info = data_preview(argv[0], formats[0] if formats else "auto")
     console.print(Text(summary(info), style=None if info.get("ok") else "red"))
