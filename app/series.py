@@ -6,6 +6,7 @@
     history.train["loss"]      -> [(step, value), ...]
     history.eval["exact_match"] -> [(step, value), ...]    (the `eval/` prefix dropped)
     history.summary.state, history.eta()
+    preference_panels(history.train, history.eval)   # a preference run's TRL metrics, by panel
 
 The latest state, step and metrics come from `supervisor.summary.RunSummary` (the run manager's
 own fold), so every view agrees on them; this module adds the history behind them. Torch-free.
