@@ -38,6 +38,9 @@ GROUP_TITLES = {"model": "Model", "data": "Data", "method": "Method", "optim": "
                 "train": "Training", "parallel": "Parallelism and DeepSpeed", "eval": "Evaluation",
                 "checkpoint": "Checkpoints", "logging": "Logging", "control": "Control socket",
                 "preference": "Objective (SFT or preferences)", "run": "Resume"}
+# Sections shown right after another one rather than in schema order: the objective (SFT, DPO, ...)
+# is chosen with the method.
+SHOWN_AFTER = {"preference": "method"}
 
 # The fields most runs set, most used first in each section; the others of a section go into its
 # "Advanced" fold (both front ends). A section with none of these shows only its fold.
@@ -109,8 +112,12 @@ class Form:
         self._by_key = {f["key"]: f for f in self.fields}
 
     def groups(self) -> list[tuple[str, str, list[dict]]]:
-        """(group, title, fields) in schema order."""
-        order = list(dict.fromkeys(f["group"] for f in self.fields))
+        """(group, title, fields) in schema order, but for SHOWN_AFTER's sections."""
+        present = list(dict.fromkeys(f["group"] for f in self.fields))
+        order = [g for g in present if g not in SHOWN_AFTER]
+        for group, after in SHOWN_AFTER.items():
+            if group in present:
+                order.insert(order.index(after) + 1 if after in order else len(order), group)
         return [(g, GROUP_TITLES.get(g, g.replace("_", " ").title()),
                  [f for f in self.fields if f["group"] == g]) for g in order]
 

@@ -196,3 +196,13 @@ def test_the_inbox_lists_a_preference_with_its_rejected_answer_and_margins(tmp_p
         assert dict(controls.entry.options)["t2: cba over abc"] == "t2"
     finally:
         backend.close()
+
+
+def test_the_objective_section_comes_right_after_the_method_in_both_forms():
+    from app.form import Form
+    groups = [(group, title) for group, title, _ in Form().groups()]
+    at = groups.index(("method", "Method"))
+    assert groups[at + 1] == ("preference", "Objective (SFT or preferences)")
+    common = next(c for g, _, c, _ in Form().sections() if g == "preference")
+    assert [f["key"] for f in common][:2] == ["preference.objective", "preference.beta"]
+    assert "dpo: prefer chosen over rejected" in common[0]["help"]  # the schema's help beside it
