@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gradio as gr
@@ -18,6 +19,7 @@ import pytest
 
 from app.notebook.api import Run
 from app.notebook.chat import ChatBox
+from app.notebook.extras import DataControls
 from app.session import SessionError
 from app.web import build_app, chat, chat_prefer, launch_options
 from app.web.backend import Backend
@@ -150,6 +152,17 @@ def test_two_answers_then_this_one_is_better_and_edit_and_prefer_on_a_live_dpo_r
         (pair["b"], pair["a"]), ("cba", pair["a"]), ("yx", "xy"), ("qp", "pp")]
     assert "reverse: abc" in entries[picked]["prompt"] and "<|assistant|>" in entries[picked]["prompt"]  # as the chat sent it
     assert len({picked, edited, taken["id"], boxed}) == 4
+
+    # the notebook's data fold lists the pairs (chosen and rejected) and Remove takes one out
+    with ThreadPoolExecutor(1) as pool:
+        controls = DataControls(lambda: run, lambda label, call: pool.submit(call, run), print)
+        controls.refresh()
+        assert dict((v, k) for k, v in controls.entry.options)[edited] == f"{edited}: cba over {pair['a']}"
+        assert ">cba</td>" in controls.inbox.value and ">yx</td><td style='padding:0 8px'>xy</td>" in controls.inbox.value
+        controls.entry.value = edited
+        controls.forget().result(timeout=120)
+    assert edited not in [v for _, v in controls.entry.options]
+    assert next(e for e in run.inbox() if e["id"] == edited)["removed"]
 
 
 @pytest.mark.slow  # a browser on the module's run
