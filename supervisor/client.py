@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 from contract.events import run_state
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, SourceFormat, Teach
@@ -45,6 +45,12 @@ from contract.protocol.wire import encode
 from contract.run_folder import RunFolder, read_events
 
 TERMINAL_STATES = tuple(s.value for s in RunState if s.final)
+
+
+class Answers(Protocol):
+    """Where the messages answering one request go (a queue.Queue, or an event loop's hand-over)."""
+
+    def put(self, message: dict) -> None: ...
 
 
 class CommandError(RuntimeError):
@@ -121,7 +127,7 @@ class RunClient:
         self.connect_timeout = connect_timeout
         self.role, self.address = role, None if address is None else Path(address)
         self._lock = threading.Lock()
-        self._waiting: dict[str, tuple[socket.socket, queue.Queue[dict]]] = {}
+        self._waiting: dict[str, tuple[socket.socket, Answers]] = {}
         self._sock: socket.socket | None = None
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -175,6 +181,17 @@ class RunClient:
     def stream(self, command: Command, timeout: float | None = None) -> Generation:
         """Send a command whose answer streams (`generate`, `complete`): its pieces, then `result`."""
         return Generation(self._request(command), timeout)
+
+    def submit(self, command: Command, answers: Answers) -> None:
+        """Send `command`; every message of its answer (`token`, then `done` or `error`) is handed
+        to `answers.put` from this client's reader thread (an event loop's front end passes one
+        that moves it onto the loop: no thread of its own waits for the run)."""
+        self._request(command, answers)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connection to the run is open now (sending then never waits to connect)."""
+        return self._sock is not None
 
     def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> str:
         """The whole answer at once."""
@@ -306,21 +323,23 @@ class RunClient:
         return {"token": self._address()["token"], "id": f"{self._prefix}-{next(self._ids)}",
                 **command.to_wire()}
 
-    def _request(self, command: Command) -> "queue.Queue[dict]":
-        answers: queue.Queue[dict] = queue.Queue()
+    def _request(self, command: Command, answers: Answers | None = None) -> "queue.Queue[dict]":
+        """Send `command`; its answer's messages go to `answers`, else to a new queue (returned)."""
+        mine: queue.Queue[dict] = queue.Queue()
+        sink: Answers = mine if answers is None else answers
         with self._lock:
             sock = self._ensure_connected()
             message = self._message(command)
             try:
-                self._waiting[message["id"]] = (sock, answers)
+                self._waiting[message["id"]] = (sock, sink)
                 sock.sendall(encode(message))
             except OSError:  # the run went away since the last call: one fresh try
                 self._drop_connection()
                 sock = self._ensure_connected()
                 message["token"] = self._address()["token"]
-                self._waiting[message["id"]] = (sock, answers)
+                self._waiting[message["id"]] = (sock, sink)
                 sock.sendall(encode(message))
-        return answers
+        return mine
 
     def _ensure_connected(self) -> socket.socket:
         if self._sock is None:
@@ -401,7 +420,10 @@ class RunClient:
             try:
                 address = self._address()
                 if _alive(address.get("pid")):
-                    return socket.create_connection((address["host"], address["port"]), timeout=10.0)
+                    sock = socket.create_connection((address["host"], address["port"]), timeout=10.0)
+                    # a request sent while the last one's bytes are unacknowledged goes out at once
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    return sock
                 problem = f"the run's server process {address.get('pid')} has exited"
             except RunGone as e:
                 problem = str(e)

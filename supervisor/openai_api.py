@@ -31,6 +31,7 @@ waiting for one run (or the run's own queue full), 503 the run is not answering.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import secrets
@@ -38,9 +39,8 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 import yaml
@@ -54,9 +54,9 @@ from contract.protocol.wire import MAX_MESSAGE_BYTES
 from contract.protocol.base import ProtocolError
 from contract.protocol.roles import Role, refusal
 from contract.run_folder import write_private_json
-from supervisor.client import CommandError, Generation, RunClient, RunGone
+from supervisor.client import RunClient, RunGone
 from supervisor.openai_models import ChatRequest, CompletionRequest, first_problem
-from supervisor.openai_stream import StopFilter, chat_chunk, chat_logprobs, sse
+from supervisor.openai_stream import LoopAnswers, Made, RunFailed
 
 KEY_FILE = "api_key.json"                # the operator's key
 VIEWER_KEY_FILE = "api_viewer_key.json"  # a viewer's key: every endpoint today needs no more
@@ -283,39 +283,46 @@ async def _answer(runs: Runs, request: Request, body: ChatRequest | CompletionRe
         raise ApiError(429, f"{MAX_IN_FLIGHT} requests to `{body.model}` are waiting already; try again later",
                        "rate_limit_error", code="rate_limit_exceeded")
     try:
-        generation, first = await run_in_threadpool(_start, runs.client(run), command)
+        answers = await _send(runs.client(run), command)
+        first = await _first(answers)
     except BaseException:
         slot.release()
         raise
     made = Made(body.model, chat)
     if not body.stream:
-        slot.release()
-        return JSONResponse(made.response(generation.result or {}))
-    return StreamingResponse(_released(made.stream(generation, first, command, body.include_usage), slot),
+        try:
+            await _first(answers, whole=True)
+        finally:
+            slot.release()
+        return JSONResponse(made.response(answers.result or {}))
+    return StreamingResponse(_released(made.stream(answers, first, command, body.include_usage), slot),
                              media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
 
-def _start(client: RunClient, command: Complete) -> tuple[Generation, list[str]]:
-    """Send the command and wait for its first piece (one thread hop for both)."""
-    generation = _send(client, command)
-    return generation, _first(generation)
-
-
-def _send(client: RunClient, command: Complete) -> Generation:
+async def _send(client: RunClient, command: Complete) -> LoopAnswers:
+    """Send the command; its answer comes onto this event loop. Only a client that must connect
+    first does so on a worker thread (connecting may wait up to CONNECT_TIMEOUT_S)."""
+    answers = LoopAnswers(asyncio.get_running_loop(), ANSWER_TIMEOUT_S)
     try:
-        return client.stream(command, timeout=ANSWER_TIMEOUT_S)
+        if client.connected:
+            client.submit(command, answers)  # one small write on an open socket
+        else:
+            await run_in_threadpool(client.submit, command, answers)
     except (RunGone, OSError) as e:
         raise ApiError(503, f"the run is not answering: {e}", "service_unavailable", code="run_unavailable") from None
+    return answers
 
 
-def _first(generation: Generation) -> list[str]:
-    """The first streamed piece (or the whole answer when nothing streams), so that a refusal is
-    answered with its status before any byte of a stream is sent."""
+async def _first(answers: LoopAnswers, whole: bool = False) -> list[str]:
+    """The first streamed piece (`whole`: every piece, for an answer that does not stream), as
+    OpenAI's error where the run refused it."""
     try:
-        for chunk in generation:
-            return [str(chunk)]
+        if not whole:
+            return await answers.first()
+        async for _ in answers.texts():
+            pass
         return []
-    except CommandError as e:
+    except RunFailed as e:
         raise _refusal(str(e)) from None
     except TimeoutError as e:
         raise ApiError(503, f"the run did not answer in time: {e}", "service_unavailable") from None
@@ -329,80 +336,12 @@ def _refusal(message: str) -> ApiError:
     return ApiError(400, message)
 
 
-def _released(chunks: Iterator[str], slot: threading.BoundedSemaphore) -> Iterator[str]:
+async def _released(chunks: AsyncIterator[str], slot: threading.BoundedSemaphore) -> AsyncIterator[str]:
     try:
-        yield from chunks
+        async for chunk in chunks:
+            yield chunk
     finally:
         slot.release()
-
-
-class Made:
-    """Turns the run's `complete` results into OpenAI's response and stream objects."""
-
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat, self.created = model, chat, int(time.time())
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-    def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def response(self, result: dict) -> dict:
-        choices = [self._choice(c) for c in result.get("choices", [])]
-        usage = result.get("usage", {})
-        usage = {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)}
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": choices, "usage": usage, "system_fingerprint": _fingerprint(result)}
-
-    def _choice(self, c: dict) -> dict:
-        if self.chat:
-            return {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                    "finish_reason": c["finish_reason"], "logprobs": chat_logprobs(c.get("logprobs"))}
-        text = (c["prompt"] or "") + c["text"] if c.get("prompt") is not None else c["text"]
-        logprobs = c.get("logprobs")
-        if logprobs is not None:
-            logprobs = {k: v for k, v in logprobs.items() if k != "token_ids"}
-        return {"index": c["index"], "text": text, "finish_reason": c["finish_reason"], "logprobs": logprobs}
-
-    def stream(self, generation: Generation, first: list[str], command: Complete,
-               include_usage: bool) -> Iterator[str]:
-        """The SSE stream: the pieces as the run streams them (held back where a stop string may
-        begin), then every choice's rest and finish reason, `[DONE]` last."""
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        stops, sent = StopFilter(command.stop), ""
-        if self.chat:
-            yield sse({**self._head(kind), "choices": [chat_chunk(0, {"role": "assistant", "content": ""})]})
-        try:
-            for piece in [*first, *generation]:
-                text = stops.feed(str(piece))
-                if text:
-                    sent += text
-                    yield sse({**self._head(kind), "choices": [self._delta(0, text)]})
-        except (CommandError, TimeoutError) as e:
-            yield sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": None}})
-            yield sse("[DONE]")
-            return
-        result = generation.result or {}
-        for c in self.response(result)["choices"]:
-            whole = c["message"]["content"] if self.chat else c["text"]
-            rest = whole[len(sent):] if c["index"] == 0 and whole.startswith(sent) else whole
-            if rest:
-                yield sse({**self._head(kind), "choices": [self._delta(c["index"], rest)]})
-            end = self._delta(c["index"], None)
-            end["finish_reason"] = c["finish_reason"]
-            yield sse({**self._head(kind), "choices": [end]})
-        if include_usage:
-            yield sse({**self._head(kind), "choices": [], "usage": self.response(result)["usage"]})
-        yield sse("[DONE]")
-
-    def _delta(self, index: int, text: str | None) -> dict:
-        if self.chat:
-            return chat_chunk(index, {} if text is None else {"content": text})
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": None}
-
-
-def _fingerprint(result: dict) -> str:
-    """Which weights answered: the training step (and the seed a sample can be repeated with)."""
-    return f"step-{result.get('step')}-seed-{result.get('seed')}"
 
 
 # -- serving ----------------------------------------------------------------------------------------

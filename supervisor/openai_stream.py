@@ -1,9 +1,66 @@
-"""Pieces of the OpenAI-compatible API's answers (supervisor.openai_api): server-sent events,
-chat stream chunks, chat log-probabilities, and the stop-string filter of a stream. Torch-free."""
+"""Pieces of the OpenAI-compatible API's answers (supervisor.openai_api): the run's messages
+handed onto the event loop, server-sent events, OpenAI's response and stream objects (`Made`),
+chat log-probabilities, and the stop-string filter of a stream. Torch-free.
+
+No thread waits for the run on a request's behalf: the run client's reader thread hands each
+message to the event loop (`LoopAnswers`), which sends it on as the next server-sent event. Each
+hand-over between threads costs a scheduling wake-up, and on a machine whose cores the training
+ranks keep busy every wake-up waits its turn (a thread-pool worker per piece cost the first token
+tens of milliseconds there)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from contract.protocol.completion_commands import Complete
+
+
+class RunFailed(RuntimeError):
+    """The run answered the request with an error (its message), or the connection to it was lost."""
+
+
+class LoopAnswers:
+    """The messages answering one request, put by the run client's reader thread
+    (RunClient.submit) and read on the event loop: iterate for the streamed texts; afterwards
+    `result` holds the run's reply. Raises RunFailed, or TimeoutError when no message comes for
+    `timeout` seconds."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float):
+        self._loop, self._timeout = loop, timeout
+        self._queue: asyncio.Queue[dict] = asyncio.Queue()
+        self.result: dict | None = None
+
+    def put(self, message: dict) -> None:
+        """From any thread: hand `message` to the loop (gone with its server: nobody waits)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, message)
+        except RuntimeError:  # the loop has closed; the client's reader thread must go on
+            pass
+
+    async def texts(self) -> AsyncIterator[str]:
+        while self.result is None:
+            try:
+                message = await asyncio.wait_for(self._queue.get(), self._timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer from the run within {self._timeout} s") from None
+            kind = message.get("type")
+            if kind == "token":
+                yield str(message["text"])
+            elif kind == "done":
+                self.result = message["result"]
+            elif kind == "error":
+                raise RunFailed(str(message.get("message")))
+
+    async def first(self) -> list[str]:
+        """The first streamed text (none when the answer came whole), so that a refusal is answered
+        with its status before any byte of a stream is sent."""
+        async for text in self.texts():
+            return [text]
+        return []
 
 
 def sse(data: dict | str) -> str:
@@ -54,3 +111,77 @@ class StopFilter:
             if any(s.startswith(self.buffer[-n:]) for s in self.stops):
                 return n
         return 0
+
+
+class Made:
+    """Turns the run's `complete` results into OpenAI's response and stream objects."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat, self.created = model, chat, int(time.time())
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def response(self, result: dict) -> dict:
+        choices = [self._choice(c) for c in result.get("choices", [])]
+        usage = result.get("usage", {})
+        usage = {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)}
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": choices, "usage": usage, "system_fingerprint": _fingerprint(result)}
+
+    def _choice(self, c: dict) -> dict:
+        if self.chat:
+            return {"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                    "finish_reason": c["finish_reason"], "logprobs": chat_logprobs(c.get("logprobs"))}
+        text = (c["prompt"] or "") + c["text"] if c.get("prompt") is not None else c["text"]
+        logprobs = c.get("logprobs")
+        if logprobs is not None:
+            logprobs = {k: v for k, v in logprobs.items() if k != "token_ids"}
+        return {"index": c["index"], "text": text, "finish_reason": c["finish_reason"], "logprobs": logprobs}
+
+    async def stream(self, answers: LoopAnswers, first: list[str], command: Complete,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """The SSE stream: the pieces as the run streams them (held back where a stop string may
+        begin), then every choice's rest and finish reason, `[DONE]` last."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        stops, sent = StopFilter(command.stop), ""
+        if self.chat:
+            yield sse({**self._head(kind), "choices": [chat_chunk(0, {"role": "assistant", "content": ""})]})
+        try:
+            for piece in first:
+                text = stops.feed(piece)
+                if text:
+                    sent += text
+                    yield sse({**self._head(kind), "choices": [self._delta(0, text)]})
+            async for piece in answers.texts():
+                text = stops.feed(piece)
+                if text:
+                    sent += text
+                    yield sse({**self._head(kind), "choices": [self._delta(0, text)]})
+        except (RunFailed, TimeoutError) as e:
+            yield sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": None}})
+            yield sse("[DONE]")
+            return
+        result = answers.result or {}
+        for c in self.response(result)["choices"]:
+            whole = c["message"]["content"] if self.chat else c["text"]
+            rest = whole[len(sent):] if c["index"] == 0 and whole.startswith(sent) else whole
+            if rest:
+                yield sse({**self._head(kind), "choices": [self._delta(c["index"], rest)]})
+            end = self._delta(c["index"], None)
+            end["finish_reason"] = c["finish_reason"]
+            yield sse({**self._head(kind), "choices": [end]})
+        if include_usage:
+            yield sse({**self._head(kind), "choices": [], "usage": self.response(result)["usage"]})
+        yield sse("[DONE]")
+
+    def _delta(self, index: int, text: str | None) -> dict:
+        if self.chat:
+            return chat_chunk(index, {} if text is None else {"content": text})
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": None}
+
+
+def _fingerprint(result: dict) -> str:
+    """Which weights answered: the training step (and the seed a sample can be repeated with)."""
+    return f"step-{result.get('step')}-seed-{result.get('seed')}"

@@ -255,6 +255,12 @@ class ControlConfig(Section):
                          "names, or chat_load) in the engine for chat until stopped.", label="Chat only")
     chat_load: str = _f("", "With chat_only: a model folder, or a PEFT adapter folder on top of model.path, "
                         "loaded into the engine before chat starts.", label="Chat with (folder)")
+    serving_budget: float = _f(0.05, "Share of the wall time of a training run that answering the OpenAI-compatible "
+                               "API's requests may take (each is generated at a step boundary, time the run "
+                               "does not train): over about a minute, requests beyond it wait in the queue "
+                               "(its bound and timeouts apply). While paused or chat only: no limit. 1: no "
+                               "limit. The chat's own replies are never limited.", minimum=0.0, maximum=1.0,
+                               label="API serving budget (share of time)")
 
 
 class GuardConfig(Section):

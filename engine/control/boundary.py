@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ class Boundary:
         # gloo broadcasts CPU tensors, nccl only device tensors
         self.device = device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
         self._size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # rank 0: which queued commands wait for a later boundary (the serving budget)
+        self.hold: Callable[[Pending], bool] | None = None
         self.collectives = 0  # broadcasts issued, for tests and the benchmark
         # what an exchange costs a step when there is nothing to do (status, bench_control.py)
         self.idle_exchanges, self.idle_seconds = 0, 0.0
@@ -39,7 +42,7 @@ class Boundary:
         if self.commands is not None:  # rank 0
             if wait_s > 0:
                 self.commands.wait(wait_s)
-            items = self.commands.drain()
+            items = self.commands.drain(self.hold)
         if self.world_size == 1:
             return items
         payload = json.dumps([p.wire() for p in items]).encode() if items else b""

@@ -104,10 +104,15 @@ class CommandQueue:
             self._cond.notify_all()
         return item
 
-    def drain(self) -> list[Pending]:
+    def drain(self, hold: Callable[[Pending], bool] | None = None) -> list[Pending]:
+        """Every queued command, except those `hold` keeps queued (in their order)."""
         with self._cond:
             items = list(self._items)
             self._items.clear()
+            if hold is not None:
+                held = [hold(p) for p in items]
+                self._items.extend(p for p, h in zip(items, held) if h)
+                items = [p for p, h in zip(items, held) if not h]
         return items
 
     def wait(self, timeout: float) -> None:

@@ -32,6 +32,7 @@ from engine.control.handlers import CommandRefused, HANDLERS
 from engine.control.pending import NO_REPLY, CommandQueue, Pending
 from engine.control.run import ControlledRun
 from engine.control.server import ControlServer
+from engine.control.serving import ServingBudget
 from engine.control.limits import PromptLimit
 from engine.control.settings import LiveSettings
 
@@ -55,6 +56,10 @@ class Control:
         self.settings = LiveSettings()
         trainer.live_settings = self.settings
         self.ended = False
+        self.finishing = False  # the end of training's last boundaries: every request answered
+        # how much of the run's time the OpenAI-compatible API's requests may take (rank 0 decides)
+        self.serving = ServingBudget(trainer.config.control.serving_budget)
+        self.boundary.hold = self._held if commands is not None else None
         self.paused = False    # held at the boundary (pause; the guard's pause through the loop)
         self.stopping = False  # a stop was executed: the loop ends after this boundary
         self.state: RunState = RunState.STARTING
@@ -86,6 +91,7 @@ class Control:
         """Execute what was queued; hold here while paused (collective: every rank calls it).
         What the commands ask of the loop is returned (a stop); a rewind or branch has already
         moved the run (Trainer.rewind / branch, which the loop's epoch follows)."""
+        self.serving.begin()
         data_commands.at_boundary(self)  # taught prompts asked again when their check is due
         self._execute(self.boundary.exchange())
         while self.paused and not self.stopping:
@@ -118,6 +124,7 @@ class Control:
 
     def end_of_training(self) -> None:
         """The last boundary: answer everything queued, then refuse what comes later."""
+        self.finishing = True
         self.at_boundary()
         self.ended = True
         if self.commands is not None:
@@ -132,12 +139,28 @@ class Control:
             end = at
             while end < len(items) and isinstance(items[end].command, Complete):
                 end += 1
+            started, charged = time.perf_counter(), end > at and self._charged()
             if end - at > 1:
                 self._execute_completions(items[at:end])
                 at = end
             else:
                 self._execute_one(items[at])
                 at += 1
+            if charged:
+                self.serving.charge(time.perf_counter() - started)
+
+    def _charged(self) -> bool:
+        """Whether serving now takes training's time (the serving budget): not while paused, not
+        at the end of training."""
+        return not (self.paused or self.finishing)
+
+    def _held(self, item: Pending) -> bool:
+        """Rank 0, before the boundary's commands go to every rank: a `complete` waits while the
+        serving budget is spent (engine.control.serving)."""
+        if not isinstance(item.command, Complete) or not self._charged() or self.serving.allows():
+            return False
+        self.serving.held += 1
+        return True
 
     def _execute_completions(self, items: list[Pending]) -> None:
         """Several requests of the OpenAI-compatible API at once (engine.control.completions)."""
@@ -214,6 +237,7 @@ class Control:
                 "settings": handlers.current_settings(self), "world_size": self.world_size,
                 "sources": data_commands.sources_snapshot(self),
                 "memory_mb": {"0": handlers.memory_mb()}, "memory_of": "rank 0 only (ranks=true: every rank)",
+                "serving": self.serving.snapshot(),
                 "boundary": {"idle_exchanges": self.boundary.idle_exchanges,
                              "idle_seconds": self.boundary.idle_seconds}}
 
