@@ -41,8 +41,9 @@ Sums = dict[str, tuple[torch.Tensor, torch.Tensor]]  # metric -> (sum over rows,
 @dataclass
 class Scores:
     """Per-row log-probabilities of a batch's answers: `sums` (N,), `tokens` (N,) answer tokens;
-    `token_logps` (N, T-1) of every next token and `attention` (N, T-1) where it is real
-    (ORPO's likelihood term is over the whole chosen sequence, prompt included)."""
+    `token_logps` (N, K-1) of the next tokens the forward scored (K = T, every one, unless the
+    forward kept only the tail that holds every answer, `answer_tail`) and `attention` (N, K-1)
+    where they are real (ORPO's likelihood term is over the whole chosen sequence, prompt included)."""
     sums: torch.Tensor
     tokens: torch.Tensor
     token_logps: torch.Tensor
@@ -57,15 +58,30 @@ class Scores:
         return values.chunk(2, dim=0)
 
 
+def answer_tail(labels: torch.Tensor) -> int:
+    """How many last positions of the rows predict every answer token (from the one before the
+    earliest answer token of any row to the end); 0 (every position) if that is all of them.
+    A forward asked for only these positions' logits (transformers' `logits_to_keep`) skips the
+    output head and the log-softmax over the vocabulary on the prompts' common part."""
+    columns = (labels != IGNORE).any(dim=0).nonzero()
+    if columns.numel() == 0:
+        return 0
+    first = int(columns[0, 0])  # a sync: one number
+    return labels.size(1) - first + 1 if first > 1 else 0
+
+
 def scores_of(logits: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
               attention_mask: torch.Tensor) -> Scores:
-    """Log-probabilities of each row's next tokens under `logits` (N, T, V), in float32."""
-    logits = logits[:, -input_ids.size(1):]  # prompt tuning puts virtual positions in front
-    targets = input_ids[:, 1:]
+    """Log-probabilities of each row's next tokens under `logits` (N, K, V), in float32: the
+    logits of the rows' last K positions (K = T: all of them; fewer: `answer_tail`)."""
+    kept = min(logits.size(1), input_ids.size(1))  # prompt tuning puts virtual positions in front
+    logits = logits[:, -kept:]
+    start = input_ids.size(1) - kept + 1  # the first token predicted
+    targets = input_ids[:, start:]
     logps = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    answer = labels[:, 1:] != IGNORE
+    answer = labels[:, start:] != IGNORE
     return Scores(sums=(logps * answer).sum(-1), tokens=answer.sum(-1), token_logps=logps,
-                  attention=attention_mask[:, 1:].bool())
+                  attention=attention_mask[:, start:].bool())
 
 
 def _mean(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +93,7 @@ class Objective(Protocol):
     name: str
     needs_reference: bool   # the step computes the reference's scores (policy without adapter, or a frozen copy)
     kl_rows: bool           # the batch has KL rows whose scores the loss needs (KTO)
+    whole_rows: bool        # the loss needs every token's log-probability, not only the answers' (ORPO)
 
     def loss(self, policy: Scores, reference: Scores | None, batch: dict, extra: dict) -> tuple[torch.Tensor, Sums]: ...
     def finish(self, values: dict[str, float]) -> dict[str, float]: ...
@@ -92,6 +109,7 @@ def _pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps
 class _Base:
     needs_reference = False
     kl_rows = False
+    whole_rows = False
 
     def finish(self, values: dict[str, float]) -> dict[str, float]:
         return values
@@ -146,6 +164,7 @@ class ORPO(_Base):
     """Odds-ratio preference: the chosen sequences' negative log-likelihood (every real token,
     prompt included, as TRL does) minus lambda times log sigmoid of the log odds ratio."""
     name = "orpo"
+    whole_rows = True
 
     def __init__(self, lam: float, with_nll: bool = True):
         self.lam, self.with_nll = lam, with_nll  # False: the odds-ratio term alone (an SFT run's live pairs)

@@ -27,6 +27,8 @@ chat, then, on the steps whose batches hold one, the SFT loss plus the pair loss
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -35,14 +37,33 @@ import torch.distributed as dist
 from contract import capabilities
 from engine.data.inbox import PAIR_PREFIX
 from engine.losses import Window
-from engine.objectives import Objective, Scores, scores_of, sft_pair_objective
+from engine.objectives import Objective, Scores, answer_tail, scores_of, sft_pair_objective
 from engine.steps import EngineStep, StepStrategy
 
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, attention_mask) -> logits
+# (input_ids, attention_mask[, keep]) -> logits; keep > 0: those of the last `keep` positions at least
+Forward = Callable[..., torch.Tensor]
 
 
-def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """The model's logits; with `keep`, only the last `keep` positions' where the model can
+    (transformers' `logits_to_keep`: the output head skips the rest), else every position's."""
+    extra = {"logits_to_keep": keep} if keep and _keeps_logits(_hf_model(model)) else {}
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+
+
+def _hf_model(model) -> torch.nn.Module:
+    """The model under a DeepSpeed engine and a PEFT wrapper (whose forwards pass keywords on)."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_keeps(forward) -> bool:
+    return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    return _forward_keeps(type(model).forward)
 
 
 class AdapterOffReference:
@@ -51,10 +72,10 @@ class AdapterOffReference:
     def __init__(self, run):
         self.run = run
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
         engine = self.run.engine
         with torch.no_grad(), self.run.method.base_model(engine.module):
-            return _logits(engine, input_ids, attention_mask)
+            return _logits(engine, input_ids, attention_mask, keep)
 
 
 class FrozenReference:
@@ -63,9 +84,9 @@ class FrozenReference:
     def __init__(self, model):
         self.model = model
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
         with torch.no_grad():
-            return _logits(self.model, input_ids, attention_mask)
+            return _logits(self.model, input_ids, attention_mask, keep)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -130,23 +151,32 @@ class PreferenceStep:
         return torch.stack(losses).mean(), tokens
 
     def micro_batch(self, engine, batch: dict) -> tuple[torch.Tensor, dict]:
-        """The loss and the metric sums of one micro-batch (forwards in TRL's order)."""
+        """The loss and the metric sums of one micro-batch (forwards in TRL's order). Where the
+        objective needs the answers' log-probabilities only, the forwards compute the logits of
+        the positions that predict an answer token (`answer_tail`): the output head and the
+        log-softmax over the vocabulary skip the prompts' common part (TRL's fused output head
+        skips every unlabelled position, on GPUs)."""
         extra: dict[str, Scores] = {}
+        tail = not self.objective.whole_rows
+        policy_logits = functools.partial(_logits, engine)
         if self.objective.kl_rows:
             with torch.no_grad():
-                extra["policy_kl"] = self._scores(lambda i, m: _logits(engine, i, m), batch, "kl_")
-        policy = self._scores(lambda i, m: _logits(engine, i, m), batch)
+                extra["policy_kl"] = self._scores(policy_logits, batch, "kl_", tail)
+        policy = self._scores(policy_logits, batch, tail=tail)
         reference = None
         if self.objective.needs_reference:
             if self.objective.kl_rows:
-                extra["reference_kl"] = self._scores(self.reference.logits, batch, "kl_")
-            reference = self._scores(self.reference.logits, batch)
+                extra["reference_kl"] = self._scores(self.reference.logits, batch, "kl_", tail)
+            reference = self._scores(self.reference.logits, batch, tail=tail)
         return self.objective.loss(policy, reference, batch, extra)
 
     @staticmethod
-    def _scores(forward: Forward, batch: dict, prefix: str = "") -> Scores:
-        ids, mask = batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"]
-        return scores_of(forward(ids, mask), ids, batch[f"{prefix}labels"], mask)
+    def _scores(forward: Forward, batch: dict, prefix: str = "", tail: bool = False) -> Scores:
+        """The batch's scores; `tail`: asking `forward` for the answers' positions' logits only."""
+        ids, mask, labels = batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"], batch[f"{prefix}labels"]
+        keep = answer_tail(labels) if tail else 0
+        logits = forward(ids, mask, keep) if keep else forward(ids, mask)
+        return scores_of(logits, ids, labels, mask)
 
 
 class PreferenceEvaluator:
