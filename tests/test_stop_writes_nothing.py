@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import json, sys
 from contract.config.load import load_config
-from contract.protocol import Stop
+from contract.protocol.commands import Stop
 from engine import Trainer
 from engine.callbacks import Callback
 from engine.control.pending import Reply

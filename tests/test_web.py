@@ -202,7 +202,7 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     first = loss_points(page)
     wait_until(lambda: loss_points(page) >= first + 2, 120, "new points in the loss plot")
     assert not page.locator("#train-plot-rewards").is_visible()  # an SFT run logs no rewards: hidden
-    run = next(runs.iterdir())
+    run = next(p for p in runs.iterdir() if p.is_dir())  # the output folder also holds the API keys
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["train"]["max_steps"] == RUN_STEPS and cfg["train"]["micro_batch_size"] == 16
 

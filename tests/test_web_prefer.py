@@ -196,7 +196,11 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
 
         open_tab(page, "Chat")
         page.locator("#chat-settings").click()
-        set_number(page, "chat-max-new", "8")
+        max_new = page.locator("#chat-max-new input").first
+        # short answers, so that the pair fits data.max_length (48) with the chat template; set
+        # until the box holds it (a loaded page can still be applying its own updates)
+        wait_until(lambda: set_number(page, "chat-max-new", "8") or max_new.input_value() == "8", 60,
+                   "max_new_tokens set to 8")
         page.locator("#chat-prefer-fold").click()
         page.locator("#chat-prefer-question textarea").fill("reverse: abc")
         a, b = page.locator("#chat-prefer-a textarea"), page.locator("#chat-prefer-b textarea")
@@ -209,7 +213,9 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
         assert chosen != rejected and chosen.strip() and rejected.strip(), (chosen, rejected)
         page.locator("#chat-prefer-a-better").click()
         result = page.locator("#chat-prefer-result")
-        wait_until(lambda: "Preferred t" in result.inner_text(), 120, "the preference's answer")
+        wait_until(lambda: "Preferred t" in result.inner_text() or "teach:" in result.inner_text(), 240,
+                   "the preference's answer")
+        assert "Preferred t" in result.inner_text(), result.inner_text()  # not refused
         entry = re.search(r"Preferred (t\d+)", result.inner_text()).group(1)
         assert "Margin before" in result.inner_text()
         taken = next(e for e in backend.session.send(path, Inbox())["entries"] if e["id"] == entry)

@@ -85,4 +85,6 @@ def _memory_ls(path: str) -> list[str]:
 
 
 if __name__ == "__main__":
+    from script_exit import exit_now
     main()
+    exit_now()

@@ -100,4 +100,6 @@ def sharded_and_best(trainer, out: str, ck) -> dict:
 
 
 if __name__ == "__main__":
+    from script_exit import exit_now
     main()
+    exit_now()

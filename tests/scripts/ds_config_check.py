@@ -97,4 +97,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from script_exit import exit_now
     main()
+    exit_now()

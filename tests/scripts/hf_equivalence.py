@@ -87,4 +87,6 @@ def ours_tok(work: Path):
 
 
 if __name__ == "__main__":
+    from script_exit import exit_now
     main()
+    exit_now()
