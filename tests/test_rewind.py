@@ -12,6 +12,8 @@ trajectory. Refusals (unknown checkpoint, a taken branch name, another layout's 
 the run unchanged -- it still repeats exactly. Then the run folder: the tree, b's own checkpoints,
 main's fork checkpoint kept, the events (abandoned ranges, the branch's history alone and from the
 root), and resume=main continuing main from its newest checkpoint in a new Trainer.
+A DPO run (full fine-tuning under ZeRO-3: its frozen reference is a partitioned engine beside the
+policy's) repeats its reward metrics as well, and its reference stays the initial model throughout.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ STEPS = [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 5, 6, 7, 8, 5, 6, 7, 8, 9, 9]
 # adalomo lomo's (the same layout, another method). adalomo runs before tp2: a tensor-parallel
 # engine leaves DeepSpeed's process-wide model-parallel groups behind, which a later engine
 # without them cannot be built beside (one run is one layout; only this test builds several).
-LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora", "split-and-fused": "lomo,adalomo,tp2,pp2"}
+LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora,dpo", "split-and-fused": "lomo,adalomo,tp2,pp2"}
 SAME_LAYOUT_AS_BEFORE = {"adalomo"}
 
 
@@ -44,6 +46,25 @@ def check_sequence(seen: list) -> dict[int, float]:
     assert first[9][0] < first[1][0]  # it trains
     assert seen[-1][:2] == [9, first[9][0]]  # branch c: b's step 8 again, then step 9 at half the rate
     return {step: loss for step, (loss, _) in first.items()}
+
+
+def check_preference(path: str) -> None:
+    """A preference run's rewinds and branches repeat each step's reward metrics exactly too
+    (the last, c's step 9 at half the rate, is b's step 9 again: the metrics come before the
+    update), and its frozen reference stays the initial model: its weights on each rank are the
+    policy's before the first step, after every step (no rewind or branch loads the policy's
+    checkpoint into it). (The rewards of step 1 are not 0: the task's model has attention dropout,
+    a config value that TRL's disable_dropout, and ours, leave on in the policy's forward.)"""
+    kept = json.loads(Path(path).read_text())
+    metrics, reference = kept["metrics"], kept["reference"]
+    assert len(metrics) == len(reference) == len(STEPS)
+    first: dict[int, dict] = {}
+    for step, values in zip(STEPS, metrics):
+        assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"} <= set(values), values
+        first.setdefault(step, values)
+        assert values == first[step], f"step {step}: {values} after a rewind, {first[step]} at first"
+    assert set(reference) == set(kept["initial"]), "the reference is not the initial model at every step"
+    assert first[9]["rewards/margins"] > 0  # it learns to prefer the chosen answers
 
 
 def check_replies(replies: list, layout: str, other: bool) -> None:
@@ -105,6 +126,9 @@ def test_rewind_branch_and_snapshot_repeat_the_losses(tmp_path, launch):
         assert [r["rank"] for r in ranks] == [0, 1], layout
         assert ranks[0]["seen"] == ranks[1]["seen"] and ranks[0]["branch"] == "c"
         first = check_sequence(ranks[0]["seen"])
+        if "preference" in ranks[0]:  # each rank's own reference partition
+            for rank in ranks:
+                check_preference(rank["preference"])
         check_replies(ranks[0]["replies"], layout, other=i > 0)
         resumed_too = launch == "data-parallel" and i == 0  # resume=main went on in main
         check_folder(Path(ranks[0]["folder"]), ROOT if resumed_too else "c")

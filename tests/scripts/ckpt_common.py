@@ -16,9 +16,10 @@ from dist_utils import report  # noqa: E402,F401  (re-exported for the scripts)
 
 
 def make_task(root: Path, train_rows: int = 48, eval_rows: int = 16, dropout: float = 0.1) -> dict:
-    """A model folder (the default tiny Llama's config with dropout, fp32) and small data files;
+    """A model folder (the default tiny Llama's config with dropout, fp32) and small data files,
+    the instruction rows and the same rows as preference pairs (`pairs_train`, `pairs_eval`);
     returns their paths."""
-    from engine.default_task import default_root, ensure_default_assets
+    from engine.default_task import default_root, ensure_default_assets, preference_row
 
     assets = ensure_default_assets(default_root())
     root.mkdir(parents=True, exist_ok=True)
@@ -37,7 +38,13 @@ def make_task(root: Path, train_rows: int = 48, eval_rows: int = 16, dropout: fl
             (root / "train.jsonl").write_text("\n".join(rows[:train_rows]) + "\n")
             evals = assets.eval_path.read_text().splitlines()
             (root / "eval.jsonl").write_text("\n".join(evals[:eval_rows]) + "\n")
-    return {"model": str(model), "train": str(root / "train.jsonl"), "eval": str(root / "eval.jsonl")}
+        if not (root / "eval.pairs.jsonl").exists():  # the same rows as preference pairs
+            for name in ("train", "eval"):
+                rows = (root / f"{name}.jsonl").read_text().splitlines()
+                pairs = [json.dumps(preference_row(json.loads(r))) for r in rows]
+                (root / f"{name}.pairs.jsonl").write_text("\n".join(pairs) + "\n")
+    return {"model": str(model), "train": str(root / "train.jsonl"), "eval": str(root / "eval.jsonl"),
+            "pairs_train": str(root / "train.pairs.jsonl"), "pairs_eval": str(root / "eval.pairs.jsonl")}
 
 
 def overrides(task: dict, out: str, name: str, zero: int, extra: list[str] = ()) -> list[str]:

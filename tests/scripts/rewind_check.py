@@ -10,9 +10,14 @@ the other in one launch. Each layout's run (9 steps: 3 epochs of 3, dropout on, 
 plus refusals at step 1: an unknown checkpoint, a taken branch name, a checkpoint of another
 layout (the previous layout's step-4). The first layout's commands go through RunClient over
 the control socket (rewind / branch / snapshot methods), the others straight into rank 0's queue.
-Prints per rank the (step, loss, lr) sequence, the replies and the branch tree. Not a test module (tests/test_rewind.py runs it)."""
+Prints per rank the (step, loss, lr) sequence, the replies and the branch tree. A preference layout
+(PAIRS: DPO, full fine-tuning under ZeRO-3, so its frozen reference is a partitioned engine of its
+own) trains on the task's pairs and also writes, per rank, each step's reward metrics and a digest
+of the reference's weights (and of the policy's before the first step) to a file the result names.
+Not a test module (tests/test_rewind.py runs it)."""
 
 import argparse
+import hashlib
 import json
 import sys
 import threading
@@ -26,7 +31,17 @@ from ckpt_common import make_task, overrides, report  # noqa: E402
 LAYOUTS = {"zero0": (0, []), "zero2": (2, []), "zero3": (3, []), "lora": (2, ["method=lora"]),
            "lomo": (0, ["method=lomo", "lr=5e-2", "train.grad_accum=1"]),
            "adalomo": (0, ["method=adalomo", "lr=1e-2", "train.grad_accum=1"]),
-           "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"])}
+           "tp2": (0, ["tp=2"]), "pp2": (0, ["pp=2"]), "dpo": (3, ["objective=dpo", "preference.beta=0.5"])}
+PAIRS = {"dpo"}  # the layouts trained on the task's preference pairs
+
+
+def partition_digest(module) -> str:
+    """A digest of this rank's part of `module`'s weights (its ZeRO-3 partitions, as they are)."""
+    digest = hashlib.sha256()
+    for name, param in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(getattr(param, "ds_tensor", param).detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def plan(other: str | None) -> dict[int, list]:
@@ -82,18 +97,30 @@ def run_layout(name: str, task: dict, out: Path, other: str | None, via_client: 
     from engine.trainer import Trainer
 
     zero, extra = LAYOUTS[name]
+    if name in PAIRS:
+        task = {**task, "train": task["pairs_train"], "eval": task["pairs_eval"]}
     cfg = load_config(overrides=overrides(task, str(out / "runs"), name, zero, [
         *extra, "max_steps=9", "control.enabled=true", "checkpoint.every_n_steps=4", "checkpoint.keep_last=2"]))
     seen: list[list] = []
+    # a preference layout: each step's reward metrics, the reference's digest after it, the
+    # policy's digest before the first step (the initial model the reference must stay)
+    preference: dict[str, list] = {"metrics": [], "reference": [], "initial": []}
     replies: list[dict] = []
     todo = plan(other)
 
     threads: list[threading.Thread] = []
 
     class Driver(Callback):
+        def on_train_begin(self, trainer):
+            if name in PAIRS and not preference["initial"]:
+                preference["initial"].append(partition_digest(trainer.engine.module))
+
         def on_train_batch_end(self, trainer, loss):
             # the loss, and the rate the next step trains with
             seen.append([trainer.state.global_step, loss, trainer.current_lr()])
+            if name in PAIRS:
+                preference["metrics"].append(dict(trainer.train_fn.metrics))
+                preference["reference"].append(partition_digest(trainer.train_fn.reference.model.module))
             if trainer.env.rank != 0:
                 return
             for cmd in todo.get(len(seen), []):
@@ -113,6 +140,10 @@ def run_layout(name: str, task: dict, out: Path, other: str | None, via_client: 
     result = {"layout": name, "rank": trainer.env.rank, "seen": seen, "folder": str(trainer.folder.root),
               "branch": trainer.folder.branch,
               "replies": [_short(r) for r in replies if r.get("type") in ("done", "error")]}
+    if name in PAIRS:  # too long for a result line
+        path = out / f"{name}-rank{trainer.env.rank}-preference.json"
+        path.write_text(json.dumps(preference))
+        result["preference"] = str(path)
     trainer.close()
     return result
 
