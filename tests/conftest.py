@@ -81,3 +81,19 @@ def _mapped_shm_names() -> set[str]:
             names |= {line.rsplit("/", 1)[-1].split(" ")[0] for line in text.splitlines()
                       if "/dev/shm/deepspeed_allreduce_buffer_" in line}
     return names
+
+
+def save_tiny_llama(folder) -> None:
+    """The preference and serving tests' model, saved with save_pretrained into `folder`: a Llama
+    of 2 layers, hidden 32, 4 heads (2 key-value), 64 positions, on the character tokenizer,
+    weights drawn with seed 0 (the same model in every test that asks)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tok = make_tiny_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)

@@ -22,19 +22,10 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from conftest import make_tiny_tokenizer
+    from conftest import save_tiny_llama
     from engine.default_task import make_examples, preference_row, unpaired_rows
     work = tmp_path_factory.mktemp("pref")
-    tok = make_tiny_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
-    model.save_pretrained(work / "model")
-    tok.save_pretrained(work / "model")
+    save_tiny_llama(work / "model")
     rows = make_examples(48, seed=0)
     (work / "pairs.jsonl").write_text("".join(json.dumps(preference_row(r)) + "\n" for r in rows))
     (work / "unpaired.jsonl").write_text("".join(json.dumps(u) + "\n" for r in rows for u in unpaired_rows(r)))

@@ -15,18 +15,9 @@ ROWS = 96
 
 
 def write_inputs(tmp_path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from conftest import make_tiny_tokenizer
+    from conftest import save_tiny_llama
     from engine.default_task import make_examples, preference_row, unpaired_rows
-    tok = make_tiny_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
+    save_tiny_llama(tmp_path / "model")
     rows = make_examples(ROWS, seed=0)
     pairs = [preference_row(r) for r in rows]
     # unpaired rows from the pairs, desirable and not in an irregular mix (KTO's sums per side)

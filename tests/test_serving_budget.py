@@ -55,19 +55,10 @@ def test_the_bucket_fills_at_its_share_and_each_boundary_takes_its_seconds_out()
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from conftest import make_tiny_tokenizer
+    from conftest import save_tiny_llama
     from engine import default_task
     work = tmp_path_factory.mktemp("serving")
-    tok = make_tiny_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
-    model.save_pretrained(work / "model")
-    tok.save_pretrained(work / "model")
+    save_tiny_llama(work / "model")
     rows = default_task.make_examples(128, 5)
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return work

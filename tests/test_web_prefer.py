@@ -39,17 +39,8 @@ def _view() -> chat_prefer.PairView:
 
 
 def _inputs(tmp_path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from conftest import make_tiny_tokenizer
-    tok = make_tiny_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
+    from conftest import save_tiny_llama
+    save_tiny_llama(tmp_path / "model")
     rows = [default_task.preference_row(r) for r in default_task.make_examples(64, 5)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
