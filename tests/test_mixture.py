@@ -151,6 +151,10 @@ def test_inbox_file_is_append_only_and_durable(tmp_path, default_tokenizer):
     assert data.active() == [] and data.state_dict() == {"ids": ["t2"], "forgotten": ["t2"], "pairs_as": "pairs"}
     with pytest.raises(inbox_file.InboxError, match="longer than data.max_length=32"):
         encode_pair(default_tokenizer, "<s>q\n", "a" * 40, 32)
+    # each fits, not both: the message gives both lengths and both ways out
+    with pytest.raises(inbox_file.InboxError, match=r"`prompt` \(20 tokens\) and `rejected` \(21 tokens with EOS\)"
+                       r".* shorten either, or raise data.max_length"):
+        encode_pair(default_tokenizer, "p" * 20, "a" * 5, 32, rejected="r" * 20)
 
 
 def test_bad_sources_and_data_commands_are_refused_naming_the_field(tmp_path):

@@ -51,8 +51,9 @@ def encode_pair(tokenizer, prompt: str, answer: str, max_length: int, rejected: 
             raise InboxError(f"teach: `{name}` is {len(ids[name])} tokens (with EOS), longer than "
                              f"data.max_length={max_length}")
         if len(prompt_ids) + len(ids[name]) > max_length:
-            raise InboxError(f"teach: `prompt` and `{name}` together are {len(prompt_ids) + len(ids[name])} "
-                             f"tokens, longer than data.max_length={max_length}; shorten the prompt")
+            raise InboxError(f"teach: `prompt` ({len(prompt_ids)} tokens) and `{name}` ({len(ids[name])} tokens "
+                             f"with EOS) together are {len(prompt_ids) + len(ids[name])} tokens, longer than "
+                             f"data.max_length={max_length}; shorten either, or raise data.max_length")
     if rejected is not None:
         return {"prompt_ids": prompt_ids, "chosen_ids": ids["answer"], "rejected_ids": ids["rejected"]}
     return {"input_ids": prompt_ids + ids["answer"], "labels": [IGNORE] * len(prompt_ids) + ids["answer"]}
