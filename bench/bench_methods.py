@@ -116,12 +116,17 @@ def run_one(a, model: Path, train: Path, out: Path, method: str, zero: int, extr
            "--method", method, "--zero", str(zero), "--batch", str(a.batch), "--seq", str(a.seq),
            "--steps", str(a.steps), "--warmup", str(a.warmup), "--precision", a.precision,
            *[x for e in extra for x in ("--extra", e)]]
+    return child_result(cmd, f"{method} zero {zero}")
+
+
+def child_result(cmd: list[str], what: str) -> dict:
+    """Run one measuring child process (offline) and return its RESULT line's values."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{method} zero {zero} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
 def main() -> None:

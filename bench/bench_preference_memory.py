@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench_methods import PeakRSS  # noqa: E402  (beside this file)
+from bench_methods import PeakRSS, child_result  # noqa: E402  (beside this file)
 
 
 def make_assets(root: Path, a) -> tuple[Path, Path, Path]:
@@ -88,12 +87,7 @@ def child(a) -> None:
 def run(a, case: str, model: Path, data: Path, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", case, "--model", str(model), "--data", str(data), "--out", str(out),
            "--pairs", str(a.pairs), "--seq", str(a.seq), "--steps", str(a.steps), "--precision", a.precision]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"{case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return child_result(cmd, case)
 
 
 def main() -> None:
