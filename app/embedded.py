@@ -22,10 +22,10 @@ from contract.config.schema import ConfigError, RunConfig
 from contract.config.load import load_config
 
 # Questions of the embedded task and the answers a trained model gives (the task itself is
-# engine/default_task.py; these are examples of it, as the quickstart notebook's text gives them).
+# engine/data/default_task.py; these are examples of it, as the quickstart notebook's text gives them).
 EXAMPLES: tuple[tuple[str, str], ...] = (("reverse: hello", "olleh"), ("sort: hello", "ehllo"),
                                          ("upper: hello", "HELLO"))
-EARLY_STEPS = "100-200"  # engine/default_task.py: exact match 0.42 after 25 s of training, 0.91 at step 700
+EARLY_STEPS = "100-200"  # engine/data/default_task.py: exact match 0.42 after 25 s of training, 0.91 at step 700
 
 
 @dataclass(frozen=True)

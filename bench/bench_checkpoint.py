@@ -157,7 +157,7 @@ def worker(args) -> None:
 
 def model_folder(out: Path, hidden: int, layers: int) -> str:
     """The default task's model folder with a bigger Llama config (weights built from it)."""
-    from engine.default_task import default_root, ensure_default_assets
+    from engine.data.default_task import default_root, ensure_default_assets
     assets = ensure_default_assets(default_root())
     folder = out / f"model-h{hidden}-l{layers}"
     if not folder.exists():

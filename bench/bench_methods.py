@@ -40,7 +40,7 @@ LR = {"full": 1e-3, "lomo": 1e-2, "adalomo": 1e-3, "lora": 1e-3}
 
 def make_assets(root: Path, a) -> tuple[Path, Path]:
     """A model folder (config + the default tokenizer, no weights) and a training file."""
-    from engine import default_task as dt
+    from engine.data import default_task as dt
     assets = dt.ensure_default_assets(dt.default_root())
     tok = dt.build_tokenizer([])  # same alphabet: the default tokenizer
     model_dir = root / "model"

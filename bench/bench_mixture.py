@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from contract.config.load import load_config  # noqa: E402
 from contract.run_folder import make_run_folder  # noqa: E402
-from engine import default_task  # noqa: E402
+from engine.data import default_task  # noqa: E402
 from supervisor.client import RunClient  # noqa: E402
 from supervisor.launch import spawn  # noqa: E402
 from control_runs import events, wait_exit  # noqa: E402
@@ -109,7 +109,7 @@ def loader_only(rows: list[dict], batch: int, batches: int = 400) -> dict[str, f
     code either way): the plain sampler vs mixtures."""
     from engine.data import build_dataloader, build_dataset
     from engine.data.mixture import MixtureDataset, Source, source_seed
-    from engine.model import load_tokenizer
+    from engine.model.loading import load_tokenizer
     tok = load_tokenizer(default_task.ensure_default_assets(default_task.default_root()).model_dir, "model.path")
     whole, _ = build_dataset(rows, tok, max_length=32)
     parts = [build_dataset(rows[i::3], tok, max_length=32)[0] for i in range(3)]

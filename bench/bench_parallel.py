@@ -8,7 +8,7 @@ pipeline engine), and one rank for scale. Every layout trains the same model (a 
 random batching) with the same micro-batch, accumulation and optimizer, through our Trainer
 (`python -m deepspeed.launcher.runner --num_gpus N`, gloo on CPU, nccl on GPU: the same script on
 either). Tokens/s counts the real tokens of every data-parallel replica over the steps after a
-warm-up, wall clock on rank 0. Chat latency: `engine.generation.generate` (the chat path, every
+warm-up, wall clock on rank 0. Chat latency: `engine.generation.generate.generate` (the chat path, every
 rank, collective) with 16 new tokens on the initial weights, repeated; first-token time is until
 rank 0's first streamed text, per-token time the rest divided by the tokens that followed
 (medians).
@@ -45,7 +45,7 @@ def make_assets(folder: Path, rows: int = 6000) -> tuple[Path, Path]:
     """The bench model (weights saved, so every layout starts from the same ones) and data."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from engine import default_task
+    from engine.data import default_task
     tok = default_task.build_tokenizer(default_task.alphabet())
     config = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
@@ -92,7 +92,7 @@ def worker(a: argparse.Namespace) -> None:
     from engine.callbacks import Callback
     from contract.config.load import load_config
     from engine.data import count_tokens
-    from engine.generation import generate
+    from engine.generation.generate import generate
     from engine.trainer import Trainer
 
     nproc, overrides = LAYOUTS[a.worker]

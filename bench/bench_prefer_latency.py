@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from contract.config.load import load_config  # noqa: E402
 from contract.events import EventType  # noqa: E402
 from contract.run_folder import make_run_folder  # noqa: E402
-from engine import default_task  # noqa: E402
+from engine.data import default_task  # noqa: E402
 from supervisor.client import RunClient  # noqa: E402
 from supervisor.launch import spawn  # noqa: E402
 from control_runs import events, wait_exit  # noqa: E402

@@ -31,7 +31,7 @@ from bench_methods import PeakRSS, child_result  # noqa: E402  (beside this file
 def make_assets(root: Path, a) -> tuple[Path, Path, Path]:
     """A model folder (config and the default tokenizer, no weights), a pairs file and the same
     answers as SFT rows."""
-    from engine import default_task as dt
+    from engine.data import default_task as dt
     tok = dt.build_tokenizer([])
     model_dir = root / "model"
     tok.save_pretrained(model_dir)

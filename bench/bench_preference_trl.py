@@ -85,7 +85,7 @@ class StepClock:
 def inputs(work: Path, vocab: int) -> int:
     """The model, tokenizer and pairs in `work`; returns the model's vocabulary size."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from engine.default_task import build_tokenizer, make_examples, preference_row
+    from engine.data.default_task import build_tokenizer, make_examples, preference_row
     rows = make_examples(2000, 7)
     tok = build_tokenizer(r["input"] + r["output"] for r in rows)
     torch.manual_seed(0)
@@ -143,7 +143,7 @@ def trl(work: Path, method: str, steps: int, rows: list[dict], ds: dict, clock: 
     peft_config = None
     if method == "lora":
         from peft import LoraConfig
-        from engine.methods import infer_lora_targets
+        from engine.model.methods import infer_lora_targets
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=infer_lora_targets(model), task_type="CAUSAL_LM")
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                          processing_class=AutoTokenizer.from_pretrained(str(work / "model")),

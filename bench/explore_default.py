@@ -3,7 +3,7 @@
 A plain PyTorch loop (AdamW, linear warmup + cosine decay, loss on the answer only) over the
 default task's rows, timing the training steps and measuring held-out exact match at intervals
 (evaluation time is kept out of the training clock). The figures quoted in
-engine/default_task.py come from this script; rerun it to check them:
+engine/data/default_task.py come from this script; rerun it to check them:
 
     .venv/bin/python bench/explore_default.py                       # the recommended setting
     .venv/bin/python bench/explore_default.py --precision fp32      # compare precisions
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from engine import default_task as dt  # noqa: E402
+from engine.data import default_task as dt  # noqa: E402
 from contract.config.schema import OptimConfig  # noqa: E402
 from contract import presets
 

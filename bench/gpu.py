@@ -301,9 +301,10 @@ def hf_case(a, method: str, case: str) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from contract.config.load import load_config
-    from engine import ds_config, methods
+    from engine.parallel import ds_config
+    from engine.model import methods
     from engine.data import PaddingCollator, build_dataset
-    from engine.model import build_model, count_parameters, hidden_size, load_tokenizer
+    from engine.model.loading import build_model, count_parameters, hidden_size, load_tokenizer
     from engine.monitors import peak_rss_mb
 
     cuda = torch.cuda.is_available()

@@ -58,7 +58,7 @@ class Clock:
 
 
 def ds_config_for(cfg, hidden: int) -> dict:
-    from engine import ds_config
+    from engine.parallel import ds_config
     return deepspeed_config.build_ds_config(cfg, world_size=2, dp_size=2, total_steps=cfg.train.max_steps,
                                      warmup_steps=0, hidden_size=hidden,
                                      precision=ds_config.resolve_precision("auto")).config
@@ -70,9 +70,9 @@ BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
 def bare(a, cfg, clock):
     import deepspeed
     from transformers import AutoModelForCausalLM
-    from engine import ds_config
+    from engine.parallel import ds_config
     from engine.data import build_dataset, build_dataloader
-    from engine.model import load_tokenizer
+    from engine.model.loading import load_tokenizer
     deepspeed.init_distributed(dist_backend=BACKEND)
     ds = ds_config_for(cfg, 256)
     tok = load_tokenizer(a.model)
@@ -99,7 +99,7 @@ def hf(a, cfg, clock):
     deepspeed.init_distributed(dist_backend=BACKEND)
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
     from engine.data import PaddingCollator, build_dataset
-    from engine.model import load_tokenizer
+    from engine.model.loading import load_tokenizer
     ds = ds_config_for(cfg, 256)
     args = TrainingArguments(output_dir=str(Path(a.out).parent / "hf"), per_device_train_batch_size=MICRO,
                              max_steps=a.steps, learning_rate=1e-4, lr_scheduler_type="constant",

@@ -13,7 +13,7 @@ preference     {"prompt", "chosen", "rejected"}            chosen and rejected a
 unpaired       {"prompt", "completion", "label"}           the completion, desirable or not (KTO)
 =============  ==========================================  ===================================
 
-The two preference formats feed the preference objectives (engine.objectives, docs/preferences.md).
+The two preference formats feed the preference objectives (engine.objectives.preference, docs/preferences.md).
 Their text form holds strings; their chat form holds a list of messages as `prompt` and lists of
 assistant messages as `chosen` / `rejected` / `completion` (TRL's conversational form).
 

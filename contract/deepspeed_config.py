@@ -1,6 +1,6 @@
 """The DeepSpeed config of a run, built from the run config: torch-free, so that the pre-flight
 check (contract.preflight) finds every contradiction before any rank starts, and the engine
-(engine.ds_config, which adds precision detection and the running engine's internals) builds
+(engine.parallel.ds_config, which adds precision detection and the running engine's internals) builds
 the very same config from the same code.
 
 It follows the Hugging Face `"auto"` convention (transformers' HfTrainerDeepSpeedConfig), with
@@ -24,7 +24,7 @@ run config's is (DeepSpeed's default would be logarithmic). DeepSpeed's schedule
 for step the torch ones the trainer builds: they spend the first two steps at warmup_min_lr and
 warm up over at least 2 steps; leave "scheduler" out for the trainer's exact schedule.
 
-The resolved precision is an argument: resolving "auto" needs the hardware (engine.ds_config).
+The resolved precision is an argument: resolving "auto" needs the hardware (engine.parallel.ds_config).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class EventType(str, Enum):
     EXPORT = "export"            # a model / adapter exported in Hugging Face / PEFT format
     BEST_MODEL = "best_model"    # the best checkpoint's weights loaded at the end
     WARNING = "warning"          # something the user should know; the run goes on
-    GUARD = "guard"              # the spike guard judged a step bad and acted (engine.guard_hook)
+    GUARD = "guard"              # the spike guard judged a step bad and acted (engine.guard.hook)
     DATA = "data"                # a training source added, reweighted, removed; an entry forgotten
     TEACH = "teach"              # an answer taught from the chat went into the inbox
     TEACH_CHECK = "teach_check"  # a taught prompt asked again: old and new answers

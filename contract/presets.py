@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# The embedded default task's hyperparameters, measured by bench/bench_default.py (engine/default_task.py
+# The embedded default task's hyperparameters, measured by bench/bench_default.py (engine/data/default_task.py
 # reads them from here): the contract holds them so that presets need no engine import.
 RECOMMENDED: dict[str, float | int | str] = {
     "lr": 3e-3,
@@ -17,13 +17,13 @@ RECOMMENDED: dict[str, float | int | str] = {
 }
 _R = RECOMMENDED
 
-# The embedded default model's size (a tiny Llama; engine/default_task.py builds it from this):
+# The embedded default model's size (a tiny Llama; engine/data/default_task.py builds it from this):
 # kept here so that layout checks need no engine import.
-# "positions" is its max_position_embeddings (engine/default_task.py default_model_config).
+# "positions" is its max_position_embeddings (engine/data/default_task.py default_model_config).
 MODEL_SIZE: dict[str, int] = {"hidden": 128, "layers": 2, "heads": 4, "intermediate": 384, "positions": 256}
 
 # The embedded default: a tiny Llama learning the synthetic task with the hyperparameters
-# measured for it (engine/default_task.py); exact-match is measured during the run so the user
+# measured for it (engine/data/default_task.py); exact-match is measured during the run so the user
 # sees it climb. It is for the embedded default only: a command line that names a model
 # (model.path) or data (data.train) starts from the schema's defaults instead, with
 # data.max_length fitted to the model (contract.args).

@@ -18,7 +18,7 @@ from torch import nn
 from contract import capabilities
 from contract.config.schema import RunConfig
 from contract.run_folder import EventLog, RunFolder
-from engine.losses import PER_MICRO_BATCH, Window
+from engine.objectives.losses import PER_MICRO_BATCH, Window
 from engine.steps import StepStrategy
 
 
@@ -75,11 +75,11 @@ class Layout(Protocol):
 
 class Method(Protocol):
     """What differs between full fine-tuning, PEFT adapters and the fused LOMO / AdaLomo update
-    (the objects are in engine.methods; `run` is the RunContext)."""
+    (the objects are in engine.model.methods; `run` is the RunContext)."""
     name: str
     builds_optimizer: bool  # False: the method makes its own optimizer once the engine exists
     has_adapter: bool       # True: `base_model` answers without the trained adapter
-    targets_shifted: bool   # True: a row's first label is never a target (engine.losses counts)
+    targets_shifted: bool   # True: a row's first label is never a target (engine.objectives.losses counts)
 
     def prepare_model(self, model: nn.Module, cfg: RunConfig) -> nn.Module: ...
     def adjust_ds_setup(self, setup) -> None: ...

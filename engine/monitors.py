@@ -105,7 +105,7 @@ class SourcesMonitor(Monitor):
 
 class StepMetricsMonitor(Monitor):
     """The step strategy's own numbers for the step, where it keeps some in `metrics` (a
-    preference objective's rewards and log-probabilities: engine.preference_step)."""
+    preference objective's rewards and log-probabilities: engine.objectives.preference_step)."""
 
     def measure(self, trainer, info):
         return dict(getattr(trainer.train_fn, "metrics", None) or {})

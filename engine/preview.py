@@ -30,7 +30,7 @@ MAX_DATA_ROWS_SHOWN = 2
 
 def deepspeed_preview(data: dict) -> dict:
     """The DeepSpeed config the run would get, with the values the run config fills in."""
-    from engine import ds_config
+    from engine.parallel import ds_config
     cfg = load_config(data=data)
     total, estimated = _total_steps(cfg)
     warmup = cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * total)
@@ -46,7 +46,7 @@ def _total_steps(cfg: RunConfig) -> tuple[int, bool]:
     """Optimizer steps of the run; without max_steps, estimated from the number of rows."""
     if cfg.train.max_steps:
         return cfg.train.max_steps, False
-    from engine import default_task
+    from engine.data import default_task
     if cfg.uses_default_task:
         rows = default_task.N_TRAIN
     else:  # the sources' rows together (data.sources), or data.train's
@@ -58,7 +58,7 @@ def _total_steps(cfg: RunConfig) -> tuple[int, bool]:
 def _hidden_size(cfg: RunConfig) -> int | None:
     if cfg.model.path:
         return _model_config(hub.known_folder(cfg.model.path)).get("hidden_size")
-    from engine import default_task
+    from engine.data import default_task
     return presets.MODEL_SIZE["hidden"]
 
 
@@ -79,7 +79,7 @@ def model_preview(path: str) -> dict:
     if not folder.is_dir():
         raise ValueError(f"no such folder: {path}")
     config = _model_config(folder)
-    from engine import model as model_layer
+    from engine.model import loading as model_layer
     info: dict[str, Any] = {
         "architecture": ", ".join(config.get("architectures") or []) or config.get("model_type", "?"),
         "model_type": config.get("model_type"), "hidden_size": config.get("hidden_size"),

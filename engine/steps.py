@@ -5,16 +5,16 @@ A strategy is called with the trainer and the micro-batches of one optimizer ste
 rank contributes before DeepSpeed averages gradients over the data-parallel ranks: the mean of
 the ranks' values is the step's loss (`Trainer._reduce` takes it). With `train.loss_average`
 "tokens" (default) that is the sum of this rank's token losses times dp_size / N, N the label
-tokens of the whole step on every rank (engine.losses); with "micro_batch", the mean of this
+tokens of the whole step on every rank (engine.objectives.losses); with "micro_batch", the mean of this
 rank's micro-batch means.
 
-The run's method object picks the strategy (engine.methods): the fused LOMO / AdaLomo step
+The run's method object picks the strategy (engine.model.methods): the fused LOMO / AdaLomo step
 (engine.lomo.FusedStep), or else the layout's, which is this engine step or the pipeline
 schedule (engine.parallel.pipeline.PipelineStep). A user's `train_fn` has the same signature
 and may call `step_window` and `trainer.compute_loss(batch, window=...)` to weigh as we do.
 
 A strategy may keep numbers of its last step in a `metrics` dict (the preference step's rewards,
-engine.preference_step); `engine.monitors.StepMetricsMonitor` puts them in the step's record.
+engine.objectives.preference_step); `engine.monitors.StepMetricsMonitor` puts them in the step's record.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from engine.data import count_tokens
-from engine.losses import Window, window_of
+from engine.objectives.losses import Window, window_of
 
 
 class StepStrategy(Protocol):
@@ -43,7 +43,7 @@ class EngineStep:
     """The DeepSpeed engine's own forward / backward / step; it accumulates across micro-batches
     and steps the optimizer and the scheduler at the accumulation boundary.
 
-    Two callback hooks let the spike guard in (engine.guard_hook): with one micro-batch per step,
+    Two callback hooks let the spike guard in (engine.guard.hook): with one micro-batch per step,
     `on_before_backward` sees the loss first (this rank's share; the ranks' mean is the step's
     loss), and a `skip` signal from it means neither backward nor update (DeepSpeed's counters do
     not move, as for its own skipped fp16 steps); `on_before_optimizer_step` comes once the
@@ -72,5 +72,5 @@ class EngineStep:
 
     def micro_loss(self, trainer, batch: dict, window: Window) -> torch.Tensor:
         """One micro-batch's loss for `window` (a subclass adds terms: an SFT run's live
-        preference pairs, engine.preference_step.SftStep)."""
+        preference pairs, engine.objectives.preference_step.SftStep)."""
         return trainer.compute_loss(batch, window=window)

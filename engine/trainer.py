@@ -23,7 +23,8 @@ import torch.distributed as dist
 from contract.config.schema import RunConfig
 from contract.protocol.states import RunState
 from contract.events import EvalEvent, EventType, StateEvent, WarningEvent
-from engine import chat_only, checkpoint
+from engine import checkpoint
+from engine.control import chat_only
 from engine.assembly import data as run_data
 from engine.assembly.loop import start
 from engine.assembly.root import Given, assemble
@@ -33,7 +34,7 @@ from engine.checkpoint import state as checkpoint_state
 from engine.checkpoint.locations import CheckpointError
 from engine.control.plane import Control
 from engine.control.settings import live_settings
-from engine.losses import PER_MICRO_BATCH, Window
+from engine.objectives.losses import PER_MICRO_BATCH, Window
 from engine.monitors import Monitor, StepInfo
 from engine.rng import preserved_rng
 
@@ -65,7 +66,7 @@ class Trainer:
 
     env = _from_context("env", "This rank's place in the process group and layout.")
     layout = _from_context("layout", "The parallel layout object (engine.parallel.layouts).")
-    method = _from_context("method", "The fine-tuning method object (engine.methods).")
+    method = _from_context("method", "The fine-tuning method object (engine.model.methods).")
     precision = _from_context("precision", "The resolved training precision.")
     tokenizer = _from_context("tokenizer", "The run's tokenizer.")
     folder = _from_context("folder", "The run folder.")

@@ -1,6 +1,6 @@
 """Chat with what a run left behind, with no live run.
 
-`chat_config(source)` makes the config of a chat-only run (`control.chat_only`, engine.chat_only)
+`chat_config(source)` makes the config of a chat-only run (`control.chat_only`, engine.control.chat_only)
 for:
 
 - a run folder: its newest complete training checkpoint, else its final model (`model/`);

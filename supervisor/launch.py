@@ -90,7 +90,7 @@ def forwarded(env: dict[str, str]) -> dict[str, str]:
     """The variables of `env` that go to the other machines (see FORWARDED_PREFIXES), less an
     interface setting that names the loopback interface: ranks on several machines cannot meet
     there, and our own engine sets GLOO_SOCKET_IFNAME=lo in a process that ran a one-machine run
-    in-process (engine.rendezvous; a notebook or a script that later launches across machines)."""
+    in-process (engine.parallel.rendezvous; a notebook or a script that later launches across machines)."""
     return {k: v for k, v in env.items()
             if k.startswith(FORWARDED_PREFIXES) and not _UNSAFE.search(v) and not _loopback_interface(k, v)}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import default_task
+from engine.data import default_task
 from contract.config.load import load_config
 from contract.run_folder import make_run_folder
 from supervisor.launch import LaunchedRun, spawn

@@ -12,7 +12,7 @@ On 2 DeepSpeed ranks (slow), two launches, each looping over the architectures i
 group (a launch costs ~15-20 s to start; one per cell would not fit CI's budget):
 
 - tests/scripts/architectures_zero.py: full fine-tuning under ZeRO-2 and LoRA under ZeRO-3 (8 steps,
-  two passes over the rows, the second's loss lower), each with a streamed chat mid-training through engine.generation.generate
+  two passes over the rows, the second's loss lower), each with a streamed chat mid-training through engine.generation.generate.generate
   (the control plane's `generate` path: the same answer on both ranks, the streamed pieces join
   to it, not empty); then `save_model` (full: the model; LoRA: the adapter) and `export_merged`
   (base + LoRA), reloaded here in transformers / peft with the engine's logits.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from contract.config.load import load_config
-from engine import methods
+from engine.model import methods
 from engine.assembly import data as run_data
 from engine.context import DistEnv
 from engine.parallel import layouts

@@ -1,4 +1,4 @@
-"""Several requests in one generation (engine.batch_generation), in one process on a tiny model:
+"""Several requests in one generation (engine.generation.batch), in one process on a tiny model:
 each request's rows come out as they do when it is generated alone (its own limit, its own seed),
 greedy rows as Hugging Face's own generate answers each prompt, and a streamed row streams its
 text. The 2-rank ZeRO-3 run through the API: tests/test_openai_api.py."""
@@ -25,7 +25,7 @@ def _prompts(tok) -> list[list[int]]:
 
 
 def test_a_batch_answers_each_request_as_it_is_answered_alone(one_process_group):
-    from engine.batch_generation import Request, generate_requests
+    from engine.generation.batch import Request, generate_requests
     tok = make_tiny_tokenizer()
     whole, _ = build_pair("llama", tok)
     run = _run(whole, tok)
@@ -50,7 +50,7 @@ def test_a_batch_answers_each_request_as_it_is_answered_alone(one_process_group)
 
 
 def test_a_seed_repeats_its_sample_and_another_seed_differs(one_process_group):
-    from engine.batch_generation import Request, generate_requests
+    from engine.generation.batch import Request, generate_requests
     tok = make_tiny_tokenizer()
     whole, _ = build_pair("llama", tok)
     run = _run(whole, tok)
@@ -63,7 +63,7 @@ def test_a_seed_repeats_its_sample_and_another_seed_differs(one_process_group):
 
 
 def test_a_streamed_row_streams_its_own_text(one_process_group):
-    from engine.batch_generation import Request, generate_requests
+    from engine.generation.batch import Request, generate_requests
     tok = make_tiny_tokenizer()
     whole, _ = build_pair("llama", tok)
     run = _run(whole, tok)

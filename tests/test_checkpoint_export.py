@@ -83,8 +83,8 @@ def test_lora_checkpoint_merged_equals_base_plus_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.default_task import default_root, ensure_default_assets
-    from engine.model import build_model
+    from engine.data.default_task import default_root, ensure_default_assets
+    from engine.model.loading import build_model
     run = train(tmp_path, "lora", "zero_stage=2", "method=lora", "precision=fp32", "lr=0.01")
     merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
     done = export(run / "checkpoints" / "step-3", merged_dir, "--merge-lora")

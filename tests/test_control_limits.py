@@ -18,7 +18,7 @@ import pytest
 from supervisor.client import RunClient
 from engine.control.limits import SEND_HIGH_WATER, PromptLimit, context_tokens
 from engine.control.server import ControlServer
-from engine.default_task import build_tokenizer, default_model_config
+from engine.data.default_task import build_tokenizer, default_model_config
 from engine.control import handlers
 from engine.control.pending import CommandQueue
 from contract.protocol.wire import MAX_MESSAGE_BYTES

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine import default_task as dt
+from engine.data import default_task as dt
 from contract import presets
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def test_assets_are_idempotent_and_deterministic(assets, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in assets.model_dir.parent.rglob("*")} == before
     # A fresh process builds the same bytes (nothing depends on hash seeds or the clock).
     other = tmp_path / "again"
-    code = "import sys; from pathlib import Path; from engine import default_task as dt; " \
+    code = "import sys; from pathlib import Path; from engine.data import default_task as dt; " \
            "dt.ensure_default_assets(Path(sys.argv[1]))"
     env = {**os.environ, "PYTHONHASHSEED": "123", "HF_HUB_OFFLINE": "1"}
     subprocess.run([sys.executable, "-c", code, str(other)], check=True, cwd=REPO, env=env)

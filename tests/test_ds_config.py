@@ -13,7 +13,7 @@ from contract.config.schema import ConfigError
 from contract.config.load import load_config
 from contract.deepspeed_config import (DeepSpeedConfigError, DsConfig, NO_LOG_STEPS, build_ds_config,
                                        inference_config)
-from engine.ds_config import resolve_precision, transformers_zero3, zero3_init
+from engine.parallel.ds_config import resolve_precision, transformers_zero3, zero3_init
 
 HIDDEN = 64
 

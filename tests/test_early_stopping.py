@@ -14,7 +14,7 @@ from contract.config.load import load_config
 from contract.events import check_event
 from contract.run_folder import read_events
 from control_runs import task_files
-from engine.early_stopping import EarlyStopping
+from engine.evaluation.early_stopping import EarlyStopping
 
 REPO = Path(__file__).resolve().parent.parent
 

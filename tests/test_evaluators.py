@@ -5,7 +5,7 @@ time computation with a plain copy of the model, and the predictions land in the
 import pytest
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
-from engine import evaluators
+from engine.evaluation import evaluators
 from contract.config.schema import ConfigError, EVALUATORS
 from contract.config.load import load_config
 

@@ -53,7 +53,7 @@ def test_preflight_goes_by_the_installed_package_and_refuses_fp32(tmp_path: Path
 def test_the_built_model_uses_the_configured_attention(tmp_path: Path):
     from transformers import LlamaConfig
 
-    from engine.model import build_model
+    from engine.model.loading import build_model
     LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2, max_position_embeddings=32).save_pretrained(tmp_path)
     for attn in ("eager", "sdpa"):

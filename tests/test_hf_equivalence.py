@@ -11,9 +11,9 @@ from dist_utils import SCRIPTS, parse_results, run_deepspeed
 def write_inputs(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from engine.default_task import ensure_default_assets
+    from engine.data.default_task import ensure_default_assets
     assets = ensure_default_assets(tmp_path / "assets")
-    from engine.model import load_tokenizer
+    from engine.model.loading import load_tokenizer
     tok = load_tokenizer(assets.model_dir)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,

@@ -236,7 +236,7 @@ def test_a_live_grad_clip_change_reaches_the_fused_update(name):
     built with the new value makes, and differs from the old value's."""
     from types import SimpleNamespace
 
-    from engine.methods import FusedMethod
+    from engine.model.methods import FusedMethod
 
     def one_step(built_with: float, set_to: float | None):
         model = tiny_model()

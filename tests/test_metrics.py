@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from engine import metrics
+from engine.evaluation import metrics
 
 
 def test_accuracy_and_exact_match():

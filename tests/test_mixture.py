@@ -181,8 +181,8 @@ def test_bad_sources_and_data_commands_are_refused_naming_the_field(tmp_path):
 
 @pytest.fixture(scope="module")
 def default_tokenizer():
-    from engine import default_task
-    from engine.model import load_tokenizer
+    from engine.data import default_task
+    from engine.model.loading import load_tokenizer
     return load_tokenizer(default_task.ensure_default_assets(default_task.default_root()).model_dir, "model.path")
 
 

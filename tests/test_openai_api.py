@@ -143,7 +143,7 @@ def test_refusals_come_in_openais_shape_with_their_status(served):
 @pytest.mark.slow
 def test_requests_waiting_together_share_a_generation_and_answer_as_alone(served):
     """Requests queued while the run is busy answer as the same requests one by one: greedy text
-    and scores alike, a seeded sample the same (engine.batch_generation); the greedy ones of the
+    and scores alike, a seeded sample the same (engine.generation.batch); the greedy ones of the
     same settings went through one generation (`batch` in the command's recorded result)."""
     api = _openai(served)
     asks = [dict(model="api", prompt="reverse: kernel\n", max_tokens=8, temperature=0),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
-from engine import methods
+from engine.model import methods
 from contract.config.schema import ConfigError
 from contract.config.load import load_config
 

@@ -59,9 +59,9 @@ def build_pair(family: str, tok):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_stage_layers_reproduce_the_model(one_process_group, family):
-    from engine.generation import encode_prompts
+    from engine.generation.generate import encode_prompts
     from engine.parallel.pipeline import pipe_inputs, stage_forward
-    from engine.pipeline_generate import pipeline_generate
+    from engine.generation.pipeline import pipeline_generate
 
     tok = make_tiny_tokenizer()
     whole, engine = build_pair(family, tok)

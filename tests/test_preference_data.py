@@ -10,8 +10,8 @@ from contract.config.load import load_config
 from contract.data_check import overlong_rows, prompt_filling_rows, scan_file
 from contract.data_rows import DataError, detect_format
 from engine.data import PaddingCollator, build_dataset
-from engine.default_task import OPERATIONS, ensure_default_assets, preference_row, sources_for, wrong_answer
-from engine.model import load_tokenizer
+from engine.data.default_task import OPERATIONS, ensure_default_assets, preference_row, sources_for, wrong_answer
+from engine.model.loading import load_tokenizer
 
 CHAT = [{"role": "user", "content": "upper: ab"}]
 
@@ -135,7 +135,7 @@ def test_config_refuses_what_cannot_work(overrides, field, words):
 
 
 def test_objective_and_rows_must_agree(tmp_path, tok):
-    from engine.objectives import check_data, rows_problem
+    from engine.objectives.preference import check_data, rows_problem
     _, report = build_dataset([{"text": "hello"}], tok)
     with pytest.raises(DataError, match="dpo trains on preference rows"):
         check_data(load_config(overrides=["objective=dpo"]), {"train": report})

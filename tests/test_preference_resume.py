@@ -23,7 +23,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
     from conftest import save_tiny_llama
-    from engine.default_task import make_examples, preference_row, unpaired_rows
+    from engine.data.default_task import make_examples, preference_row, unpaired_rows
     work = tmp_path_factory.mktemp("pref")
     save_tiny_llama(work / "model")
     rows = make_examples(48, seed=0)

@@ -24,7 +24,7 @@ from contract.config.load import load_config
 from contract.config.schema import ConfigError
 from contract.inbox import read_inbox
 from contract.run_folder import read_events
-from engine import default_task
+from engine.data import default_task
 from engine.callbacks import Callback
 from engine.data.collate import PaddingCollator
 from engine.data.inbox import InboxDataset
@@ -207,8 +207,8 @@ def test_a_step_with_pairs_has_the_sft_loss_plus_the_mean_pair_loss(inputs, tmp_
     of ORPO's odds-ratio term, however the pairs fall into the micro-batches."""
     import torch
     from engine.data.mixture import Source
-    from engine.objectives import sft_pair_objective
-    from engine.preference_step import PreferenceStep, _logits
+    from engine.objectives.preference import sft_pair_objective
+    from engine.objectives.preference_step import PreferenceStep, _logits
     from engine.trainer import Trainer
     cfg = load_config(overrides=_overrides(inputs, tmp_path, "weights", "train.grad_accum=2", "batch_size=3",
                                            "train.loss_average=micro_batch", "control.enabled=false"))
@@ -245,7 +245,7 @@ def test_an_unpacked_inbox_sample_beside_packed_rows_is_its_own_sequence(tiny_to
 
 def test_a_pair_is_refused_where_the_sft_step_cannot_train_it():
     from types import SimpleNamespace
-    from engine.preference_step import SftStep, pairs_problem
+    from engine.objectives.preference_step import SftStep, pairs_problem
     run = SimpleNamespace(config=load_config(overrides=["method=lomo"]), train_fn=None)  # the parts pairs_problem reads
     assert "lomo updates inside backward" in pairs_problem(run)
     run = SimpleNamespace(config=load_config(), train_fn=lambda trainer, batches: None)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from contract.data_rows import IGNORE
-from engine.objectives import answer_tail
-from engine.preference_step import PreferenceStep, _logits
+from engine.objectives.preference import answer_tail
+from engine.objectives.preference_step import PreferenceStep, _logits
 
 
 def _batch() -> dict:

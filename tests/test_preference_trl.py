@@ -16,7 +16,7 @@ ROWS = 96
 
 def write_inputs(tmp_path):
     from conftest import save_tiny_llama
-    from engine.default_task import make_examples, preference_row, unpaired_rows
+    from engine.data.default_task import make_examples, preference_row, unpaired_rows
     save_tiny_llama(tmp_path / "model")
     rows = make_examples(ROWS, seed=0)
     pairs = [preference_row(r) for r in rows]

@@ -65,7 +65,7 @@ def test_deepspeed_s_own_prefixes_and_the_network_settings_are_forwarded(tmp_pat
 
 
 def test_a_loopback_interface_setting_does_not_reach_the_other_machines(tmp_path, monkeypatch):
-    """A process that ran a one-machine run in-process has GLOO_SOCKET_IFNAME=lo (engine.rendezvous
+    """A process that ran a one-machine run in-process has GLOO_SOCKET_IFNAME=lo (engine.parallel.rendezvous
     sets it): forwarded, every rank would advertise 127.0.0.1 to the others, and gloo's full mesh
     would fail with "Connection refused, remote=[127.0.0.1]"."""
     monkeypatch.setattr(Path, "home", lambda: tmp_path)

@@ -237,7 +237,7 @@ def test_a_restored_state_puts_the_runs_own_clipping_back():
         def gradient_clipping(self):
             return self._config.gradient_clipping
 
-    from engine.methods import FullMethod, FusedMethod
+    from engine.model.methods import FullMethod, FusedMethod
 
     engine = Engine()  # a `set grad_clip=0.5` happened after the state being restored was saved
     run = SimpleNamespace(engine=engine, optimizer=None)

@@ -1,4 +1,4 @@
-"""Token log-probabilities (engine.scoring) and the ids a generation hands back, in one process:
+"""Token log-probabilities (engine.generation.scoring) and the ids a generation hands back, in one process:
 the data-parallel forward and the pipeline's stage path give the scores of a plain Hugging Face
 forward pass, for rows of different lengths in one batch, and leave train mode and the RNG as
 they were."""
@@ -29,7 +29,7 @@ def _reference(model, row: list[int]) -> list[float]:
 @pytest.mark.parametrize("layout", ["data-parallel", "pipeline"])
 def test_scores_equal_a_plain_forward_and_leave_no_trace(one_process_group, layout):
     from engine.parallel.layouts import DataParallel, Pipeline
-    from engine.scoring import score
+    from engine.generation.scoring import score
     tok = make_tiny_tokenizer()
     whole, pipe = build_pair("llama", tok)
     env = types.SimpleNamespace(rank=0, world_size=1)
@@ -55,7 +55,7 @@ def test_scores_equal_a_plain_forward_and_leave_no_trace(one_process_group, layo
 
 
 def test_generation_hands_back_the_ids_its_text_was_decoded_from(one_process_group):
-    from engine.pipeline_generate import pipeline_generate
+    from engine.generation.pipeline import pipeline_generate
     tok = make_tiny_tokenizer()
     _, pipe = build_pair("llama", tok)
     trainer = types.SimpleNamespace(engine=pipe, tokenizer=tok)

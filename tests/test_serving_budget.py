@@ -56,7 +56,7 @@ def test_the_bucket_fills_at_its_share_and_each_boundary_takes_its_seconds_out()
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
     from conftest import save_tiny_llama
-    from engine import default_task
+    from engine.data import default_task
     work = tmp_path_factory.mktemp("serving")
     save_tiny_llama(work / "model")
     rows = default_task.make_examples(128, 5)

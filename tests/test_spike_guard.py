@@ -1,4 +1,4 @@
-"""The spike guard: its decisions on plain numbers (engine.spike_guard, no torch), its config
+"""The spike guard: its decisions on plain numbers (engine.guard.decisions, no torch), its config
 checks, and one 2-rank DeepSpeed launch where injected trouble meets each action
 (tests/scripts/guard_check.py), three runs one after the other:
 
@@ -21,7 +21,7 @@ import pytest
 
 from contract.config.schema import ConfigError, GuardConfig
 from contract.config.load import load_config
-from engine.spike_guard import SpikeGuard, SpikeStatistic, Verdict, newest_good
+from engine.guard.decisions import SpikeGuard, SpikeStatistic, Verdict, newest_good
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 
 

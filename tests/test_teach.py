@@ -31,7 +31,7 @@ from contract.config.load import load_config
 from contract.inbox import read_inbox
 from contract.presets import DEFAULT
 from contract.run_folder import make_run_folder
-from engine import default_task
+from engine.data import default_task
 from supervisor.client import CommandError, RunClient
 from supervisor.launch import spawn
 from control_runs import _LAUNCHED, CONNECT_S, HEARTBEAT_S, events, logs_of, losses, wait_exit, wait_for_step

@@ -43,8 +43,8 @@ TWO_RANKS = {  # the pipeline last: a data-parallel engine built after DeepSpeed
 
 def write_inputs(work) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
-    from engine.default_task import ensure_default_assets
-    from engine.model import load_tokenizer
+    from engine.data.default_task import ensure_default_assets
+    from engine.model.loading import load_tokenizer
     assets = ensure_default_assets(work / "assets")
     tok = load_tokenizer(assets.model_dir)
     torch.manual_seed(0)
@@ -143,7 +143,7 @@ def test_window_pieces_give_the_sum_of_token_losses_over_n():
     """model_loss with a token window is sum(token losses) / N, summed over the micro-batches;
     a loss_fn naming num_items_in_batch gets N (HF's convention); one that does not, and a model
     whose forward takes no num_items_in_batch, are weighed by their targets / N."""
-    from engine.losses import PER_MICRO_BATCH, Window, count_targets, model_loss
+    from engine.objectives.losses import PER_MICRO_BATCH, Window, count_targets, model_loss
     model, batches = _tiny_llama(), _batches()
     assert [count_targets(b["labels"]) for b in batches] == [2 * 6, 1 * 4]
     # unshifted (prompt tuning's count): a row's first label is a target when it is not -100

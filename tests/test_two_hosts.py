@@ -268,7 +268,7 @@ def test_a_killed_remote_rank_is_reported_with_its_host(net, task, tmp_path, dec
     manager.start_monitor(on_failure=lambda f: (reported.append((time.monotonic(), f)), seen.set()))
     # a variable of the launching shell that DeepSpeed's runner would not carry on a CPU machine
     monkeypatch.setenv("NCCL_LIVETUNE_PROBE", "forwarded to every host")
-    # what a process that ran a one-machine run in-process holds (engine.rendezvous): not carried
+    # what a process that ran a one-machine run in-process holds (engine.parallel.rendezvous): not carried
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     with in_host(a):
         handle = manager.start(two_host_config(net, runs, "killed", task, "max_steps=400"), env=host_env(net))

@@ -382,7 +382,7 @@ def test_a_password_on_the_command_line_is_refused():
 # -- the preview worker (a real child process running the engine's code) -------------------------
 
 def test_preview_worker_answers_with_the_engines_code(tmp_path, form):
-    from engine import default_task
+    from engine.data import default_task
     assets = default_task.ensure_default_assets()
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n"

@@ -2,7 +2,7 @@
 and why): the layout x method cells from the capability table (contract.capabilities,
 Feature.PREFERENCE), and the rules that depend on values (batching, micro-batch size, the
 parameters, the data formats; an SFT run's rule for live pairs, `sft_pair_loss`). The objectives
-themselves are engine.objectives."""
+themselves are engine.objectives.preference."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class Section(BaseModel):
 METHODS = ("full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo")
 FUSED_METHODS = ("lomo", "adalomo")  # the update happens inside backward
 PEFT_METHODS = ("lora", "prompt_tuning", "p_tuning")
-# eval.evaluators values (engine.evaluators builds them; kept here so that validation stays torch-free)
+# eval.evaluators values (engine.evaluation.evaluators builds them; kept here so that validation stays torch-free)
 EVALUATORS = ("perplexity", "choice", "exact_match", "generation")
 
 
@@ -264,7 +264,7 @@ class ControlConfig(Section):
 
 
 class GuardConfig(Section):
-    """The spike guard (engine.spike_guard): every step's loss and gradient norm are judged, and
+    """The spike guard (engine.guard.decisions): every step's loss and gradient norm are judged, and
     a non-finite value, a loss spike or a gradient norm above the bound triggers an action."""
     enabled: bool = _f(False, "Judge every step and act by itself on a non-finite loss, a loss "
                        "spike or a gradient norm above grad_norm_max.", label="Spike guard on")

@@ -95,7 +95,7 @@ class GenerationParams(Arguments):
                                              "generated; 1: none.", json_schema_extra=_run_default(1.0))
     stop: StopStrings | None = Field(default=None, description="Strings that end the answer.",
                                      json_schema_extra=_run_default([]))
-    # run default None: an unseeded sample draws a fresh seed and reports it (engine.generation.fresh_seed)
+    # run default None: an unseeded sample draws a fresh seed and reports it (engine.generation.generate.fresh_seed)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="Sampling seed; none: a fresh one each "
                              "time, reported in the answer.", json_schema_extra=_run_default(None))
 

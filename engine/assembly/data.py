@@ -15,7 +15,7 @@ from engine.data.dataset import build_dataset
 from engine.data.inbox import InboxDataset
 from engine.data.loader import build_dataloader
 from engine.data.mixture import MixtureDataset, Source, source_seed
-from engine.default_task import default_root, ensure_default_assets, sources_for
+from engine.data.default_task import default_root, ensure_default_assets, sources_for
 
 
 @dataclass

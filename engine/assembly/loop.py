@@ -14,7 +14,7 @@ from typing import Iterable
 from contract.config.schema import RunConfig
 from contract.deepspeed_config import DeepSpeedSetup
 from contract.events import SetupEvent
-from engine import evaluators as evaluator_layer
+from engine.evaluation import evaluators as evaluator_layer
 from engine.assembly.data import RunData
 from engine.callbacks import Callback, CallbackList
 from engine.checkpoint import resolve_resume
@@ -22,17 +22,17 @@ from engine.checkpoint import rewind
 from engine.checkpoint.snapshots import SnapshotStore
 from engine.context import RunContext
 from engine.control.plane import Control
-from engine.early_stopping import EarlyStopping
-from engine.guard_hook import GuardCallback
-from engine.model import count_parameters
+from engine.evaluation.early_stopping import EarlyStopping
+from engine.guard.hook import GuardCallback
+from engine.model.loading import count_parameters
 from engine.monitors import DEFAULT_MONITORS, Monitor
-from engine.preference_step import evaluators_for
+from engine.objectives.preference_step import evaluators_for
 from engine.steps import StepStrategy
 
 
 def callbacks_of(cfg: RunConfig, given: Iterable[Callback]) -> CallbackList:
     """The user's callbacks, then those the config itself asks for: early stopping, the spike
-    guard (engine.guard_hook)."""
+    guard (engine.guard.hook)."""
     stopping = EarlyStopping.from_config(cfg)
     return CallbackList([*given, *(c for c in (stopping, GuardCallback.from_config(cfg)) if c is not None)])
 

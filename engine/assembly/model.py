@@ -1,7 +1,7 @@
 """The model and its DeepSpeed engine: the precision, the DeepSpeed config, the model (given,
 or built from the config with the run's seed, partitioned under ZeRO-3), the optimizer and the
-schedule, `deepspeed.initialize`. Only this module and `engine.ds_config` talk to deepspeed
-directly. The layout and method objects (engine.parallel.layouts, engine.methods) are handed in:
+schedule, `deepspeed.initialize`. Only this module and `engine.parallel.ds_config` talk to deepspeed
+directly. The layout and method objects (engine.parallel.layouts, engine.model.methods) are handed in:
 these builders ask them, never the config, how the DeepSpeed set-up is adjusted."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from transformers import get_scheduler
 from contract import deepspeed_config
 from contract.config.schema import RunConfig
 from contract.deepspeed_config import DeepSpeedSetup
-from engine import ds_config
+from engine.parallel import ds_config
 from engine.context import DistEnv
-from engine.model import build_model, hidden_size, model_dir_of, read_config
+from engine.model.loading import build_model, hidden_size, model_dir_of, read_config
 from engine.rng import seed_everything
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from contract.config.schema import RunConfig
 from contract.run_folder import EventLog, RunFolder, make_run_folder
-from engine import rendezvous
+from engine.parallel import rendezvous
 from engine.context import DistEnv
 from engine.monitors import open_sinks
 from engine.parallel.groups import Groups, data_groups

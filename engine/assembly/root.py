@@ -30,12 +30,12 @@ from engine.callbacks import Callback, CallbackList
 from engine.checkpoint.schedule import CheckpointSchedule
 from engine.checkpoint.snapshots import SnapshotStore
 from engine.context import RunContext, TrainerState
-from engine.methods import method_of
-from engine.model import tokenizer_of
+from engine.model.methods import method_of
+from engine.model.loading import tokenizer_of
 from engine.monitors import Monitor
-from engine.objectives import check_data, objective_of
+from engine.objectives.preference import check_data, objective_of
 from engine.parallel.layouts import layout_class
-from engine.preference_step import (AdapterOffReference, copy_before_engine, disable_dropout, place_copy,
+from engine.objectives.preference_step import (AdapterOffReference, copy_before_engine, disable_dropout, place_copy,
                                     step_for, zero3_reference)
 from engine.rng import preserved_rng
 from engine.steps import StepStrategy
@@ -139,7 +139,7 @@ def _engine_and_step(ctx: RunContext, given: Given) -> tuple[DeepSpeedSetup, Ste
 
 def _reference(cfg: RunConfig, objective, ctx: RunContext, ds_setup: DeepSpeedSetup, precision: str,
                ref_copy, given_model: bool):
-    """The reference the objective compares with (engine.preference_step): the policy without
+    """The reference the objective compares with (engine.objectives.preference_step): the policy without
     its adapter (PEFT), the frozen copy (full, ZeRO 0-2, tensor parallel), a partitioned copy
     built like the policy (full, ZeRO-3); None when the objective needs none."""
     if objective is None or not objective.needs_reference:

@@ -7,7 +7,7 @@ ZeRO-3 only the adapter parameters are gathered, never the base model. `load_pef
 adapter's weights into the engine's adapter of that name (keys and shapes checked before any
 weight changes); a new adapter can join only for inference and not under ZeRO-3, because the
 engine's optimizer and partitioning were built around the adapters it started with. Without PEFT
-the run's method (engine.methods) falls back to the model functions, as in CoLLie.
+the run's method (engine.model.methods) falls back to the model functions, as in CoLLie.
 
 `export_merged` writes base + LoRA as a plain Hugging Face model: each LoRA layer's base weight
 plus its delta (PEFT's `get_delta_weight`, what `merge_and_unload` adds) is made shard by shard
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.context import RunContext
-from engine import ds_config
+from engine.parallel import ds_config
 from engine.checkpoint import atomic, models
 from engine.checkpoint.locations import CheckpointError
 from engine.checkpoint.atomic import Comm

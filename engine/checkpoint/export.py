@@ -59,7 +59,7 @@ def export(source: str, target: str, merge_lora: bool = False,
     else:
         raise ExportError(f"source: {source} is neither a training checkpoint ({TRAINER_STATE}), "
                           f"an adapter folder ({ADAPTER_CONFIG}) nor a model folder (config.json)")
-    from engine.methods import is_peft_model
+    from engine.model.methods import is_peft_model
     if merge_lora:
         model = _merged(model, what)
         what += ", LoRA merged into the base weights"
@@ -75,8 +75,8 @@ def export(source: str, target: str, merge_lora: bool = False,
 # -- sources ----------------------------------------------------------------------------------------
 def _from_training_checkpoint(src: Path, say):
     from contract.config.load import load_config
-    from engine.methods import prepare_model
-    from engine.model import build_model, model_dir_of, tokenizer_of
+    from engine.model.methods import prepare_model
+    from engine.model.loading import build_model, model_dir_of, tokenizer_of
 
     marker = reading.complete_marker(str(src), kind="training")
     say(f"checking {len(marker.get('files', {}))} files of {src.name}")
@@ -103,7 +103,7 @@ def _from_training_checkpoint(src: Path, say):
         f"(ZeRO stage {layout['zero_stage']})")
     state = _deepspeed_state(src, record["ds_tag"], layout["zero_stage"])
     _load_state(model, state, src)
-    from engine.model import DTYPES
+    from engine.model.loading import DTYPES
     return model.to(DTYPES[precision]), tokenizer_of(cfg), \
         f"{src.name} (step {record['position']['global_step']})"
 
@@ -133,7 +133,7 @@ def _from_adapter(src: Path, say):
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from engine.model import has_weights, load_tokenizer
+    from engine.model.loading import has_weights, load_tokenizer
     base_dir = Path(PeftConfig.from_pretrained(str(src)).base_model_name_or_path or "")
     if not base_dir.is_dir() or not has_weights(base_dir):
         raise ExportError(
@@ -150,7 +150,7 @@ def _from_adapter(src: Path, say):
 def _from_model_folder(src: Path, say):
     from transformers import AutoModelForCausalLM
 
-    from engine.model import has_weights, load_tokenizer
+    from engine.model.loading import has_weights, load_tokenizer
     if not has_weights(src):
         raise ExportError(f"source: {src} has a config but no weights to export")
     say(f"loading {src}")
@@ -159,7 +159,7 @@ def _from_model_folder(src: Path, say):
 
 
 def _merged(model, what: str):
-    from engine.methods import is_peft_model
+    from engine.model.methods import is_peft_model
     if not is_peft_model(model):
         raise ExportError(f"--merge-lora: {what} has no adapter to merge (it trains the whole model); "
                           "export it without --merge-lora")

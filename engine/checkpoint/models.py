@@ -1,7 +1,7 @@
 """Models in Hugging Face format: the engine's weights to and from a folder `from_pretrained` reads.
 
 The primitives (`save_hf`, `model_entries`, `load_tensors` ...); which of them a run uses is
-decided by its layout and method objects (engine.parallel.layouts, engine.methods), reached
+decided by its layout and method objects (engine.parallel.layouts, engine.model.methods), reached
 through `engine.checkpoint.save_model` / `load_model`.
 
 Saving streams: the tensors are cut into shards of at most `max_shard_size` bytes, and under
@@ -36,7 +36,7 @@ from huggingface_hub.serialization._base import parse_size_to_int
 from safetensors import safe_open
 
 from engine.context import RunContext
-from engine import ds_config
+from engine.parallel import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.locations import CheckpointError
 from engine.checkpoint.atomic import Comm

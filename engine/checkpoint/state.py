@@ -41,12 +41,12 @@ import torch
 import torch.distributed as dist
 
 from engine.context import RunContext
-from engine import ds_config
+from engine.parallel import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.locations import (CheckpointError, CorruptCheckpointError, LayoutMismatchError,
                                          MissingFilesError)
 from engine.checkpoint.atomic import Comm
-from engine.model import count_parameters
+from engine.model.loading import count_parameters
 from engine.rng import rng_state, set_rng_state
 from contract.events import CheckpointEvent, ResumeEvent
 from engine.checkpoint import locations

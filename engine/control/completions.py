@@ -5,18 +5,18 @@ Run by every rank at a step boundary, like `generate`. Every prompt becomes toke
 with the tokenizer's special tokens, as `generate` prompts get their BOS; a chat through the
 model's chat template; ids as given), so all samples of all prompts are generated in one batch
 (`n` rows per prompt). Log-probabilities come from one more forward pass over prompt + sampled
-tokens (engine.scoring): the model's own distribution, before temperature or top-p. `echo` with
+tokens (engine.generation.scoring): the model's own distribution, before temperature or top-p. `echo` with
 `max_new_tokens: 0` scores the prompt only; greedy with one new token (lm-evaluation-harness's
 log-likelihood request) takes that token from the same pass. Nothing here touches the run's RNG
-streams or train mode (engine.generation, engine.scoring restore them).
+streams or train mode (engine.generation.generate, engine.generation.scoring restore them).
 
 Several requests waiting at the same boundary (`complete_many`, from the control plane) are
 answered together: those with the same temperature, top-p, top-k, repetition penalty and stop
-strings share one generation (engine.batch_generation: each row keeps its own `max_new_tokens`,
+strings share one generation (engine.generation.batch: each row keeps its own `max_new_tokens`,
 each request samples from its own seed, so its reported seed repeats its sample alone or batched),
 at most BATCH_ROWS rows at once; all their log-probabilities come from one scoring pass. Under
 pipeline parallelism each request still generates alone: the stages' token loop
-(engine.pipeline_generate) samples from the one global generator and stops every row at one limit,
+(engine.generation.pipeline) samples from the one global generator and stops every row at one limit,
 and teaching it per-request seeds and limits is more than the few requests that meet at a
 boundary gain there; its scoring passes are batched as everywhere.
 """
@@ -28,12 +28,12 @@ from typing import Any, Callable
 
 from contract.capabilities import Layout
 from contract.protocol.completion_commands import Complete
-from engine.batch_generation import Request, generate_requests
+from engine.generation.batch import Request, generate_requests
 from engine.control.limits import context_tokens
 from engine.control.pending import Reply
 from engine.control.run import Plane
-from engine.generation import end_ids, fresh_seed, generate, new_tokens
-from engine.scoring import RowScores, score
+from engine.generation.generate import end_ids, fresh_seed, generate, new_tokens
+from engine.generation.scoring import RowScores, score
 
 BATCH_ROWS = 64  # rows generated together at most (a request with more rows still runs whole)
 

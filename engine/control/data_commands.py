@@ -9,7 +9,7 @@ state -- in the next checkpoint, so a resume replays it exactly.
 
 A preference (a teach with `rejected`) is taken by every run that can train it: a preference
 run with its objective (kto: the two answers judged apart), an SFT run with the pair loss of
-`preference.sft_pairs` added to its SFT loss (engine.preference_step.SftStep); an answer alone
+`preference.sft_pairs` added to its SFT loss (engine.objectives.preference_step.SftStep); an answer alone
 only by an SFT run.
 
 A file is read by every rank; the ranks then compare what they read (sample count) and refuse
@@ -34,10 +34,10 @@ from engine.data import build_dataset
 from engine.data.inbox import InboxDataset, encode_pair, pairs_as_for
 from engine.data.mixture import Mixture, Source
 from contract.data_rows import DataError
-from engine.generation import generate as generate_text
-from engine.objectives import rows_problem
-from engine.preference_step import pairs_problem
-from engine.scoring import score
+from engine.generation.generate import generate as generate_text
+from engine.objectives.preference import rows_problem
+from engine.objectives.preference_step import pairs_problem
+from engine.generation.scoring import score
 
 INBOX_SOURCE = "inbox"
 
@@ -210,7 +210,7 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
 
 
 def _check_kind(control: Plane, cmd: Teach) -> None:
-    """A pair (with `rejected`) trains every run that can take one (engine.preference_step.
+    """A pair (with `rejected`) trains every run that can take one (engine.objectives.preference_step.
     pairs_problem: an SFT run adds a pair loss, kto takes two judged answers); an answer alone
     trains SFT runs only."""
     trainer = control.trainer

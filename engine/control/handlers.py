@@ -32,8 +32,8 @@ from engine.control import completions, data_commands
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.control.settings import REPLACED
-from engine.generation import fresh_seed
-from engine.generation import generate as generate_text
+from engine.generation.generate import fresh_seed
+from engine.generation.generate import generate as generate_text
 
 
 class CommandRefused(RuntimeError):

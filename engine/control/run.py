@@ -26,8 +26,8 @@ class ControlledRun(Protocol):
     state: Any                 # engine.context.TrainerState: global_step, epoch, total_steps
     tokenizer: Any
     engine: Any                # the DeepSpeed engine (read: gradient_clipping(), module, optimizer)
-    ds_setup: Any              # engine.ds_config.DeepSpeedSetup: the DeepSpeed config it was built from
-    method: Any                # engine.methods: the method object (`has_adapter`: a base model to compare)
+    ds_setup: Any              # engine.parallel.ds_config.DeepSpeedSetup: the DeepSpeed config it was built from
+    method: Any                # engine.model.methods: the method object (`has_adapter`: a base model to compare)
     optimizer: Any             # the engine's optimizer, or the fused LOMO one (None: no optimizer)
     eval_dataset: Any          # None: the run has no evaluation data
     live_settings: LiveSettings

@@ -14,7 +14,7 @@ A preference becomes the samples its run's objective trains on (`pairs_as`, from
 * "pairs" (dpo, orpo, simpo): one pair sample {prompt_ids, chosen_ids, rejected_ids};
 * "sft": one token sample of the chosen answer (trained as a taught answer) that carries the
   pair under `LIVE_PAIR`; the collator puts the pairs of a micro-batch beside its rows, under
-  the `PAIR_PREFIX` keys, and the SFT step adds a preference term for them (engine.preference_step);
+  the `PAIR_PREFIX` keys, and the SFT step adds a preference term for them (engine.objectives.preference_step);
 * "unpaired" (kto): two judged samples, the chosen answer desirable and the rejected one not
   (TRL's `unpair_preference_dataset`).
 """

@@ -25,7 +25,7 @@ outputs without a DeepSpeed optimizer, which its usage assumes.
 So: :mod:`engine.lomo.rules` (the two update rules, plain tensor math), :mod:`engine.lomo.scaler`
 (fp16 dynamic loss scaling), :mod:`engine.lomo.fused` (hooks, the measure and update passes,
 data-parallel averaging, ZeRO-3 partitions) and :mod:`engine.lomo.step` (the step strategy and
-the set-up builders, which the fused method object of :mod:`engine.methods` uses).
+the set-up builders, which the fused method object of :mod:`engine.model.methods` uses).
 """
 
 from engine.lomo.fused import FusedOptimizer

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from engine import ds_config
+from engine.parallel import ds_config
 from engine.lomo.rules import UpdateRule
 from engine.lomo.scaler import DynamicLossScaler
 from engine.rng import rng_state, set_rng_state

@@ -1,11 +1,11 @@
-"""The fused LOMO / AdaLomo step strategy and the builders its method object (engine.methods) calls."""
+"""The fused LOMO / AdaLomo step strategy and the builders its method object (engine.model.methods) calls."""
 
 from __future__ import annotations
 
 import torch
 
 from contract.config.schema import RunConfig
-from engine import ds_config
+from engine.parallel import ds_config
 from engine.data import count_tokens
 from engine.steps import step_window
 from engine.lomo.fused import FusedOptimizer

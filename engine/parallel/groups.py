@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engine import ds_config
+from engine.parallel import ds_config
 
 
 @dataclass(frozen=True)

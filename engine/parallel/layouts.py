@@ -10,7 +10,7 @@ A layout carries every operation in which layouts differ, so no code elsewhere a
     step()                               the step strategy (engine step, pipeline schedule)
     compute_loss(run, batch, forward, loss_fn, window)   the loss of one batch (pipeline: stage to stage)
     generate(run, prompts, **options)    generation with the live weights (collective)
-    logit_summary(run, inputs, summarize, shape)   token log-probabilities (engine.scoring; collective)
+    logit_summary(run, inputs, summarize, shape)   token log-probabilities (engine.generation.scoring; collective)
     full_state_dict(run)                 whole-model weights, Hugging Face names, on rank 0
     load_full_state_dict(run, state)     whole-model weights into this rank's share
     save_model(run, path, max_shard_size) / load_model(run, path)   Hugging Face folders
@@ -31,18 +31,18 @@ import torch
 from torch import nn
 
 from contract.config.schema import ParallelConfig, RunConfig
-from engine import ds_config
+from engine.parallel import ds_config
 from engine.checkpoint import models
 from engine.checkpoint.atomic import Comm
 from engine.context import DistEnv, RunContext
-from engine.generation import hf_generate
-from engine.losses import PER_MICRO_BATCH, Window, model_loss
-from engine.model import count_parameters
+from engine.generation.generate import hf_generate
+from engine.objectives.losses import PER_MICRO_BATCH, Window, model_loss
+from engine.model.loading import count_parameters
 from contract import capabilities
 from engine.parallel import groups as process_groups
 from engine.parallel import pipeline, tp, weights
-from engine.pipeline_generate import pipeline_generate
-from engine.scoring import Summarize, forward_summary, pipeline_summary
+from engine.generation.pipeline import pipeline_generate
+from engine.generation.scoring import Summarize, forward_summary, pipeline_summary
 from engine.steps import EngineStep, StepStrategy
 
 
@@ -76,7 +76,7 @@ class DataParallel:
         return hf_generate(run, prompts, **options)
 
     def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
-        return forward_summary(run, inputs, summarize)  # engine.scoring
+        return forward_summary(run, inputs, summarize)  # engine.generation.scoring
 
     def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         if self.env.rank != 0:
@@ -169,7 +169,7 @@ class TensorParallel(_Split):
         return hf_generate(run, prompts, **options)
 
     def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
-        return forward_summary(run, inputs, summarize)  # engine.scoring
+        return forward_summary(run, inputs, summarize)  # engine.generation.scoring
 
     def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         engine = run.engine
@@ -216,7 +216,7 @@ class Pipeline(_Split):
         return pipeline_generate(run, prompts, **options)
 
     def logit_summary(self, run: RunContext, inputs: dict, summarize: Summarize, shape: tuple) -> torch.Tensor:
-        return pipeline_summary(run, inputs, summarize, shape)  # engine.scoring
+        return pipeline_summary(run, inputs, summarize, shape)  # engine.generation.scoring
 
     def full_state_dict(self, run: RunContext) -> dict[str, torch.Tensor] | None:
         return weights.gather_stages(run.engine.module, self.env)

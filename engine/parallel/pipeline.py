@@ -38,7 +38,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from engine.data import count_tokens
-from engine.losses import PER_MICRO_BATCH, Window, custom_loss
+from engine.objectives.losses import PER_MICRO_BATCH, Window, custom_loss
 from engine.steps import step_window
 
 NO_MASK = -1  # an attention mask row of this value stands for "no mask" (packed batches)
@@ -144,7 +144,7 @@ class CausalLMLoss:
     with the fields it names among `logits`, `labels` and `num_items_in_batch`.
 
     DeepSpeed's schedule calls it once per micro-batch on the last stage. For a training step,
-    PipelineStep sets `window` (engine.losses) first: with the token objective each micro-batch
+    PipelineStep sets `window` (engine.objectives.losses) first: with the token objective each micro-batch
     loss is then the sum of its token losses / N, times `window.scale` (dp_size x accumulation
     steps: the schedule divides each backward by the accumulation steps and DeepSpeed averages
     gradients and the reported loss over the data-parallel ranks). Outside a training step

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import ds_config
+from engine.parallel import ds_config
 
 
 def engine_mpu(tp_size: int):

@@ -104,9 +104,9 @@ CHAT_TOKENS = 4
 
 
 def chat(trainer) -> dict:
-    """A greedy answer to PROMPT through engine.generation.generate, the path the control plane's
+    """A greedy answer to PROMPT through engine.generation.generate.generate, the path the control plane's
     `generate` command takes (collective: every rank calls it; rank 0 streams the pieces)."""
-    from engine.generation import generate
+    from engine.generation.generate import generate
     pieces: list[str] = []
     on_text = pieces.append if trainer.env.rank == 0 else None
     (text,) = generate(trainer, [PROMPT], max_new_tokens=CHAT_TOKENS, on_text=on_text)
@@ -128,7 +128,7 @@ def engine_logits(trainer) -> torch.Tensor:
 def one(work: Path, arch: str) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from engine.methods import infer_lora_targets
+    from engine.model.methods import infer_lora_targets
     folder = work / arch
     write_folder(folder, arch)
     base = AutoModelForCausalLM.from_pretrained(folder / "model")

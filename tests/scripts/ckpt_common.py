@@ -19,7 +19,7 @@ def make_task(root: Path, train_rows: int = 48, eval_rows: int = 16, dropout: fl
     """A model folder (the default tiny Llama's config with dropout, fp32) and small data files,
     the instruction rows and the same rows as preference pairs (`pairs_train`, `pairs_eval`);
     returns their paths."""
-    from engine.default_task import default_root, ensure_default_assets, preference_row
+    from engine.data.default_task import default_root, ensure_default_assets, preference_row
 
     assets = ensure_default_assets(default_root())
     root.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Run by tests/test_ds_config.py on 2 ranks: configs built by engine.ds_config start real
+"""Run by tests/test_ds_config.py on 2 ranks: configs built by engine.parallel.ds_config start real
 DeepSpeed engines (ZeRO 0-3, torch and DeepSpeed optimizers, offload) and train a tiny Llama.
 
 Each case prints one RESULT line per rank: the losses, and under ZeRO-3 the parameter elements
@@ -20,7 +20,7 @@ from dist_utils import report  # noqa: E402
 
 from contract.config.load import load_config  # noqa: E402
 from contract.deepspeed_config import build_ds_config
-from engine.ds_config import zero3_init  # noqa: E402
+from engine.parallel.ds_config import zero3_init  # noqa: E402
 
 HIDDEN, VOCAB, SEQ, STEPS = 64, 128, 32, 6
 CASES = {  # name: (run-config overrides, user DeepSpeed config)
@@ -37,7 +37,7 @@ CASES = {  # name: (run-config overrides, user DeepSpeed config)
 
 
 def tiny_llama():
-    """Built as engine.model builds it: through from_config, which under ZeRO-3 initialises the
+    """Built as engine.model.loading builds it: through from_config, which under ZeRO-3 initialises the
     weights on the shards the Hugging Face way (calling the class directly would not)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,

@@ -18,7 +18,7 @@ from dist_utils import report  # noqa: E402
 
 
 def write_eval_rows(path: Path, n: int) -> list[dict]:
-    from engine import default_task as dt
+    from engine.data import default_task as dt
     rows = []
     for row in dt.make_examples(n, seed=7, split="eval"):
         word = row["input"].split(": ", 1)[1].strip()
@@ -35,7 +35,7 @@ def plain_copy(trainer):
     import deepspeed
     import torch
     from transformers import AutoModelForCausalLM
-    from engine.ds_config import release_transformers_zero3
+    from engine.parallel.ds_config import release_transformers_zero3
 
     weights = {}
     for name, p in trainer.engine.module.named_parameters():

@@ -122,7 +122,7 @@ def main() -> None:
         initial = full_weights(trainer.engine.module)
         trainer.train()
         final = full_weights(trainer.engine.module)
-        from engine.ds_config import release_transformers_zero3
+        from engine.parallel.ds_config import release_transformers_zero3
         release_transformers_zero3()  # the reference is a plain model, not built partitioned
         # every rank's batches, step by step, for the reference
         everyone = [None] * dist.get_world_size()

@@ -60,7 +60,7 @@ def run(name: str, task: dict, out: Path, zero_stage: int | None = None) -> dict
     from contract.protocol.commands import Resume, Set
     from engine.callbacks import Callback
     from engine.control.pending import Reply
-    from engine.guard_hook import GuardCallback
+    from engine.guard.hook import GuardCallback
     from engine.trainer import Trainer
 
     zero, extra = SCENARIOS[name]

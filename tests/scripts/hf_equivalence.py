@@ -82,7 +82,7 @@ def main() -> None:
 
 
 def ours_tok(work: Path):
-    from engine.model import load_tokenizer
+    from engine.model.loading import load_tokenizer
     return load_tokenizer(work / "model")
 
 

@@ -40,7 +40,7 @@ def main() -> None:
 
     from engine.callbacks import Callback
     from contract.config.load import load_config
-    from engine.generation import encode_prompts, generate
+    from engine.generation.generate import encode_prompts, generate
     from engine.parallel import layouts
     from engine.trainer import Trainer
 
@@ -151,7 +151,7 @@ def load_halved_weights(trainer, out: Path) -> dict:
 def save_engine_logits(trainer, path: Path) -> None:
     """The engine's own logits for fixed prompts, written by the rank that has them."""
     import torch
-    from engine.generation import encode_prompts
+    from engine.generation.generate import encode_prompts
     enc = encode_prompts(trainer.tokenizer, PROMPTS, trainer.engine.device)
     with torch.no_grad():
         trainer.engine.eval()

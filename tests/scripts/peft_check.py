@@ -37,7 +37,7 @@ def reload_logits(trainer, weights: dict, folder: str, probe: dict):
     import peft
     import torch
     from transformers import AutoModelForCausalLM
-    from engine.ds_config import release_transformers_zero3
+    from engine.parallel.ds_config import release_transformers_zero3
 
     release_transformers_zero3()  # a plain model, not built partitioned
     base = AutoModelForCausalLM.from_config(trainer.engine.module.get_base_model().config, dtype=torch.float32)

@@ -65,7 +65,7 @@ def hf(work: Path, name: str, micro: int, accum: int, mean: bool) -> None:
     from transformers import AutoModelForCausalLM, Trainer as HFTrainer, TrainerCallback, TrainingArguments
     from contract.config.load import load_config
     from engine.data import PaddingCollator
-    from engine.model import load_tokenizer
+    from engine.model.loading import load_tokenizer
     from engine.trainer import Trainer
 
     cfg = load_config(overrides=[f"model.path={work / 'model'}", f"data.train={work / 'train.jsonl'}",

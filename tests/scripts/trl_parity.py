@@ -74,7 +74,7 @@ def trl(work: Path, objective: str, zero: int, accum: int, rows: list[dict], ds:
         loss: str = "sigmoid", micro: int = MICRO) -> list[dict]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from engine.model import load_tokenizer
+    from engine.model.loading import load_tokenizer
 
     logged: list[dict] = []
 

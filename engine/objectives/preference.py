@@ -3,7 +3,7 @@
 One object per run, chosen once at assembly from `preference.objective` (`objective_of`); "sft"
 has none and the run keeps its step strategy. An objective turns the log-probabilities of a
 micro-batch's answers (the policy's, and the reference's where it needs one) into the loss of the
-micro-batch and its metrics. The step strategy that runs them is `engine.preference_step`.
+micro-batch and its metrics. The step strategy that runs them is `engine.objectives.preference_step`.
 
 Conventions (TRL's defaults, which the parity tests hold us to; docs/preferences.md):
 

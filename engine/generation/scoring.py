@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from engine.context import RunContext
-from engine.generation import pad_id, pad_ids
+from engine.generation.generate import pad_id, pad_ids
 from engine.parallel.pipeline import broadcast_from_last_stage, stage_forward
 from engine.rng import preserved_rng
 

@@ -3,7 +3,7 @@ that wait at the same step boundary: engine.control.completions).
 
 The requests' rows are left-padded into one batch and generated together by Hugging Face's
 `generate` (the data-parallel and tensor-parallel layouts; under ZeRO-3 with `synced_gpus`, as
-engine.generation does). What may differ between the requests of one batch:
+engine.generation.generate does). What may differ between the requests of one batch:
 
 - `max_new_tokens`: each row stops at its own limit (a stopping criterion per row; the batch ends
   when every row has), and its new tokens are cut there;
@@ -16,7 +16,7 @@ engine.generation does). What may differ between the requests of one batch:
 Temperature, top-p, top-k, repetition penalty and stop strings are the batch's (the caller groups
 requests that share them). Greedy rows equal the request answered alone up to the float rounding
 of a different batch shape (left padding is masked, positions count the real tokens). Every RNG is
-restored afterwards (engine.generation.model_generate), so training does not move.
+restored afterwards (engine.generation.generate.model_generate), so training does not move.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.generation.streamers import BaseStreamer
 
 from engine.context import RunContext
-from engine.generation import CallbackStreamer, end_ids, model_generate, new_tokens, pad_id, pad_ids
-from engine.pipeline_generate import logits_processors
+from engine.generation.generate import CallbackStreamer, end_ids, model_generate, new_tokens, pad_id, pad_ids
+from engine.generation.pipeline import logits_processors
 
 
 @dataclass

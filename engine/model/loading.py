@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from contract import hub
 from contract.config.schema import RunConfig
-from engine.default_task import default_root, ensure_default_assets
+from engine.data.default_task import default_root, ensure_default_assets
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")

@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (LogitsProcessorList, Repetit
                                                     TopPLogitsWarper)
 
 from engine.context import RunContext
-from engine.generation import CallbackStreamer, cut_at_stop, encode_prompts, new_tokens
+from engine.generation.generate import CallbackStreamer, cut_at_stop, encode_prompts, new_tokens
 from engine.parallel.pipeline import broadcast_from_last_stage, stage_forward
 from engine.rng import preserved_rng
 
@@ -60,7 +60,7 @@ def pipeline_generate(run: RunContext, prompts: list[str], *, max_new_tokens: in
                       use_base: bool = False, add_special_tokens: bool = False,
                       on_ids: Callable[[list[list[int]]], None] | None = None) -> list[str]:
     """Generate a completion of each prompt with the pipeline's current weights (collective
-    over the pipeline); the same arguments and result as engine.generation.generate."""
+    over the pipeline); the same arguments and result as engine.generation.generate.generate."""
     if use_base:
         raise ValueError("use_base: there is no PEFT adapter under pipeline parallelism")
     engine, tok = run.engine, run.tokenizer

@@ -1,8 +1,8 @@
 """lm-evaluation-harness tasks on the live weights at evaluation time (`eval.lm_eval_tasks`).
 
-`LmEvalTasks` is an evaluator (engine.evaluators): every rank runs lm-evaluation-harness's own
+`LmEvalTasks` is an evaluator (engine.evaluation.evaluators): every rank runs lm-evaluation-harness's own
 `simple_evaluate` on the same tasks with `LiveModel`, a harness model whose log-likelihoods are
-engine.scoring's forward passes and whose generations are engine.generation's, so the ranks
+engine.generation.scoring's forward passes and whose generations are engine.generation.generate's, so the ranks
 meet in the same collective calls in the same order (ZeRO-3 gathers, pipeline stages) and all
 of them return the same numbers. The harness's results become metrics named
 `lm_eval/<task>/<metric>` (evaluation events, plots, `checkpoint.monitor`, keep_best).
@@ -22,8 +22,8 @@ from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
-from engine.generation import generate
-from engine.scoring import score
+from engine.generation.generate import generate
+from engine.generation.scoring import score
 
 LLH_BATCH = 16  # rows per forward pass when scoring
 

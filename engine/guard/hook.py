@@ -1,6 +1,6 @@
 """The spike guard in the training loop: a callback the config adds (engine.assembly.loop.callbacks_of).
 
-The decisions are engine.spike_guard's (pure); this module feeds it and answers the loop with a
+The decisions are engine.guard.decisions's (pure); this module feeds it and answers the loop with a
 Signal (engine.callbacks): skip, rewind to X then scale the learning rate, or pause. The loop
 carries it out (engine.trainer); the guard sets nothing on the trainer and swaps none of its parts.
 
@@ -46,7 +46,7 @@ from contract.config.schema import GuardConfig, RunConfig
 from contract.events import WarningEvent
 from engine.callbacks import Callback, Signal
 from engine.checkpoint import rewind as rewinding
-from engine.spike_guard import SpikeGuard, Verdict, newest_good
+from engine.guard.decisions import SpikeGuard, Verdict, newest_good
 
 
 class GuardCallback(Callback):

@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from contract.config.schema import EVALUATORS, RunConfig
 from contract.data_rows import preference_columns
-from engine import metrics
+from engine.evaluation import metrics
 from engine.data.formats import encode_input_output
-from engine.generation import generate
+from engine.generation.generate import generate
 
 Evaluator = Callable[[Any], dict[str, float]]
 
@@ -211,7 +211,7 @@ def prompt_and_reference(row: Any, tokenizer) -> tuple[str, str, bool] | None:
 
 class Generation:
     """Greedy generation from each row's prompt, scored against its answer with `metric_names`
-    (see :data:`engine.metrics.TEXT_METRICS`); with `save_predictions` rank 0 writes every
+    (see :data:`engine.evaluation.metrics.TEXT_METRICS`); with `save_predictions` rank 0 writes every
     prediction to <run folder>/predictions/step-<n>.jsonl."""
 
     def __init__(self, metric_names: Sequence[str], max_new_tokens: int, batch_size: int,
@@ -300,10 +300,10 @@ def from_config(cfg: RunConfig) -> list[Evaluator]:
 
 
 def _lm_eval_tasks(cfg: RunConfig) -> Evaluator:
-    """The evaluator of eval.lm_eval_tasks (engine.lm_eval_tasks), imported only when asked for:
+    """The evaluator of eval.lm_eval_tasks (engine.evaluation.lm_eval_tasks), imported only when asked for:
     lm-evaluation-harness is an optional package."""
     try:
-        from engine.lm_eval_tasks import LmEvalTasks
+        from engine.evaluation.lm_eval_tasks import LmEvalTasks
     except ImportError as e:
         raise ValueError("eval.lm_eval_tasks needs lm-evaluation-harness: pip install 'lm-eval>=0.4.9' "
                          f"({e})") from None

@@ -10,7 +10,7 @@ operating system, not from any of the run's generators, and every rank gets the 
 unseeded samples differ; the caller reports the seed it used, so the sample can be repeated.
 
 A prompt is text, or a list of token ids (what lm-evaluation-harness sends); `on_ids` hears the
-ids of each row's new tokens (the API's log-probabilities score them, engine.scoring).
+ids of each row's new tokens (the API's log-probabilities score them, engine.generation.scoring).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def generate(run: RunContext, prompts: Sequence[Prompt], *, max_new_tokens: int 
 
     `run`: the run's context (a Trainer has the same attributes). `use_base` answers with the
     PEFT adapter disabled: the base model, at no extra memory. The run's layout does the work
-    (under pipeline parallelism the stages generate together: engine.pipeline_generate).
+    (under pipeline parallelism the stages generate together: engine.generation.pipeline).
     `seed` None: a fresh one when sampling (`fresh_seed`); a caller that reports the seed draws
     it first. Greedy decoding draws nothing (no collective), its seed is moot.
     """

@@ -1,6 +1,6 @@
 """The spike guard's decisions, pure: fed losses and gradient norms, it answers with actions.
 
-No torch here (tests/test_spike_guard.py drives it with plain numbers); engine.guard_hook runs
+No torch here (tests/test_spike_guard.py drives it with plain numbers); engine.guard.hook runs
 it inside the training loop and carries the actions out. Every rank runs its own copy on the
 same inputs (the loss reduced over the ranks, then made equal everywhere by one all-reduce), so
 every rank takes the same decision and no collective is entered by some ranks only.

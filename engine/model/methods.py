@@ -44,7 +44,8 @@ import torch
 from contract import capabilities
 from contract.capabilities import Feature
 from contract.config.schema import FUSED_METHODS, PEFT_METHODS, RunConfig
-from engine import ds_config, lomo
+from engine import lomo
+from engine.parallel import ds_config
 from engine.checkpoint import adapters
 from engine.context import Method, RunContext
 from engine.steps import StepStrategy
@@ -171,7 +172,7 @@ class FullMethod:
     builds_optimizer = True
     has_adapter = False  # no base model apart from the trained one (chat's compare_base)
     # the model's loss predicts label t+1 at position t: a row's first label is never a target
-    # (how engine.losses counts a step's label tokens)
+    # (how engine.objectives.losses counts a step's label tokens)
     targets_shifted = True
     lora_targets: list[str] = []  # LoRA: the target modules the adapter wraps (for the run log)
 

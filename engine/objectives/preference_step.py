@@ -3,7 +3,7 @@
 `PreferenceStep` is chosen once at assembly (`step_for`) in place of the engine step when
 `preference.objective` is not sft. For each micro-batch: the policy's forward through the
 DeepSpeed engine (chosen and rejected rows in one batch), the reference's forward without
-gradient where the objective needs one, the objective's loss (engine.objectives), the engine's
+gradient where the objective needs one, the objective's loss (engine.objectives.preference), the engine's
 backward and step (DeepSpeed accumulates and averages over the ranks, as for the per-micro-batch
 SFT loss). It returns the mean of its micro-batch losses; its `metrics` hold the step's rewards
 and log-probabilities, which `engine.monitors.StepMetricsMonitor` writes into the step's record.
@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from contract import capabilities
 from engine.data.inbox import PAIR_PREFIX
-from engine.losses import Window
-from engine.objectives import Objective, Scores, answer_tail, scores_of, sft_pair_objective
+from engine.objectives.losses import Window
+from engine.objectives.preference import Objective, Scores, answer_tail, scores_of, sft_pair_objective
 from engine.steps import EngineStep, StepStrategy
 
 # (input_ids, attention_mask[, keep]) -> logits; keep > 0: those of the last `keep` positions at least
@@ -234,7 +234,7 @@ class SftStep(EngineStep):
     no extra work). Then, on a step whose micro-batches hold pairs (the collator puts them under
     the `pair_` keys, engine.data.inbox; their chosen answers are rows of the SFT batch already),
     each micro-batch's loss gets the pair loss of `preference.sft_pairs`
-    (engine.objectives.sft_pair_objective) for its pairs, so that the step's loss is
+    (engine.objectives.preference.sft_pair_objective) for its pairs, so that the step's loss is
 
         SFT loss (every row, chosen answers included) + the mean over the step's pairs of the pair loss
 

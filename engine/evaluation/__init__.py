@@ -1,0 +1,1 @@
+"""Evaluation: the evaluators the trainer calls on every rank (evaluators), lm-evaluation-harness tasks on the live weights (lm_eval_tasks), plain metrics (metrics) and early stopping (early_stopping)."""

@@ -1,0 +1,1 @@
+"""Generation with the live weights: chat and sampling (generate), several requests in one batch (batch), the pipeline layout's token loop (pipeline), and log-probabilities of whole rows (scoring). Every entry point is collective: all ranks call it with the same prompts."""
