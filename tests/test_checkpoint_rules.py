@@ -12,8 +12,9 @@ import fsspec
 import pytest
 
 from engine.checkpoint import atomic
+from engine.checkpoint.publish import remove
 from engine.checkpoint.locations import CheckpointNotFoundError, IncompleteCheckpointError, WrongKindError
-from engine.checkpoint.atomic import Comm
+from engine.checkpoint.agreement import Comm
 from engine.checkpoint.schedule import SCHEDULE, best_checkpoint, metric_of, to_delete
 from engine.checkpoint import locations
 from engine.checkpoint import reading
@@ -80,7 +81,7 @@ def test_latest_falls_back_to_the_newest_complete_checkpoint(root):
     publish(f"{root}/step-2", {"a": b"2"}, step=2)
     publish(f"{root}/step-5", {"a": b"5"}, step=5, pointer=False)
     # `latest` names step-2; break it, as a crash between two publishes could
-    atomic.remove(locations.location(f"{root}/step-2"))
+    remove(locations.location(f"{root}/step-2"))
     assert reading.resolve_checkpoint("latest", root).endswith("/step-5")
     assert reading.resolve_checkpoint(root, root).endswith("/step-5")  # a folder of checkpoints
 

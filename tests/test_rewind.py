@@ -190,7 +190,7 @@ def test_rewind_stays_on_the_present_branch(tmp_path):
 
 def test_snapshots_stay_within_their_bounds(tmp_path):
     """The oldest snapshots go first, by count and by memory; their folders go with them."""
-    from engine.checkpoint.atomic import Comm
+    from engine.checkpoint.agreement import Comm
     from engine.checkpoint.snapshots import Snapshot, SnapshotError, SnapshotStore
 
     def snap(name: str, mib: float) -> Snapshot:

@@ -11,9 +11,9 @@ collective); only rank 0 writes what is shared.
 - `save_checkpoint` / `load_checkpoint`  full training state for an exact resume (state.py; these
                                       take the Trainer, whose methods add the callbacks' states)
 - `CheckpointSchedule`, `load_best`   the save schedule, keep rules, best-model reload (schedule.py)
-- `resolve_resume(value, folder)`     the checkpoint `resume=` names (atomic.py)
+- `resolve_resume(value, folder)`     the checkpoint `resume=` names (below)
 
-Writes are atomic (atomic.py): a folder appears whole, with its completion marker, or not at all.
+Writes are atomic (atomic.py: the ranks agree through agreement.py, folders are published by publish.py): a folder appears whole, with its completion marker, or not at all.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from engine.context import RunContext
 from engine.parallel import ds_config
 from engine.checkpoint import atomic, models
 from engine.checkpoint.locations import CheckpointError
-from engine.checkpoint.atomic import Comm
+from engine.checkpoint.agreement import Comm
 from contract.events import ExportEvent
 
 ADAPTER_CONFIG = "adapter_config.json"

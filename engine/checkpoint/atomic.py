@@ -57,58 +57,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-import zipfile
 from typing import Any, Callable, Iterator
 
 from contract.events import EventType
 from engine.checkpoint import space as disk
-# Where folders live and how they are read back are their own modules; their names are also
-# offered here, where every caller of the checkpoint layer has always found them.
-from engine.checkpoint.locations import (FORMAT, MARKER, OLD_PREFIX, POINTER, TMP_PREFIX, CheckpointError,
-                                         DiskFullError, Location, describe, local_files, location)
+from engine.checkpoint.agreement import Comm
+from engine.checkpoint.locations import (FORMAT, MARKER, TMP_PREFIX, CheckpointError, DiskFullError, Location,
+                                         describe, local_files, location)
+from engine.checkpoint.publish import (cut_short, newest_complete, publish, remove, remove_stale, sizes_differ,
+                                       upload, write_marker, write_pointer)
 from engine.checkpoint.reading import list_checkpoints, read_marker
-
-
-# -- ranks ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Comm:
-    """The few collectives publishing needs; a single process when no process group exists."""
-    rank: int = 0
-    world: int = 1
-
-    @classmethod
-    def current(cls) -> "Comm":
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size())
-        return cls()
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-            dist.barrier()
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank."""
-        if self.world == 1:
-            return obj
-        import torch.distributed as dist
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def all_gather(self, obj: Any) -> list:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-        out: list = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def agree(self, problem: str | None) -> list[str]:
-        """Every rank's problem (None: none), so that all ranks raise the same error or none."""
-        return [f"rank {r}: {p}" if self.world > 1 else p
-                for r, p in enumerate(self.all_gather(problem)) if p]
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -227,7 +185,7 @@ def _drop_frames(error: BaseException | None) -> None:
 def _prepare(target: Location, kind: str) -> tuple[str, disk.Space]:
     """Rank 0, before anything is written: stale folders gone, the space measured and, when the
     save can fit, the temporary folder made. Returns its token and the space."""
-    _remove_stale(target.parent)
+    remove_stale(target.parent)
     token = uuid.uuid4().hex[:10]
     space = space_for(target, kind)
     if target.is_local and not space.short:
@@ -261,7 +219,7 @@ def _finish(writer: FolderWriter, target: Location, tmp: Location, kind: str, me
                 raise OSError(f"written only in part: {', '.join(cut)}")
             files = describe(writer.local, writer.claimed)
             if not target.is_local:
-                _upload(writer.local, list(files), tmp)
+                upload(writer.local, list(files), tmp)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others hang
             writer.fail(e)
     gathered = comm.all_gather((files, writer.problem))
@@ -272,7 +230,7 @@ def _finish(writer: FolderWriter, target: Location, tmp: Location, kind: str, me
             for rank_files, _ in gathered:
                 manifest.update(rank_files)
             _mark_complete(writer.local, manifest, target, tmp, kind, meta)
-            _publish(tmp, target)
+            publish(tmp, target)
             if pointer:
                 write_pointer(target.parent, target.name)
         except Exception as e:  # noqa: BLE001
@@ -293,35 +251,14 @@ def _mark_complete(local: Path, manifest: dict[str, dict], target: Location, tmp
         raise OSError(f"written only in part: {', '.join(cut)}")
     manifest.update(describe(local, rest))
     if not target.is_local:
-        _upload(local, rest, tmp)
-    elif _sizes_differ(local, manifest):  # what every rank hashed is what is on the disk now
-        raise OSError(f"files changed size after they were written: {', '.join(_sizes_differ(local, manifest))}")
+        upload(local, rest, tmp)
+    elif sizes_differ(local, manifest):  # what every rank hashed is what is on the disk now
+        raise OSError(f"files changed size after they were written: {', '.join(sizes_differ(local, manifest))}")
     marker = {"format": FORMAT, "kind": kind, "created": time.time(), **meta,
               "files": dict(sorted(manifest.items()))}
-    _write_marker(tmp, marker)
+    write_marker(tmp, marker)
     if read_marker(tmp) != json.loads(json.dumps(marker)):
         raise OSError(f"{tmp.child(MARKER).url} does not read back as written")
-
-
-def cut_short(root: Path, relpaths: list[str]) -> list[str]:
-    """Files that are not whole: missing, or a zip archive (torch.save's format) without its
-    central directory, which is written last."""
-    cut = []
-    for rel in relpaths:
-        path = root / rel
-        if not path.is_file():
-            cut.append(f"{rel} (missing)")
-            continue
-        with open(path, "rb") as f:
-            is_zip = f.read(4) == b"PK\x03\x04"
-        if is_zip and not zipfile.is_zipfile(path):
-            cut.append(f"{rel} (a zip archive without its end)")
-    return cut
-
-
-def _sizes_differ(local: Path, manifest: dict[str, dict]) -> list[str]:
-    return [rel for rel, f in manifest.items()
-            if not (local / rel).is_file() or (local / rel).stat().st_size != f["size"]]
 
 
 # -- failures ---------------------------------------------------------------------------------------
@@ -336,7 +273,7 @@ def _failed(target: Location, kind: str, problems: dict[int, dict], space: disk.
             remove(tmp)
     ranks = "; ".join(f"rank {r}: {p['error']}" if comm.world > 1 else p["error"]
                       for r, p in sorted(problems.items()))
-    newest = _newest_complete(target, kind)
+    newest = newest_complete(target, kind)
     keep = (f"the newest complete checkpoint, {newest}, is untouched" if newest
             else "no complete checkpoint is there yet")
     error: CheckpointError
@@ -361,7 +298,7 @@ def _full_foreseen(target: Location, kind: str, space: disk.Space, emit: Callabl
     """The save cannot fit: warned about before anything is written, then refused alike on every rank."""
     message = (f"disk full: saving {target.url} needs about {disk.mb(space.needed)} (the size of "
                f"{space.basis}), and {space.where} has {disk.mb(space.free)} free, so the save was not "
-               f"started; {_newest_complete(target, kind) or 'no checkpoint'} stays the newest complete "
+               f"started; {newest_complete(target, kind) or 'no checkpoint'} stays the newest complete "
                f"one. Free some space and save again")
     if comm.rank == 0:
         print(f"warning: {message}", flush=True)
@@ -384,101 +321,3 @@ def _record_failure(error: CheckpointError, target: Location, kind: str, emit: C
     with contextlib.suppress(Exception):  # the event log may sit on the full disk itself
         emit(event)
 
-
-def _newest_complete(target: Location, kind: str) -> str | None:
-    try:
-        found = list_checkpoints(target.parent.url, kind)
-    except Exception:  # noqa: BLE001 - only for the message
-        return None
-    return found[-1]["name"] if found else None
-
-
-def _upload(local: Path, relpaths: list[str], tmp: Location) -> None:
-    for rel in relpaths:
-        dest = tmp.child(*rel.split("/"))
-        tmp.fs.makedirs(dest.parent.path, exist_ok=True)
-        tmp.fs.put_file(str(local / rel), dest.path)
-
-
-def _write_marker(folder: Location, marker: dict) -> None:
-    data = json.dumps(marker, indent=1).encode()
-    path = folder.child(MARKER)
-    if folder.is_local:
-        _write_local_atomically(Path(path.path), data)
-    else:
-        folder.fs.pipe_file(path.path, data)
-
-
-def _write_local_atomically(path: Path, data: bytes) -> None:
-    """Write a small file in full or not at all (temp + rename). No fsync: on ext4 it would
-    force the whole checkpoint just written out to disk before returning (see the module doc)."""
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.part")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _publish(tmp: Location, target: Location) -> None:
-    """Move the finished temporary folder to its name; an older folder there is replaced."""
-    fs = target.fs
-    old = None
-    if target.exists():
-        old = target.parent.child(f"{OLD_PREFIX}{target.name}-{uuid.uuid4().hex[:8]}")
-        if target.is_local:
-            os.rename(target.path, old.path)
-        else:  # no atomic rename: unmark the old folder first, so it is never taken as complete
-            if fs.exists(target.child(MARKER).path):
-                fs.rm(target.child(MARKER).path)
-            fs.mv(target.path, old.path, recursive=True)
-    try:
-        if target.is_local:
-            os.rename(tmp.path, target.path)
-        else:
-            fs.mv(tmp.path, target.path, recursive=True)
-    except Exception:
-        if old is not None and target.is_local:  # the replaced folder back, or the next save deletes it
-            os.rename(old.path, target.path)
-        raise
-    if old is not None:
-        flush_before_deleting(target)
-        remove(old)
-
-
-def write_pointer(collection: Location, name: str) -> None:
-    """Point `<collection>/latest` at the checkpoint `name` (written in one step)."""
-    path = collection.child(POINTER)
-    if collection.is_local:
-        _write_local_atomically(Path(path.path), (name + "\n").encode())
-    else:
-        collection.fs.pipe_file(path.path, (name + "\n").encode())
-
-
-def flush_before_deleting(collection: Location) -> None:
-    """Put what was written on this machine on the disk before older checkpoints are deleted:
-    saves do not fsync (module doc), so without this a power loss just after pruning could
-    leave neither the new checkpoint nor the ones it replaced. Object stores need nothing."""
-    if collection.is_local:
-        os.sync()
-
-
-def remove(folder: Location) -> None:
-    """Delete a folder; an unmarked folder is never mistaken for a checkpoint while it goes."""
-    if not folder.exists():
-        return
-    marker = folder.child(MARKER)
-    if folder.fs.exists(marker.path):
-        folder.fs.rm(marker.path)
-    if folder.is_local:
-        shutil.rmtree(folder.path, ignore_errors=True)
-    else:
-        folder.fs.rm(folder.path, recursive=True)
-
-
-def _remove_stale(collection: Location) -> None:
-    """Temporary and replaced folders left by saves that were killed: never complete, deleted."""
-    if not collection.exists():
-        collection.fs.makedirs(collection.path, exist_ok=True)
-        return
-    for info in collection.fs.ls(collection.path, detail=True):
-        name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-        if info["type"] == "directory" and name.startswith((TMP_PREFIX, OLD_PREFIX)):
-            remove(Location(collection.fs, info["name"]))

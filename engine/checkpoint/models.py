@@ -39,7 +39,7 @@ from engine.context import RunContext
 from engine.parallel import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.locations import CheckpointError
-from engine.checkpoint.atomic import Comm
+from engine.checkpoint.agreement import Comm
 from engine.checkpoint.stream_safetensors import StreamedSafetensors
 from contract.events import ExportEvent
 from engine.checkpoint import locations

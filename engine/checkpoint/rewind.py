@@ -48,7 +48,7 @@ from contract.branches import ROOT, BranchTree, checkpoints_dir
 from contract.events import EventType
 from engine.checkpoint import state as ckpt
 from engine.checkpoint.locations import CheckpointError
-from engine.checkpoint.atomic import Comm
+from engine.checkpoint.agreement import Comm
 from engine.checkpoint.snapshots import SnapshotError, SnapshotStore
 from engine.checkpoint import reading
 from engine.checkpoint import locations

@@ -39,7 +39,8 @@ from typing import Any
 
 from contract.branches import BranchTree
 from contract.events import EventType, WarningEvent
-from engine.checkpoint import atomic, state
+from engine.checkpoint import publish, state
+from engine.checkpoint.agreement import Comm
 from engine.checkpoint import locations
 from engine.checkpoint import reading
 
@@ -165,11 +166,11 @@ class CheckpointSchedule:
             doomed = [n for n in to_delete([*present, coming], c.keep_last, c.keep_best, c.monitor, c.mode,
                                            fork_points(trainer)) if n != coming["name"]]
             for name in doomed:
-                atomic.remove(collection.child(name))
+                publish.remove(collection.child(name))
             if doomed:
                 trainer.emit({"type": EventType.CHECKPOINT_DELETED, "step": trainer.state.global_step, "names": doomed,
                               "reason": "disk full: deleted before the save, as the keep rules would after it"})
-        return bool(atomic.Comm.current().broadcast(bool(doomed)))
+        return bool(Comm.current().broadcast(bool(doomed)))
 
     def prune(self, trainer) -> list[str]:
         c = trainer.config.checkpoint
@@ -177,9 +178,9 @@ class CheckpointSchedule:
         doomed = to_delete(reading.list_checkpoints(collection), c.keep_last, c.keep_best, c.monitor, c.mode,
                            fork_points(trainer))
         if doomed:
-            atomic.flush_before_deleting(locations.location(collection))
+            publish.flush_before_deleting(locations.location(collection))
         for name in doomed:
-            atomic.remove(locations.location(collection).child(name))
+            publish.remove(locations.location(collection).child(name))
         if doomed:
             trainer.emit({"type": EventType.CHECKPOINT_DELETED, "step": trainer.state.global_step, "names": doomed})
         return doomed

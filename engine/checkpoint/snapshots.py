@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from engine.checkpoint import state as ckpt
 from engine.checkpoint.locations import CheckpointError
-from engine.checkpoint.atomic import Comm
+from engine.checkpoint.agreement import Comm
 from engine.context import RunContext
 from engine.rng import rng_state
 

@@ -45,7 +45,7 @@ from engine.parallel import ds_config
 from engine.checkpoint import atomic
 from engine.checkpoint.locations import (CheckpointError, CorruptCheckpointError, LayoutMismatchError,
                                          MissingFilesError)
-from engine.checkpoint.atomic import Comm
+from engine.checkpoint.agreement import Comm
 from engine.model.loading import count_parameters
 from engine.rng import rng_state, set_rng_state
 from contract.events import CheckpointEvent, ResumeEvent

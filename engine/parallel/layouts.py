@@ -33,7 +33,7 @@ from torch import nn
 from contract.config.schema import ParallelConfig, RunConfig
 from engine.parallel import ds_config
 from engine.checkpoint import models
-from engine.checkpoint.atomic import Comm
+from engine.checkpoint.agreement import Comm
 from engine.context import DistEnv, RunContext
 from engine.generation.generate import hf_generate
 from engine.objectives.losses import PER_MICRO_BATCH, Window, model_loss
