@@ -24,6 +24,12 @@ def test_the_site_builds_strictly(tmp_path):
     assert "optim.lr" in page
 
 
+def test_the_nav_lists_each_page_once():
+    nav = [line.split(":", 1)[1].strip() for line in (ROOT / "mkdocs.yml").read_text().splitlines()
+           if line.startswith("  - ") and line.rstrip().endswith(".md")]
+    assert nav and len(nav) == len(set(nav)), [page for page in nav if nav.count(page) > 1]
+
+
 def test_the_readme_is_a_front_door():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
