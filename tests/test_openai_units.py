@@ -9,6 +9,7 @@ import stat
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from contract.protocol.completion_commands import Complete
 from contract.protocol.base import ProtocolError
@@ -58,8 +59,8 @@ def test_request_bodies_become_complete_commands_and_bad_ones_name_their_field()
         {"role": "user", "content": "hi"}]}).command()
     assert chat.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert chat.stop == ["x"] and chat.max_new_tokens is None  # the run's chat default applies
-    with pytest.raises(ProtocolError, match="max_new_tokens 0 needs `echo`"):
-        CompletionRequest.model_validate({"model": "r", "prompt": "x", "max_tokens": 0}).command()
+    with pytest.raises(ValidationError, match="max_tokens 0 needs `echo"):  # refused with the body
+        CompletionRequest.model_validate({"model": "r", "prompt": "x", "max_tokens": 0})
     with pytest.raises(ProtocolError, match=r"prompts\[1\]"):
         command_from_wire("complete", {"prompts": ["a", [1, -2]]})
 
