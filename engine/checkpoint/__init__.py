@@ -26,7 +26,8 @@ from engine.checkpoint.locations import (CheckpointError, CheckpointNotFoundErro
 from engine.checkpoint.reading import list_checkpoints, resolve_checkpoint
 from engine.checkpoint.models import DEFAULT_SHARD_SIZE, ModelLoadError
 from engine.checkpoint.schedule import CheckpointSchedule, load_best
-from engine.checkpoint.state import DataMismatchError, load_weights
+from engine.checkpoint.compatible import DataMismatchError
+from engine.checkpoint.state import load_weights
 
 __all__ = [
     "save_model", "load_model", "save_peft", "load_peft", "export_merged", "save_checkpoint",

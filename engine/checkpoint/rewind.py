@@ -47,6 +47,7 @@ from typing import Any
 from contract.branches import ROOT, BranchTree, checkpoints_dir
 from contract.events import EventType
 from engine.checkpoint import state as ckpt
+from engine.checkpoint import compatible
 from engine.checkpoint.locations import CheckpointError
 from engine.checkpoint.agreement import Comm
 from engine.checkpoint.snapshots import SnapshotError, SnapshotStore
@@ -238,7 +239,7 @@ def _precheck(trainer, source: str) -> None:
     and model (the data order and the files' hashes are checked by the load, every rank its own)."""
     if source.startswith(SNAPSHOT_PREFIX):
         name = source[len(SNAPSHOT_PREFIX):]
-        ckpt.check_compatible(trainer.ctx, snapshot_store(trainer).get(name).record, f"snapshot {name}")  # type: ignore[union-attr]
+        compatible.check_compatible(trainer.ctx, snapshot_store(trainer).get(name).record, f"snapshot {name}")  # type: ignore[union-attr]
     else:
         ckpt.precheck(trainer.ctx, source)
 

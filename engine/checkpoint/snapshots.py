@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.checkpoint import state as ckpt
+from engine.checkpoint import compatible, deepspeed_state
 from engine.checkpoint.locations import CheckpointError
 from engine.checkpoint.agreement import Comm
 from engine.context import RunContext
@@ -150,7 +151,7 @@ class SnapshotStore:
         record = ckpt.record_of(run, sampler)
         problem = None
         try:
-            ckpt.save_engine_state(run.engine, str(folder), record["ds_tag"], run.layout.checkpoint_client_state())
+            deepspeed_state.save_engine_state(run.engine, str(folder), record["ds_tag"], run.layout.checkpoint_client_state())
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             problem = f"{type(e).__name__}: {e}"
         problems = [p for p in comm.all_gather(problem) if p]
@@ -194,7 +195,7 @@ class SnapshotStore:
         snap = self.get(name)
         if snap is None:
             raise SnapshotError(f"no snapshot named {name!r} (kept: {', '.join(self.names()) or 'none'})")
-        ckpt.check_compatible(run, snap.record, f"snapshot {name}", sampler)  # and the data position
+        compatible.check_compatible(run, snap.record, f"snapshot {name}", sampler)  # and the data position
         ckpt.restore(run, snap.folder, snap.record, copy.deepcopy(snap.states), snap.rng,
                      copy.deepcopy(snap.loop), restore_states, what=f"snapshot {name!r}")
         return snap

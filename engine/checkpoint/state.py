@@ -38,15 +38,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from engine.context import RunContext
 from engine.parallel import ds_config
 from engine.checkpoint import atomic
-from engine.checkpoint.locations import (CheckpointError, CorruptCheckpointError, LayoutMismatchError,
-                                         MissingFilesError)
+from engine.checkpoint.compatible import check_compatible, config_changes, layout_record, model_of
+from engine.checkpoint.deepspeed_state import load_engine_state, save_engine_state
+from engine.checkpoint.locations import CheckpointError, CorruptCheckpointError, MissingFilesError
 from engine.checkpoint.agreement import Comm
-from engine.model.loading import count_parameters
 from engine.rng import rng_state, set_rng_state
 from contract.events import CheckpointEvent, ResumeEvent
 from engine.checkpoint import locations
@@ -56,16 +55,10 @@ STATE_FILE = "trainer_state.json"
 CALLBACKS_FILE = "callbacks.pt"
 RNG_DIR = "rng"
 LOOP_DIR = "loop"
-LAYOUT_KEYS = ("world_size", "dp_size", "tp_size", "pp_size", "zero_stage")
-MODEL_KEYS = ("precision", "method", "parameters", "trainable_parameters")
 _RANKED = re.compile(r"zero_pp_rank_(\d+)_")
 _RNG = re.compile(rf"(?:{RNG_DIR}|{LOOP_DIR})/rank(\d+)\.pt$")
 # saves going on in this process (a rewind refuses to load in the middle of one)
 SAVING: list[str] = []
-
-
-class DataMismatchError(CheckpointError):
-    """The run's data order differs from the checkpoint's (seed, sizes, batching ...)."""
 
 
 def rng_file(rank: int) -> str:
@@ -81,16 +74,6 @@ def ds_tag(step: int) -> str:
 
 
 # -- what a checkpoint records --------------------------------------------------------------------
-def layout_record(run: RunContext) -> dict:
-    p = run.config.parallel
-    return {"world_size": run.env.world_size, "dp_size": run.env.dp_size, "tp_size": p.tp_size,
-            "pp_size": p.pp_size, "zero_stage": int(run.engine.zero_optimization_stage())}
-
-
-def model_of(run: RunContext) -> dict:
-    total, trainable = count_parameters(run.engine.module)
-    return {"precision": run.precision, "method": run.config.method.name,
-            "parameters": total, "trainable_parameters": trainable}
 
 
 def sampler_state(sampler, run) -> dict | None:
@@ -100,12 +83,6 @@ def sampler_state(sampler, run) -> dict | None:
         return None
     sampler.set_epoch(run.state.epoch)
     return sampler.state_dict(batches_done=run.state.batch_in_epoch)
-
-
-def describe_layout(layout: dict) -> str:
-    return (f"dp {layout.get('dp_size')} x tp {layout.get('tp_size')} x pp {layout.get('pp_size')}, "
-            f"ZeRO {layout.get('zero_stage')} ({layout.get('world_size')} rank"
-            f"{'s' * (layout.get('world_size') != 1)})")
 
 
 def record_of(run: RunContext, sampler) -> dict:
@@ -249,29 +226,6 @@ def read_record(folder: locations.Location) -> dict:
         raise CorruptCheckpointError(f"{folder.url}/{STATE_FILE} is damaged ({e}); nothing was loaded") from None
 
 
-def check_compatible(run: RunContext, record: dict, url: str, sampler=None) -> None:
-    """Same parallel layout, same model, same data order (when `sampler`, the run's batch
-    sampler, is given) -- or an error naming both sides."""
-    saved, now = record.get("layout", {}), layout_record(run)
-    if any(saved.get(k) != now[k] for k in LAYOUT_KEYS):
-        raise LayoutMismatchError(
-            f"{url} was written by {describe_layout(saved)}; this run is {describe_layout(now)}. An exact "
-            f"resume needs the checkpoint's layout: set parallel.nproc={saved.get('world_size')} "
-            f"zero_stage={saved.get('zero_stage')} tp={saved.get('tp_size')} pp={saved.get('pp_size')}. "
-            + _universal_hint(url, record))
-    saved_model, model = record.get("model", {}), model_of(run)
-    differ = [f"{k}: checkpoint {saved_model.get(k)!r}, this run {model[k]!r}" for k in MODEL_KEYS
-              if saved_model.get(k) != model[k]]
-    if differ:
-        raise LayoutMismatchError(f"{url} holds another model or method ({'; '.join(differ)}); nothing was loaded")
-    saved_sampler = record.get("sampler")
-    if saved_sampler is not None and hasattr(sampler, "load_state_dict"):
-        try:
-            sampler.load_state_dict(saved_sampler)
-        except Exception as e:  # noqa: BLE001 - the data layer's own message says what differs
-            raise DataMismatchError(f"{url}: {e}; nothing was loaded") from None
-
-
 def precheck(run: RunContext, path: str) -> tuple[locations.Location, dict, dict]:
     """The checks of a training checkpoint that read only its marker and record, and change
     nothing: complete, every listed file there, this layout and model. (folder, marker, record)."""
@@ -305,20 +259,6 @@ def verified(run: RunContext, path: str, sampler=None) -> Iterator[tuple[locatio
             shutil.rmtree(local, ignore_errors=True)
 
 
-def _universal_hint(url: str, record: dict) -> str:
-    """How to carry the state to another layout (DeepSpeed's universal checkpoint), when possible."""
-    tag = record.get("ds_tag", "global_stepN")
-    if int(record.get("layout", {}).get("zero_stage", 0)) == 0:
-        return ("DeepSpeed's universal checkpoint conversion needs a ZeRO 1-3 checkpoint; to start a "
-                "new run in another layout from these weights, export them (load_checkpoint in the old "
-                "layout, then save_model) and set model.path to the export")
-    return ("To carry the model and optimizer state to the new layout instead (a new run, not an exact "
-            "resume: the data order and RNG streams differ), convert it with DeepSpeed's universal "
-            f"checkpoint tool: python -m deepspeed.checkpoint.ds_to_universal --input_folder {url}/{tag} "
-            f"--output_folder {url}/{tag}_universal, and load that with DeepSpeed's load_checkpoint under "
-            'the DeepSpeed config {"checkpoint": {"load_universal": true}}')
-
-
 def load_checkpoint(run: RunContext, path: str, *, sampler, restore_states: Callable[[dict], None],
                     announce: bool = True, fields: dict | None = None) -> dict:
     """Restore the training state saved at `path`; every rank calls this. `sampler`: the run's
@@ -332,7 +272,7 @@ def load_checkpoint(run: RunContext, path: str, *, sampler, restore_states: Call
                 _read(local / rng_file(run.env.rank)), _read_optional(local / loop_file(run.env.rank)),
                 restore_states, what=folder.url)
     if announce:
-        changes = _config_changes(record.get("config", {}), run.config.to_dict())
+        changes = config_changes(record.get("config", {}), run.config.to_dict())
         run.emit(ResumeEvent(checkpoint=folder.url, step=run.state.global_step,
                              epoch=run.state.epoch, batch_in_epoch=run.state.batch_in_epoch,
                              config_changes=changes, seconds=round(time.perf_counter() - started, 3),
@@ -358,61 +298,6 @@ def load_weights(run: RunContext, path: str) -> None:
 class RestoreError(CheckpointError):
     """A restore failed part-way: the run's state is partly the saved one (the message names the
     part that failed and the cause; the traceback is in the rank's log)."""
-
-
-def _placeholder_optimizer(engine) -> bool:
-    """True when DeepSpeed's optimizer holds no state at all: LOMO / AdaLomo (whose fused
-    optimizer the loop saves itself, loop/) at bf16, where DeepSpeed wraps a placeholder (its
-    DummyOptim, without a state_dict) in a BF16_Optimizer it leaves uninitialised."""
-    from deepspeed.runtime.utils import DummyOptim
-    optimizer = engine.optimizer
-    return isinstance(optimizer, DummyOptim) or isinstance(getattr(optimizer, "optimizer", None), DummyOptim)
-
-
-def save_engine_state(engine, folder: str, tag: str, client_state: dict) -> None:
-    """DeepSpeed's part of a checkpoint (model, optimizer, schedule) into `folder`/`tag`
-    (collective). A placeholder optimizer (`_placeholder_optimizer`) is kept out of it: DeepSpeed
-    would ask it for the state it does not have."""
-    if not _placeholder_optimizer(engine):
-        engine.save_checkpoint(folder, tag=tag, client_state=client_state, save_latest=False)
-        return
-    optimizer, zero_file = engine.optimizer, engine.save_zero_checkpoint
-    engine.optimizer, engine.save_zero_checkpoint = None, False
-    try:
-        engine.save_checkpoint(folder, tag=tag, client_state=client_state, save_latest=False)
-    finally:
-        engine.optimizer, engine.save_zero_checkpoint = optimizer, zero_file
-
-
-def load_engine_state(engine, local: Path, tag: str, *, scheduler: bool = True) -> None:
-    """DeepSpeed's part of a checkpoint (`local`/`tag`) into the running `engine`: the model, the
-    optimizer and, when `scheduler`, the learning-rate schedule. Collective.
-
-    One layout needs help: DeepSpeed 0.19 runs a bf16 pipeline at ZeRO 0 with its BF16_Optimizer,
-    saves that optimizer in the per-data-parallel-rank file (bf16_zero_pp_rank_<dp>_mp_rank_<mp>_
-    optim_states.pt) as it does for ZeRO, but loads it like a plain optimizer: the one state dict of
-    the model-states file goes where BF16_Optimizer.load_state_dict expects the list of every data
-    rank's (`state_dict_list[dp_rank]`: KeyError 0). There DeepSpeed loads the model and schedule,
-    and the optimizer is handed its own file, in the form it reads (its fp32 master weights too).
-    """
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    placeholder = _placeholder_optimizer(engine)  # nothing was saved of it (save_engine_state)
-    own_file = isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization() and not placeholder
-    load_path, _ = engine.load_checkpoint(str(local), tag=tag, load_module_strict=True,
-                                          load_optimizer_states=not (own_file or placeholder),
-                                          load_lr_scheduler_states=scheduler)
-    if load_path is None:
-        raise CheckpointError(f"DeepSpeed found no checkpoint {tag} in {local}")
-    if own_file:
-        optimizer = engine.optimizer
-        group = optimizer.dp_process_group
-        dp_rank, dp_size = dist.get_rank(group=group), dist.get_world_size(group=group)
-        # DeepSpeed's own name for this rank's file (what its save wrote)
-        saved = torch.load(engine._get_zero_ckpt_name(str(local), tag), map_location="cpu", weights_only=False)
-        states: list[dict | None] = [None] * dp_size
-        states[dp_rank] = saved["optimizer_state_dict"]
-        optimizer.load_state_dict(states, load_optimizer_states=True,
-                                  load_from_fp32_weights=engine.zero_load_from_fp32_weights())
 
 
 def restore(run: RunContext, local: Path, record: dict, states: dict, rng: dict, loop: dict | None,
@@ -449,17 +334,4 @@ def _restore_position(run: RunContext, position: dict, rng: dict) -> None:
     set_rng_state(rng)
 
 
-_NOT_TRAINING = ("resume", "logging.", "control.", "checkpoint.", "eval.")
 
-
-def _config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose value differs (left out: fields that cannot change the trajectory)."""
-    changes = []
-    for key in sorted(set(saved) | set(now)):
-        dotted = f"{prefix}{key}"
-        a, b = saved.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += _config_changes(a, b, dotted + ".")
-        elif a != b and not dotted.startswith(_NOT_TRAINING):
-            changes.append(dotted)
-    return changes
