@@ -1,8 +1,8 @@
 """The architecture matrix: GPT-2 (Conv1D layers), Qwen2 (attention biases), Mistral
 (sliding window), Phi-3 (fused qkv and gate_up projections), GPT-NeoX, OPT, Gemma and Llama, each
 built tiny from its config (hidden 32, 2 layers, no hub), trained by our Trainer on one process
-with full fine-tuning and with LoRA (16 steps each: two passes over the rows, the second's loss
-lower). LoRA's targets are chosen by module type: every nn.Linear / Conv1D of the blocks,
+with full fine-tuning and with LoRA (16 steps each: two passes over the rows, the second's mean
+loss lower than the first's by a clear margin: LEARNS). LoRA's targets are chosen by module type: every nn.Linear / Conv1D of the blocks,
 attention and MLP, never the embeddings or the output head. The saved adapter loads back with peft and gives the trained model's logits.
 
 One process runs that matrix (tests/scripts/architectures.py); each architecture is its own
@@ -12,7 +12,7 @@ On 2 DeepSpeed ranks (slow), two launches, each looping over the architectures i
 group (a launch costs ~15-20 s to start; one per cell would not fit CI's budget):
 
 - tests/scripts/architectures_zero.py: full fine-tuning under ZeRO-2 and LoRA under ZeRO-3 (8 steps,
-  two passes over the rows, the second's loss lower), each with a streamed chat mid-training through engine.generation.generate.generate
+  two passes over the rows, the second's loss lower by LEARNS), each with a streamed chat mid-training through engine.generation.generate.generate
   (the control plane's `generate` path: the same answer on both ranks, the streamed pieces join
   to it, not empty); then `save_model` (full: the model; LoRA: the adapter) and `export_merged`
   (base + LoRA), reloaded here in transformers / peft with the engine's logits.
@@ -72,8 +72,8 @@ def reports(tmp_path_factory) -> dict[str, dict]:
     return {r["arch"]: r for r in found}
 
 
-def _down(losses: list[float]) -> bool:
-    return len(losses) == 16 and _second_pass_lower(losses)
+def _down(losses: list[float], method: str) -> bool:
+    return len(losses) == 16 and _second_pass_lower(losses, method)
 
 
 @pytest.mark.parametrize("arch", list(EXPECTED))
@@ -87,8 +87,8 @@ def test_architecture_trains_full_and_lora_and_the_adapter_reloads(reports, arch
     per_block = PER_BLOCK.get(arch, len(EXPECTED[arch]))
     assert wrapped == set(EXPECTED[arch]) and len(r["wrapped"]) == 2 * per_block  # 2 blocks
     assert not any(part in HEADS for name in r["wrapped"] for part in name.split("."))
-    assert _down(r["full"]), r["full"]
-    assert _down(r["lora"]), r["lora"]
+    assert _down(r["full"], "full"), r["full"]
+    assert _down(r["lora"], "lora"), r["lora"]
     # the adapter saved by the trainer, loaded by peft onto a fresh base model: the trained logits
     assert r["logits_diff"] < 1e-5 and r["base_diff"] > 1e-3, r
 
@@ -134,7 +134,7 @@ def zero_reports(folders) -> dict[str, dict[int, dict]]:
 def tp_verdict(folder: Path) -> str | None:
     """The pre-flight check's refusal of tp=2 for this folder (None: accepted)."""
     try:
-        load_config(overrides=arch_script.overrides(folder, "full", 5e-3, STEPS, "tp", "nproc=2", "tp=2"))
+        load_config(overrides=arch_script.overrides(folder, "full", arch_script.FULL_LR, STEPS, "tp", "nproc=2", "tp=2"))
     except ConfigError as e:
         return "; ".join(m for k, m in e.problems if k == "parallel.tp_size") or str(e)
     return None
@@ -148,11 +148,20 @@ def tp_reports(folders) -> dict[str, dict[int, dict]]:
     return _by_arch(proc)
 
 
-def _second_pass_lower(losses: list[float]) -> bool:
-    """The loss went down: the second pass over the rows costs less than the first (the same
-    rows, so one batch being harder than another cannot decide it, as it could in 4 steps)."""
+# How much lower the second pass's mean loss must be than the first's. Measured on every
+# architecture here (tests/scripts/architectures.py's learning rates): full fine-tuning 17-19 %
+# lower, LoRA 1.7-3.6 % (1 process, 16 steps); on 2 ranks (8 steps) full 10.6-11.2 % (ZeRO-2;
+# tp=2 the same losses), LoRA 1.8-3.2 % (ZeRO-3). A CPU's
+# rounding moves these losses by ~1e-6 relative: it cannot tip a criterion with this margin,
+# and a run that does not learn (lr 0, frozen adapter) misses it by the whole margin.
+LEARNS = {"full": 0.05, "lora": 0.01}
+
+
+def _second_pass_lower(losses: list[float], method: str) -> bool:
+    """The loss went down: the second pass over the rows costs clearly less than the first (the
+    same rows, so one batch being harder than another cannot decide it, as it could in 4 steps)."""
     half = len(losses) // 2
-    return sum(losses[half:]) < sum(losses[:half])
+    return sum(losses[half:]) < (1 - LEARNS[method]) * sum(losses[:half])
 
 
 def _both_ranks(reports: dict, arch: str) -> tuple[dict, dict]:
@@ -192,7 +201,7 @@ def test_zero2_full_zero3_lora_chat_and_exports_on_2_ranks(zero_reports, folders
     first, second = _both_ranks(zero_reports, arch)
     for cell in ("full", "lora"):
         losses = first[cell]["losses"]
-        assert len(losses) == STEPS and _second_pass_lower(losses), (cell, losses)
+        assert len(losses) == STEPS and _second_pass_lower(losses, cell), (cell, losses)
         assert second[cell]["losses"] == losses  # the logged loss is the reduced one
         _check_chat(first[cell], second[cell])
     folder = folders / arch
@@ -223,7 +232,7 @@ def test_tp2_trains_like_zero_or_is_refused_before_start(tp_reports, zero_report
     whole = sum(p.numel() for p in _model(folders / arch / "model").parameters())
     assert first["local_parameters"] < whole  # AutoTP did split the layers
     losses, reference = first["losses"], zero_reports[arch][0]["full"]["losses"]
-    assert len(losses) == STEPS and _second_pass_lower(losses), losses
+    assert len(losses) == STEPS and _second_pass_lower(losses, "full"), losses
     # the same rows per step as the ZeRO-2 cell (2 x 4 there, 1 x 8 here): the same losses
     assert losses == pytest.approx(reference, rel=TP_RTOL), (losses, reference)
     _check_chat(first, second)

@@ -18,6 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 VOCAB, STEPS = 64, 16  # 16 steps of 4: the 32 rows twice
+# Learning rates (constant, Adam): measured on every architecture here, 16 steps on 1 process,
+# the second pass's mean loss below the first's by 17-19 % (full) and 1.7-3.6 % (LoRA at 1e-2;
+# at 2e-2 LoRA overshoots and Phi-3's second pass was no lower than its first)
+FULL_LR, LORA_LR = 5e-3, 1e-2
 SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
@@ -133,9 +137,9 @@ def one(work: Path, arch: str) -> dict:
     write_folder(folder, arch)
     base = AutoModelForCausalLM.from_pretrained(folder / "model")
     targets = infer_lora_targets(base)
-    full, full_losses = train(folder, "full", 5e-3)
+    full, full_losses = train(folder, "full", FULL_LR)
     full.close()
-    lora, lora_losses = train(folder, "lora", 2e-2)
+    lora, lora_losses = train(folder, "lora", LORA_LR)
     lora.save_peft(str(folder / "adapter"))
     ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11]])
     module = lora.engine.module

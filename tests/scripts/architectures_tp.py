@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from architectures import chat, train  # noqa: E402
+from architectures import FULL_LR, chat, train  # noqa: E402
 from architectures_zero import CHAT_STEP, STEPS  # noqa: E402
 from dist_utils import report  # noqa: E402
 
@@ -29,7 +29,7 @@ from dist_utils import report  # noqa: E402
 def one(folder: Path) -> dict:
     chats: list[dict] = []
     started = time.monotonic()
-    trainer, losses = train(folder, "full", 5e-3, "nproc=2", "tp=2", "zero_stage=2", "batch_size=8",
+    trainer, losses = train(folder, "full", FULL_LR, "nproc=2", "tp=2", "zero_stage=2", "batch_size=8",
                             steps=STEPS, name="tp2_full", at_step={CHAT_STEP: lambda t: chats.append(chat(t))})
     result = {"losses": losses, "chat": chats[0] if chats else None, "tp_size": trainer.env.tp_size,
               "dp_size": trainer.env.dp_size,  # this rank's share of the weights (AutoTP split them)

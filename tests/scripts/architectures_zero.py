@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from architectures import chat, engine_logits, train  # noqa: E402
+from architectures import FULL_LR, LORA_LR, chat, engine_logits, train  # noqa: E402
 from dist_utils import report  # noqa: E402
 
 STEPS, CHAT_STEP = 8, 2  # 2 ranks x micro-batch 4: 4 steps pass over the 32 rows once, 8 twice
@@ -35,7 +35,7 @@ STEPS, CHAT_STEP = 8, 2  # 2 ranks x micro-batch 4: 4 steps pass over the 32 row
 
 def full_zero2(folder: Path) -> dict:
     chats: list[dict] = []
-    trainer, losses = train(folder, "full", 5e-3, "nproc=2", "zero_stage=2", steps=STEPS, name="zero2_full",
+    trainer, losses = train(folder, "full", FULL_LR, "nproc=2", "zero_stage=2", steps=STEPS, name="zero2_full",
                             at_step={CHAT_STEP: lambda t: chats.append(chat(t))})
     trainer.save_model(str(folder / "full"))
     logits = engine_logits(trainer)
@@ -46,7 +46,7 @@ def full_zero2(folder: Path) -> dict:
 def lora_zero3(folder: Path) -> dict:
     from engine.checkpoint import export_merged
     chats: list[dict] = []
-    trainer, losses = train(folder, "lora", 2e-2, "nproc=2", "zero_stage=3", steps=STEPS, name="zero3_lora",
+    trainer, losses = train(folder, "lora", LORA_LR, "nproc=2", "zero_stage=3", steps=STEPS, name="zero3_lora",
                             at_step={CHAT_STEP: lambda t: chats.append(chat(t))})
     trainer.save_model(str(folder / "adapter"))
     export_merged(trainer.ctx, str(folder / "merged"))
