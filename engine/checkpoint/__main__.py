@@ -1,9 +1,11 @@
-"""`python -m engine.checkpoint export SOURCE TARGET [--merge-lora]` (engine/checkpoint/export.py)."""
+"""`python -m engine.checkpoint export SOURCE TARGET [--merge-lora] [--format gguf --dtype T]` (engine/checkpoint/export.py)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from engine.checkpoint.gguf import GGUF_TYPES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,12 +18,18 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("target", help="a new (or empty) folder to write")
     export.add_argument("--merge-lora", action="store_true",
                         help="fold the LoRA adapter into the base weights: a plain model")
+    export.add_argument("--format", choices=["hf", "gguf"], default="hf",
+                        help="hf: a Hugging Face folder; gguf: a GGUF file for llama.cpp / Ollama (llama.cpp's "
+                             "converter; a LoRA adapter is merged first) with an Ollama Modelfile")
+    export.add_argument("--dtype", choices=list(GGUF_TYPES), default="f16",
+                        help="the GGUF's tensor type (with --format gguf)")
     args = parser.parse_args(argv)
     from engine.checkpoint.locations import CheckpointError
     from engine.checkpoint.export import export as run_export
     from contract.config.schema import ConfigError
     try:
-        print(run_export(args.source, args.target, merge_lora=args.merge_lora), flush=True)
+        print(run_export(args.source, args.target, merge_lora=args.merge_lora, fmt=args.format,
+                         dtype=args.dtype), flush=True)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Offline export: a saved checkpoint or adapter to a Hugging Face folder, in one process.
 
-`python -m engine.checkpoint export SOURCE TARGET [--merge-lora]` (the web app's Export and
-Merge buttons run this). SOURCE is one of
+`python -m engine.checkpoint export SOURCE TARGET [--merge-lora] [--format gguf --dtype T]` (the
+web app's Export and Merge buttons run this). SOURCE is one of
 
 - a training checkpoint (`trainer_state.json` inside): the weights come from DeepSpeed's own
   layout -- `zero_to_fp32` for ZeRO 1-3, the model states file for ZeRO 0 -- into the model its
@@ -11,7 +11,9 @@ Merge buttons run this). SOURCE is one of
 
 A whole model or adapter is written (transformers' / PEFT's `save_pretrained`, safetensors), with
 the tokenizer; `--merge-lora` folds a LoRA adapter into the base weights first (PEFT's
-`merge_and_unload`), giving a plain model. This runs on one process and holds the whole model in
+`merge_and_unload`), giving a plain model. `--format gguf` writes a GGUF file for llama.cpp and Ollama instead, by
+llama.cpp's own converter (engine.checkpoint.gguf), from the plain model (a LoRA adapter merged
+first), with an Ollama Modelfile beside it. This runs on one process and holds the whole model in
 memory once (in the run's precision), which is what an export needs and no training run has to
 pay; a live run exports without stopping through the control plane's save instead.
 
@@ -23,12 +25,14 @@ the model from the live run, or DeepSpeed's universal checkpoint conversion).
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from engine.checkpoint import atomic
+from engine.checkpoint import atomic, gguf
 from engine.checkpoint.locations import CheckpointError
 from engine.checkpoint import reading
 from engine.checkpoint import locations
@@ -41,15 +45,23 @@ class ExportError(CheckpointError):
     pass
 
 
-def export(source: str, target: str, merge_lora: bool = False,
-           say: Callable[[str], None] = print) -> str:
-    """Write SOURCE (see the module docstring) as a Hugging Face folder at TARGET; returns a line
+def export(source: str, target: str, merge_lora: bool = False, say: Callable[[str], None] = print,
+           fmt: str = "hf", dtype: str = "f16") -> str:
+    """Write SOURCE (see the module docstring) as a Hugging Face folder at TARGET (`fmt` "hf"), or
+    as a GGUF file with its Ollama Modelfile (`fmt` "gguf", of type `dtype`); returns a line
     saying what was written. Nothing is written when anything is wrong."""
     src, dst = Path(source), Path(target)
     if not src.is_dir():
         raise ExportError(f"source: no such folder: {source}")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ExportError(f"target: {target} exists and is not empty; choose a new folder")
+    if fmt not in ("hf", "gguf"):
+        raise ExportError(f"format: {fmt!r} is not one of hf, gguf")
+    if fmt == "gguf":
+        if dtype not in gguf.GGUF_TYPES:
+            raise ExportError(f"dtype: {dtype!r} is not one of {', '.join(gguf.GGUF_TYPES)}")
+        gguf.check_architecture(_config_folder(src))  # before any work
+        gguf.check_tokenizer(_tokenizer_folder(src))
     if (src / TRAINER_STATE).exists():
         model, tokenizer, what = _from_training_checkpoint(src, say)
     elif (src / ADAPTER_CONFIG).exists():
@@ -60,9 +72,11 @@ def export(source: str, target: str, merge_lora: bool = False,
         raise ExportError(f"source: {source} is neither a training checkpoint ({TRAINER_STATE}), "
                           f"an adapter folder ({ADAPTER_CONFIG}) nor a model folder (config.json)")
     from engine.model.methods import is_peft_model
-    if merge_lora:
+    if merge_lora or (fmt == "gguf" and is_peft_model(model)):
         model = _merged(model, what)
         what += ", LoRA merged into the base weights"
+    if fmt == "gguf":
+        return _write_gguf(model, tokenizer, src, dst, dtype, what, say)
     kind = "adapter" if is_peft_model(model) else "model"
     say(f"writing the {kind} to {dst}")
     with atomic.writing(str(dst), kind=kind, meta={"exported_from": str(src)}) as w:
@@ -70,6 +84,45 @@ def export(source: str, target: str, merge_lora: bool = False,
         if tokenizer is not None:
             tokenizer.save_pretrained(str(w.local))
     return f"exported {what} to {dst} as a Hugging Face {kind} folder"
+
+
+def _write_gguf(model, tokenizer, src: Path, dst: Path, dtype: str, what: str, say) -> str:
+    """The plain model through a Hugging Face folder (a temporary one) into GGUF, published with
+    its Modelfile as one folder."""
+    with tempfile.TemporaryDirectory(prefix="livetune-gguf-") as tmp:
+        plain = Path(tmp) / "hf"
+        model.save_pretrained(str(plain), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(plain))
+        spm = gguf.sentencepiece_file(src, _config_folder(src))
+        if spm is not None and not (plain / spm.name).exists():
+            shutil.copy(spm, plain / spm.name)
+        with atomic.writing(str(dst), kind="gguf", meta={"exported_from": str(src), "dtype": dtype}) as w:
+            gguf.convert(plain, Path(w.local) / gguf.GGUF_FILE, dtype, say)
+            (Path(w.local) / gguf.MODELFILE).write_text(gguf.modelfile(tokenizer) if tokenizer is not None
+                                                        else f"FROM ./{gguf.GGUF_FILE}\n")
+    return (f"exported {what} to {dst / gguf.GGUF_FILE} as GGUF ({dtype}), with an Ollama Modelfile "
+            f"(ollama create NAME -f {dst / gguf.MODELFILE})")
+
+
+def _tokenizer_folder(src: Path) -> Path:
+    """Where SOURCE's tokenizer lies: SOURCE itself when it holds one, else its model's folder."""
+    return src if (src / "tokenizer_config.json").exists() else _config_folder(src)
+
+
+def _config_folder(src: Path) -> Path:
+    """The folder whose config.json describes SOURCE's architecture (and may hold its
+    SentencePiece tokenizer model): the run's model folder, the adapter's base, or SOURCE."""
+    if (src / TRAINER_STATE).exists():
+        from contract.config.load import load_config
+        from engine.model.loading import model_dir_of
+        saved = json.loads((src / TRAINER_STATE).read_text())["config"]
+        return model_dir_of(load_config(data={**saved, "resume": "", "data": {**saved["data"], "train": "", "eval": ""},
+                                              "parallel": {**saved["parallel"], "hostfile": ""}}))
+    if (src / ADAPTER_CONFIG).exists():
+        base = json.loads((src / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+        return Path(base)
+    return src
 
 
 # -- sources ----------------------------------------------------------------------------------------
