@@ -156,6 +156,10 @@ def test_refused_before_any_work(models, tmp_path):
     done = _export_cli(odd, tmp_path / "out", "f16")  # the terminal's words and exit code
     assert done.returncode == 2 and "does not know the architecture NoSuchForCausalLM" in done.stderr
     assert not (tmp_path / "out").exists()
+    # the web app's Export GGUF button runs that command and shows its error line
+    from app.web.backend.store import export as web_export
+    with pytest.raises(RuntimeError, match="^llama.cpp's converter does not know the architecture NoSuchForCausalLM"):
+        web_export(str(odd), str(tmp_path / "out"), gguf="q8_0")
     from engine.checkpoint.export import ExportError, export
     with pytest.raises(ExportError, match="dtype: 'q4_k' is not one of f32, f16, bf16, q8_0"):
         export(str(models["llama"]), str(tmp_path / "out2"), fmt="gguf", dtype="q4_k")

@@ -1,5 +1,6 @@
 """The Checkpoints tab: what the page's run saved (step, metrics, size); resume a new run from a
-checkpoint; export a model or adapter; merge a LoRA adapter into its base model; the run's
+checkpoint; export a model or adapter; merge a LoRA adapter into its base model; export a GGUF
+file for llama.cpp / Ollama (engine/checkpoint/gguf.py); the run's
 branches, with Rewind, Branch and Snapshot (`app.web.branches`)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from app.session import SessionError
 from app.web import branches
 from app.web.backend import Backend
 from app.web.widgets import TABLE_CLASS, readable
+from contract.exports import GGUF_TYPES
 
 # each column's share of the table's width (given, not measured from the cells: a measured path
 # column pushed the table past the page's edge and squeezed the headers into "ste p")
@@ -35,6 +37,10 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
                             placeholder="e.g. exports/my-model")
         export = gr.Button("Export model / adapter", elem_id="ckpt-export")
         merge = gr.Button("Merge LoRA and export", elem_id="ckpt-merge")
+    with gr.Row(equal_height=True):
+        gguf_type = gr.Dropdown(list(GGUF_TYPES), value="f16", label="GGUF type", scale=1, elem_id="ckpt-gguf-type",
+                                info="f32 and f16 keep the weights; q8_0 halves f16's size for a little accuracy")
+        gguf = gr.Button("Export GGUF (llama.cpp / Ollama)", scale=2, elem_id="ckpt-gguf")
     result = gr.Markdown("", elem_id="ckpt-result")
     section = branches.build(backend, run_state)
 
@@ -53,6 +59,8 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
                  outputs=result, api_visibility="private")
     merge.click(readable(lambda src, dst: _export(backend, src, dst, True)), inputs=[chosen, target],
                 outputs=result, api_visibility="private")
+    gguf.click(readable(lambda src, dst, kind: _export(backend, src, dst, False, kind)),
+               inputs=[chosen, target, gguf_type], outputs=result, api_visibility="private")
     return refresh
 
 
@@ -96,6 +104,6 @@ def _resume(backend: Backend, path: str | None, checkpoint: str | None, run_stat
     return {run_state: info.path, tabs: gr.Tabs(selected="train")}
 
 
-def _export(backend: Backend, source: str | None, target: str, merge: bool) -> str:
-    message = backend.store.export(source or "", (target or "").strip(), merge_lora=merge)
+def _export(backend: Backend, source: str | None, target: str, merge: bool, gguf: str | None = None) -> str:
+    message = backend.store.export(source or "", (target or "").strip(), merge_lora=merge, gguf=gguf)
     return f"**Done:** {message}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.checkpoint.gguf import GGUF_TYPES
+from contract.exports import GGUF_TYPES
 
 
 def main(argv: list[str] | None = None) -> int:

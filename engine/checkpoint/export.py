@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from contract.exports import GGUF_TYPES
 from engine.checkpoint import atomic, gguf
 from engine.checkpoint.locations import CheckpointError
 from engine.checkpoint import reading
@@ -58,8 +59,8 @@ def export(source: str, target: str, merge_lora: bool = False, say: Callable[[st
     if fmt not in ("hf", "gguf"):
         raise ExportError(f"format: {fmt!r} is not one of hf, gguf")
     if fmt == "gguf":
-        if dtype not in gguf.GGUF_TYPES:
-            raise ExportError(f"dtype: {dtype!r} is not one of {', '.join(gguf.GGUF_TYPES)}")
+        if dtype not in GGUF_TYPES:
+            raise ExportError(f"dtype: {dtype!r} is not one of {', '.join(GGUF_TYPES)}")
         gguf.check_architecture(_config_folder(src))  # before any work
         gguf.check_tokenizer(_tokenizer_folder(src))
     if (src / TRAINER_STATE).exists():

@@ -32,12 +32,12 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from contract.exports import GGUF_TYPES
 from engine.checkpoint.locations import CheckpointError
 
 # The llama.cpp the converter comes from: llama-cpp-python's source package vendors it whole.
 LLAMA_CPP_PYTHON = "0.3.36"
 CONVERTER_ENV = "LIVETUNE_LLAMA_CPP"  # a llama.cpp checkout (or our extract) to use instead
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # the converter's output types that llama.cpp loads
 GGUF_FILE = "model.gguf"
 MODELFILE = "Modelfile"
 

@@ -98,14 +98,18 @@ def resume_config(folder: RunFolder, checkpoint: str) -> RunConfig:
     return load_config(folder.config, [f"resume={checkpoint}", f"run_name={folder.root.name}-resumed"])
 
 
-def export(source: str, target: str, merge_lora: bool = False, python: str = sys.executable) -> str:
+def export(source: str, target: str, merge_lora: bool = False, python: str = sys.executable,
+           gguf: str | None = None) -> str:
     """Export a checkpoint or adapter to a Hugging Face model folder through the engine's
-    command line (`python -m engine.checkpoint export SOURCE TARGET [--merge-lora]`); returns
+    command line (`python -m engine.checkpoint export SOURCE TARGET [--merge-lora]`), or to a
+    GGUF file of type `gguf` with its Ollama Modelfile (`--format gguf --dtype T`); returns
     what it printed. Raises RuntimeError with its last lines when it fails."""
     target = str(Path(target).expanduser().resolve())  # the subprocess starts in the project folder
     if Path(target).exists() and any(Path(target).iterdir()):
         raise RuntimeError(f"{target} exists and is not empty; choose a new folder")
     cmd = [python, "-m", "engine.checkpoint", "export", source, target] + (["--merge-lora"] if merge_lora else [])
+    if gguf:
+        cmd += ["--format", "gguf", "--dtype", gguf]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     try:
@@ -154,7 +158,7 @@ class Store:
             raise SessionError(str(e)) from None
         return self.session.start(cfg)
 
-    def export(self, source: str, target: str, merge_lora: bool = False) -> str:
+    def export(self, source: str, target: str, merge_lora: bool = False, gguf: str | None = None) -> str:
         """Export a checkpoint, model or adapter into the new folder `target` (see `export`)."""
         self.session.require("export")  # it writes a folder as the app's user: an operator's
         if not source or not Path(source).exists():
@@ -162,6 +166,6 @@ class Store:
         if not target:
             raise SessionError("give a folder to export into")
         try:
-            return export(source, target, merge_lora)
+            return export(source, target, merge_lora, gguf=gguf)
         except RuntimeError as e:
             raise SessionError(str(e)) from None
