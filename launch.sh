@@ -21,6 +21,12 @@ case "${LIVETUNE_VENV:-}" in /*) VENV="$LIVETUNE_VENV" ;; esac
 PY="$VENV/bin/python"
 # offline unless asked (HF_HUB_OFFLINE=0 ./launch.sh ... lets a model named by hub ID be downloaded)
 export GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# DeepSpeed compiles its CPU communication op (deepspeed_shm_comm) on first use into
+# TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions: shared by every venv on the machine,
+# so two venvs (two torch versions) rebuild each other's copy. This venv keeps its own; every
+# process started from here (the app, the CLI, the tests, the ranks they launch) inherits it.
+# tests/conftest.py sets the same folder when pytest is started without this script.
+export TORCH_EXTENSIONS_DIR="$VENV/torch_extensions"
 
 setup() {  # (re)install when the venv is missing or pyproject.toml changed since the last install
   local extra="$1" stamp="$VENV/.installed-$1"
