@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import string
+import sys
 from pathlib import Path
 
 import pytest
+
+# DeepSpeed's CPU communication op is compiled into TORCH_EXTENSIONS_DIR: the venv's own folder,
+# as launch.sh sets it (a test started without launch.sh must not share ~/.cache/torch_extensions
+# with other venvs); every engine the tests launch inherits it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
