@@ -4,10 +4,11 @@ events.jsonl is the durable record of a run: front ends rebuild plots and histor
 subscribers of the control socket receive its lines as they are written (contract.protocol).
 Every event carries `type` and `time` (seconds since the epoch, added by the writer,
 contract.run_folder.EventLog); the rest of its fields are declared below, one pydantic model per
-type, so that writers and readers agree on names and types. Writers build an event through its
-model (`TrainEvent(step=3, loss=2.1)`); the one writer (EventLog.emit) and the one reader
-(EventTail) check every event against its model (`check_event`), so a misspelt type or a field of
-the wrong type fails where it is written. Declared fields are optional (an event says what it
+type (every EventType has one), so that writers and readers agree on names and types. Writers
+build an event through its model (`TrainEvent(step=3, loss=2.1)`); the one writer
+(EventLog.emit) and the one reader (EventTail) check every event through one TypeAdapter over the
+union of the models, told apart by `type` (`check_event`, `parse_event`), so a misspelt type or a
+field of the wrong type fails where it is written. Declared fields are optional (an event says what it
 knows); extra fields are allowed (monitors add metrics, later versions may add fields), and a
 reader ignores what it does not know.
 """
@@ -91,6 +92,7 @@ class StateEvent(Event):
     model: str | None = None
     slurm_job: str | None = None  # a Slurm run's job id (starting)
     chat_only: bool | None = None  # a chat-only copy of a checkpoint or export
+    reason: str | None = None      # why it ended so (a stop the manager finished, a cancelled job)
 
 
 class SetupEvent(Event):
@@ -171,6 +173,15 @@ class CheckpointEvent(Event):
     seconds: float | None = None
 
 
+class CheckpointDeletedEvent(Event):
+    """`checkpoint_deleted`: the keep rules (checkpoint.keep_last / keep_best) removed `names`;
+    `reason` when it was not the usual prune after a save (a full disk)."""
+    type: Literal[EventType.CHECKPOINT_DELETED] = EventType.CHECKPOINT_DELETED
+    step: int | None = None
+    names: list[str] | None = None
+    reason: str | None = None
+
+
 class CheckpointFailedEvent(Event):
     """`checkpoint_failed`: nothing was published and the partial folder is gone. `error` names
     each failing rank; on a full disk (`disk_full`) `needed_bytes` (estimated from the previous
@@ -201,6 +212,16 @@ class ExportEvent(Event):
     path: str | None = None
     step: int | None = None
     seconds: float | None = None
+
+
+class BestModelEvent(Event):
+    """`best_model`: the weights of the checkpoint at `path` (step `step`), the best by `monitor`
+    (its `value` there), were loaded at the end (checkpoint.load_best_at_end)."""
+    type: Literal[EventType.BEST_MODEL] = EventType.BEST_MODEL
+    path: str | None = None
+    step: int | None = None
+    monitor: str | None = None
+    value: float | None = None
 
 
 class _Restored(Event):
@@ -294,8 +315,13 @@ class TeachCheckEvent(Event):
 
 
 class WarningEvent(Event):
+    """`warning`: `message` in words; a save foreseen not to fit names its `path`, `needed_bytes`
+    and `free_bytes`."""
     type: Literal[EventType.WARNING] = EventType.WARNING
     message: str | None = None
+    path: str | None = None
+    needed_bytes: int | None = None
+    free_bytes: int | None = None
 
 
 class GuardEvent(Event):
@@ -337,12 +363,14 @@ class EarlyStopEvent(Event):
 
 COMMAND_STATUSES = tuple(s.value for s in CommandStatus)
 
-EVENT_MODELS: dict[str, type[Event]] = {
-    EventType(model.model_fields["type"].default).value: model
-    for model in (StateEvent, SetupEvent, TrainEvent, EvalEvent, CommandEvent, SetEvent, ChatPageEvent,
-                  CheckpointEvent, CheckpointFailedEvent, ResumeEvent, ExportEvent, RewindEvent,
-                  BranchEvent, SnapshotEvent, DataEvent, TeachEvent, TeachCheckEvent, WarningEvent,
-                  GuardEvent, EarlyStopEvent)}
+EVENT_MODELS: tuple[type[Event], ...] = (
+    StateEvent, SetupEvent, TrainEvent, EvalEvent, CommandEvent, SetEvent, ChatPageEvent, CheckpointEvent,
+    CheckpointDeletedEvent, CheckpointFailedEvent, ResumeEvent, ExportEvent, BestModelEvent, RewindEvent,
+    BranchEvent, SnapshotEvent, DataEvent, TeachEvent, TeachCheckEvent, WarningEvent, GuardEvent,
+    EarlyStopEvent)
+
+AnyEvent = Annotated[Union[EVENT_MODELS], Field(discriminator="type")]  # type: ignore[valid-type]
+EVENTS: TypeAdapter[Event] = TypeAdapter(AnyEvent)  # the one reader: `type` picks the model
 
 
 class EventError(ValueError):
@@ -350,20 +378,18 @@ class EventError(ValueError):
 
 
 def check_event(event: Event | dict[str, Any]) -> dict[str, Any]:
-    """The JSON object of `event` (a model, or a dict a writer built) after checking it against
-    the model of its type; EventError names what is wrong. An EventType without a model of its
-    own is checked as a plain Event."""
+    """The JSON object of `event` (a model; or a dict, as a test replaying a log writes it)
+    after checking it against the model of its type (EVENTS); EventError names what is wrong."""
     if isinstance(event, Event):
         return event.record()
     kind = event.get("type")
     if kind not in _TYPE_VALUES:
         raise EventError(f"event type {kind!r} is not one of contract.events.EventType")
-    model = EVENT_MODELS.get(EventType(kind).value, Event)
     try:
-        model.model_validate(event)
+        EVENTS.validate_python(event)
     except ValidationError as e:
         raise EventError(f"{EventType(kind).value} event: " + "; ".join(
-            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+            f"{'.'.join(map(str, err['loc'][1:]))}: {err['msg']}" for err in e.errors())) from None
     return {**event, "type": EventType(kind).value}  # the enum member written as its value
 
 
@@ -371,16 +397,12 @@ def parse_event(raw: dict[str, Any]) -> Event | None:
     """A read event as its model, or None for one that does not match it. An event of a type
     this version does not know is returned as a plain Event (readers ignore what they do not
     know: later versions may add types)."""
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         return None
-    kind = raw.get("type")
-    if not isinstance(kind, str):
-        return None
-    model = EVENT_MODELS.get(kind, Event)
+    if raw["type"] not in _TYPE_VALUES:
+        return Event.model_construct(**raw)  # unknown type: kept as it is, unchecked
     try:
-        if model is Event and kind not in _TYPE_VALUES:
-            return Event.model_construct(**raw)  # unknown type: kept as it is, unchecked
-        return model.model_validate(raw)
+        return EVENTS.validate_python(raw)
     except ValidationError:
         return None
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from contract import capabilities
 from contract.config.schema import RunConfig
+from contract.events import Event
 from contract.run_folder import EventLog, RunFolder
 from engine.objectives.losses import PER_MICRO_BATCH, Window
 from engine.steps import StepStrategy
@@ -116,7 +117,7 @@ class RunContext:
     optimizer: Any = None
     lr_scheduler: Any = None
 
-    def emit(self, event: dict) -> None:
-        """Write an event to events.jsonl (rank 0 only; other ranks' events are dropped)."""
+    def emit(self, event: Event) -> None:
+        """Write an event (a model of contract.events) to events.jsonl (rank 0 only; other ranks' events are dropped)."""
         if self.events is not None:
             self.events.emit(event)

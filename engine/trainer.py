@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from contract.config.schema import RunConfig
 from contract.protocol.states import RunState
-from contract.events import EvalEvent, EventType, StateEvent, WarningEvent
+from contract.events import EvalEvent, Event, StateEvent, TrainEvent, WarningEvent
 from engine import checkpoint
 from engine.control import chat_only
 from engine.assembly import data as run_data
@@ -247,11 +247,10 @@ class Trainer:
     def _record(self, info: StepInfo) -> None:
         if not _due(info.step, self.config.logging.log_every_n_steps) and info.step != self.state.total_steps:
             return
-        record: dict[str, Any] = {"type": EventType.TRAIN, "step": info.step, "epoch": info.epoch,
-                                  "total_steps": self.state.total_steps}
+        measured: dict[str, Any] = {}
         for monitor in self.monitors:
-            record.update(monitor.measure(self, info))
-        self.emit(record)
+            measured.update(monitor.measure(self, info))
+        self.emit(TrainEvent(step=info.step, epoch=info.epoch, total_steps=self.state.total_steps, **measured))
 
     def current_lr(self) -> float:
         # self.optimizer: the engine's (wrapped) optimizer, or LOMO's fused one, which the
@@ -374,8 +373,8 @@ class Trainer:
         return run_data.epochs(self.config, run_data.micro_batches_per_epoch(self.ctx, self.data))
 
     # -- events ---------------------------------------------------------------------------------
-    def emit(self, event: dict) -> None:
-        """Write an event to events.jsonl (rank 0 only; other ranks' events are dropped)."""
+    def emit(self, event: Event) -> None:
+        """Write an event (a model of contract.events) to events.jsonl (rank 0 only; other ranks' events are dropped)."""
         self.ctx.emit(event)
 
     def __enter__(self) -> "Trainer":

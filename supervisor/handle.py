@@ -18,7 +18,7 @@ import time
 from contract.protocol.commands import Stop
 from contract.protocol.states import RunState
 from contract.run_folder import EventLog, EventTail, RunFolder
-from contract.events import EventType
+from contract.events import StateEvent
 
 from supervisor import procs, stopping
 from supervisor.judgement import LOST_PEER, Facts, RankExit, Verdict, VerdictKind, exited, judge, last_exception, post_mortem
@@ -300,10 +300,9 @@ class RunHandle:
         s = self._summary
         if s.final and (s.state != RunState.FAILED or s.error_rank == failure.rank):
             return  # the run recorded it itself, and rightly
-        self._record({"type": EventType.STATE, "state": RunState.FAILED.value, "error": failure.message,
-                      "rank": failure.rank, "step": s.step})
+        self._record(StateEvent(state=RunState.FAILED, error=failure.message, rank=failure.rank, step=s.step))
 
-    def _record(self, event: dict) -> None:
+    def _record(self, event: StateEvent) -> None:
         """Append the manager's own final state event, once even with several managers."""
         lock_path = self.folder.root / ".manager.lock"
         with open(lock_path, "a") as lock_file:
@@ -313,7 +312,7 @@ class RunHandle:
                 return
             log = EventLog(self.folder.events)
             try:
-                log.emit({**event, "source": "manager"})
+                log.emit(event.model_copy(update={"source": "manager"}))
             finally:
                 log.close()
             self._summary.update(self._tail.poll())

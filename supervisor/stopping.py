@@ -13,7 +13,7 @@ from pathlib import Path
 from contract.protocol.commands import Stop
 from contract.run_folder import RunFolder
 from contract.protocol.states import RunState
-from contract.events import EventType
+from contract.events import StateEvent
 
 from supervisor import procs, remote_stop
 from supervisor.records import child_running, reap
@@ -77,21 +77,21 @@ def end_group(pgid: int | None, root: Path, grace_s: float) -> None:
         time.sleep(0.05)
 
 
-def forced_stop_event(save: bool, timeout: float, forced: bool, step: int) -> dict:
+def forced_stop_event(save: bool, timeout: float, forced: bool, step: int) -> StateEvent:
     """The final state the manager records for a run that was stopped without writing one."""
     if not forced:  # it went away by itself while being stopped: that is no clean stop
-        return {"type": EventType.STATE, "state": RunState.FAILED, "step": step, "stopped_by_user": True,
-                "error": "exited without a final state while it was being stopped"}
+        return StateEvent(state=RunState.FAILED, step=step, stopped_by_user=True,
+                          error="exited without a final state while it was being stopped")
     how = f"did not stop by itself within {timeout:g} s and was ended by signal"
     if save:  # the save the user asked for did not happen: that is a failure they must see
-        return {"type": EventType.STATE, "state": RunState.FAILED, "step": step, "stopped_by_user": True,
-                "error": f"stopped by the user with save, but the run {how}; nothing was saved"}
-    return {"type": EventType.STATE, "state": RunState.FINISHED, "step": step, "stopped_by_user": True,
-            "reason": f"stopped by the user; the run {how}"}
+        return StateEvent(state=RunState.FAILED, step=step, stopped_by_user=True,
+                          error=f"stopped by the user with save, but the run {how}; nothing was saved")
+    return StateEvent(state=RunState.FINISHED, step=step, stopped_by_user=True,
+                      reason=f"stopped by the user; the run {how}")
 
 
-def cancelled_event(what: str) -> dict:
+def cancelled_event(what: str) -> StateEvent:
     """The final state of a run stopped before any of it started (a Slurm job still queued):
     nothing ran, nothing was lost, so it finished, with `what` happened as its reason."""
-    return {"type": EventType.STATE, "state": RunState.FINISHED, "step": 0, "stopped_by_user": True,
-            "reason": f"cancelled before it started: {what}"}
+    return StateEvent(state=RunState.FINISHED, step=0, stopped_by_user=True,
+                      reason=f"cancelled before it started: {what}")

@@ -119,7 +119,7 @@ def test_fallback_pauses_and_says_why():
 
 
 def test_event_fields_are_json_plain():
-    e = Verdict("skip", "nonfinite_loss", "nan", math.nan, None).event(7, rewinds=0)
+    e = Verdict("skip", "nonfinite_loss", "nan", math.nan, None).event(7, rewinds=0).record()
     assert e == {"type": "guard", "step": 7, "trigger": "nonfinite_loss", "action": "skip", "reason": "nan",
                  "value": "nan", "threshold": None, "rewinds": 0}
 

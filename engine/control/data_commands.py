@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from contract import inbox as inbox_file
-from contract.events import EventType
+from contract.events import DataEvent, TeachCheckEvent, TeachEvent
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 from engine.control.pending import Reply
 from engine.control.run import Plane
@@ -74,8 +74,8 @@ def _changed(control: Plane, mixture: Mixture, change: str, source: dict, **extr
     """Record a data change (a `data` event) and the reply to its sender."""
     step = control.trainer.state.global_step
     sources = mixture.describe()
-    control.trainer.emit({"type": EventType.DATA.value, "step": step, "change": change, "source": source,
-                          "sources": sources, "applies_from_step": step + 1, **extra})
+    control.trainer.emit(DataEvent(step=step, change=change, source=source, sources=sources,
+                                   applies_from_step=step + 1, **extra))
     return {"step": step, "source": source, "sources": sources, "applies_from_step": step + 1, **extra}
 
 
@@ -205,7 +205,7 @@ def teach(control: Plane, cmd: Teach, reply: Reply, prompt: str) -> dict:
     event = {"id": entry_id, "prompt": prompt, "answer": cmd.answer, "old": old, "per_step": per_step,
              "steps": steps, "check_at_step": step + check_after if check_after else None,
              **({"rejected": cmd.rejected} if cmd.rejected is not None else {}), **margin}
-    trainer.emit({"type": EventType.TEACH.value, "step": step, **event})
+    trainer.emit(TeachEvent(step=step, **event))
     return {"step": step, **event, "applies_from_step": step + 1, "sources": mixture.describe()}
 
 
@@ -301,11 +301,10 @@ def at_boundary(control: Plane) -> None:
             after = _margin(control, check["pair"])
             margins = {"margin_before": check["margin"], "margin_after": after,
                        "prefers": "chosen" if after > 0 else "rejected"}
-        control.trainer.emit({
-            "type": EventType.TEACH_CHECK.value, "step": step, "id": check["id"], "prompt": check["prompt"],
-            "answer": check["answer"], "old": check["old"], "new": new,
-            "taught_at_step": check["taught_at_step"], "steps": step - check["taught_at_step"],
-            "learned": new.strip() == check["answer"].strip(), **margins})
+        control.trainer.emit(TeachCheckEvent(
+            step=step, id=check["id"], prompt=check["prompt"], answer=check["answer"], old=check["old"],
+            new=new, taught_at_step=check["taught_at_step"], steps=step - check["taught_at_step"],
+            learned=new.strip() == check["answer"].strip(), **margins))
 
 
 def sources_snapshot(control: Plane) -> list[dict] | None:

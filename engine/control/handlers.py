@@ -19,7 +19,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from contract.events import EventType
+from contract.events import SetEvent
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import Command
@@ -31,6 +31,7 @@ from engine.checkpoint.locations import CheckpointError
 from engine.control import completions, data_commands
 from engine.control.pending import Reply
 from engine.control.run import Plane
+from engine.control import live_fields
 from engine.control.settings import REPLACED
 from engine.generation.generate import fresh_seed
 from engine.generation.generate import generate as generate_text
@@ -163,6 +164,7 @@ def set_values(control: Plane, cmd: Set, reply: Reply) -> dict:
             setattr(live, key, getattr(cmd, key))
     if cmd.generation is not None:
         live.generation.update(cmd.generation.sampling())
+    live.optimizer.update(live_fields.optimizer_changes(cmd))
     apply_settings(control)
     after = current_settings(control)
     names = list(cmd.args())
@@ -170,8 +172,8 @@ def set_values(control: Plane, cmd: Set, reply: Reply) -> dict:
     # set between steps: `lr` is the rate the next step trains with (train records log each
     # step's own rate), so the change applies from step + 1
     applies = trainer.state.global_step + 1
-    trainer.emit({"type": EventType.SET.value, "step": trainer.state.global_step, "changes": changes,
-                  "before": {k: before[k] for k in names}, "applies_from_step": applies})
+    trainer.emit(SetEvent(step=trainer.state.global_step, changes=changes,
+                          before={k: before[k] for k in names}, applies_from_step=applies))
     return {"step": trainer.state.global_step, "changes": changes, "applies_from_step": applies}
 
 
@@ -187,6 +189,9 @@ def _check_settable(control: Plane, cmd: Set) -> None:
         raise CommandRefused("set: grad_clip needs zero_optimization.compute_grad_norm=true")
     if (cmd.eval_every_n_steps or 0) > 0 and trainer.eval_dataset is None:
         raise CommandRefused("set: eval_every_n_steps needs evaluation data, and this run has none")
+    problem = live_fields.problem(trainer, control.settings, cmd)
+    if problem:
+        raise CommandRefused(problem)
 
 
 def apply_settings(control: Plane) -> None:
@@ -199,6 +204,7 @@ def apply_settings(control: Plane) -> None:
         clip = trainer.ds_setup.config.get("gradient_clipping", trainer.config.optim.grad_clip)
     if trainer.method.grad_clip(trainer.ctx) != float(clip):  # the method knows who clips (LOMO: itself)
         trainer.method.set_grad_clip(trainer.ctx, float(clip))
+    live_fields.apply(trainer, control.settings, control.serving)
 
 
 def current_settings(control: Plane) -> dict:
@@ -207,7 +213,7 @@ def current_settings(control: Plane) -> dict:
             "grad_clip": trainer.method.grad_clip(trainer.ctx),
             "eval_every_n_steps": live.eval_every(trainer.config),
             "save_every_n_steps": live.save_every(trainer.config),
-            "generation": live.generation_params()}
+            "generation": live.generation_params(), **live_fields.current(trainer, control.serving)}
 
 
 # -- rewind, branch, snapshot (engine.checkpoint.rewind) ------------------------------------------------

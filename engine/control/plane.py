@@ -19,13 +19,13 @@ import time
 import traceback
 from typing import Any
 
-from contract.events import CommandEvent, CommandStatus, EventType, WarningEvent, state_event
+from contract.events import ChatPageEvent, CommandEvent, CommandStatus, EventType, WarningEvent, state_event
 from contract.protocol.commands import Set, Status
 from contract.protocol.completion_commands import Complete
 from contract.protocol.states import STATES, RunState
 from engine.callbacks import Signal
 from engine.checkpoint.rewind import StateLost
-from engine.control import completions, data_commands, handlers
+from engine.control import completions, data_commands, handlers, live_fields
 from engine.control.boundary import Boundary
 from engine.control.chat_page import ChatPage
 from engine.control.handlers import CommandRefused, HANDLERS
@@ -55,6 +55,7 @@ class Control:
         # the loop reads its schedule from them (engine.control.settings.live_settings)
         self.settings = LiveSettings()
         trainer.live_settings = self.settings
+        live_fields.remember(trainer, self.settings)  # the optimizer's own fields, before any load
         self.ended = False
         self.finishing = False  # the end of training's last boundaries: every request answered
         # how much of the run's time the OpenAI-compatible API's requests may take (rank 0 decides)
@@ -82,8 +83,8 @@ class Control:
                 self.page = ChatPage(self.server, host=cfg.host).start()
                 # the token stays out of events.jsonl (readable by others): control.json has it
                 self.server.write_control_file(chat_page=self.page.url)
-                trainer.emit({"type": EventType.CHAT_PAGE.value, "url": self.page.url.split("?")[0],
-                              "note": "open the URL printed by rank 0, or chat_page in control.json"})
+                trainer.emit(ChatPageEvent(url=self.page.url.split("?")[0],
+                                           note="open the URL printed by rank 0, or chat_page in control.json"))
                 print(f"chat with the model being trained: {self.page.url}", flush=True)
 
     # -- the boundary ------------------------------------------------------------------------------

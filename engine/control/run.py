@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from contract.config.schema import RunConfig
 from contract.protocol.states import RunState
+from contract.events import Event
 from contract.run_folder import EventLog, RunFolder
 from engine.context import RunContext
 from engine.control.settings import LiveSettings
@@ -32,7 +33,7 @@ class ControlledRun(Protocol):
     eval_dataset: Any          # None: the run has no evaluation data
     live_settings: LiveSettings
 
-    def emit(self, event: dict) -> None:
+    def emit(self, event: Event) -> None:
         """Write an event to events.jsonl (rank 0)."""
 
     def current_lr(self) -> float:

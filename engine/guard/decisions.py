@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from contract.config.schema import GuardConfig
-from contract.events import EventType
+from contract.events import GuardEvent
 
 MAD_TO_STD = 1.4826  # the median absolute deviation of normal noise times this is its standard deviation
 OK = "ok"
@@ -62,11 +62,10 @@ class Verdict:
     def ok(self) -> bool:
         return self.action == OK
 
-    def event(self, step: int, **extra) -> dict:
-        """The `guard` event of this verdict (contract.events.GuardEvent)."""
-        return {"type": EventType.GUARD, "step": step, "trigger": self.trigger, "action": self.action,
-                "reason": self.reason, "value": _plain(self.value), "threshold": _plain(self.threshold),
-                **extra}
+    def event(self, step: int, **extra) -> GuardEvent:
+        """The `guard` event of this verdict."""
+        return GuardEvent(step=step, trigger=self.trigger, action=self.action, reason=self.reason,
+                          value=_plain(self.value), threshold=_plain(self.threshold), **extra)
 
 
 class SpikeStatistic:
