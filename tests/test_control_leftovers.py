@@ -16,6 +16,7 @@ from contract.run_folder import RunFolder
 from engine.control import chat_page
 from engine.control.pending import CommandQueue
 from engine.control.server import ControlServer
+import fake_answers
 
 
 @pytest.mark.parametrize("name", ["lr", "grad_clip", "save_every_n_steps"])
@@ -29,7 +30,7 @@ def test_a_400_digit_number_is_refused_naming_its_field(name):
 def page(tmp_path, monkeypatch):
     monkeypatch.setattr(chat_page._PageHandler, "timeout", 1.0)
     folder = RunFolder(tmp_path / "run").create()
-    server = ControlServer(folder, CommandQueue(), lambda: {"step": 7, "state": "running"})
+    server = ControlServer(folder, CommandQueue(), fake_answers.status)
     server.start()
     served = chat_page.ChatPage(server).start()
     yield served

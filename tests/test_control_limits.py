@@ -23,6 +23,7 @@ from engine.control import handlers
 from engine.control.pending import CommandQueue
 from contract.protocol.wire import MAX_MESSAGE_BYTES
 from contract.run_folder import EventLog, RunFolder
+import fake_answers
 
 
 class Served:
@@ -33,7 +34,7 @@ class Served:
         self.events = EventLog(self.folder.events)
         self.queue = CommandQueue()
         self.executed: list = []
-        self.server = ControlServer(self.folder, self.queue, lambda: {"step": 7}, admit=admit, **limits)
+        self.server = ControlServer(self.folder, self.queue, fake_answers.status, admit=admit, **limits)
         self.events.subscribe(self.server.notify)
         self.server.start()
         self.token = self.server.token
@@ -47,7 +48,7 @@ class Served:
             if answering:
                 for item in self.queue.drain():
                     self.executed.append((item.cmd, item.args))
-                    item.reply.done({"cmd": item.cmd})
+                    item.reply.done(fake_answers.answer(item))
 
     def connect(self, rcvbuf: int | None = None) -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -272,7 +273,7 @@ def test_commands_past_the_pending_cap_are_refused_at_once(tmp_path):
         assert answer["type"] == "error" and "3 commands are waiting" in answer["message"]
         sock.close()
         for item in s.queue.drain():  # the boundary comes: the commands run, their slots free
-            item.reply.done({})
+            item.reply.done(fake_answers.answer(item))
         wait_until(lambda: s.server.stats()["pending"] == 0)
         assert s.server.stats()["connections"] == 0
     finally:

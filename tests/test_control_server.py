@@ -18,6 +18,7 @@ from engine.control.pending import CommandQueue
 from engine.control.server import ControlServer
 from contract.protocol.wire import MAX_MESSAGE_BYTES
 from contract.run_folder import EventLog, RunFolder
+import fake_answers
 
 
 class Served:
@@ -28,7 +29,7 @@ class Served:
         self.events = EventLog(self.folder.events)
         self.queue = CommandQueue()
         self.executed: list[tuple[str, str, dict]] = []
-        self.server = ControlServer(self.folder, self.queue, lambda: {"step": 7, "state": "running"})
+        self.server = ControlServer(self.folder, self.queue, fake_answers.status)
         self.events.subscribe(self.server.notify)
         self.server.start()
         self._stop = threading.Event()
@@ -43,7 +44,7 @@ class Served:
                 if item.cmd == "generate":
                     for piece in ("he", "llo"):
                         item.reply.token(piece)
-                item.reply.done({"cmd": item.cmd, "args": item.args})
+                item.reply.done(fake_answers.answer(item))
 
     def raw(self):
         info = json.loads(self.folder.control.read_text())
@@ -121,10 +122,10 @@ def test_commands_of_several_clients_run_in_order_and_answer_their_sender(served
     for t in threads:
         t.join()
     for i in range(3):  # each client got the answers to its own commands, in its order
-        assert [r["args"]["eval_every_n_steps"] for r in results[i]] == [10 * i + k for k in range(5)]
+        assert [r.changes["eval_every_n_steps"] for r in results[i]] == [10 * i + k for k in range(5)]
     assert len(served.executed) == 15
     streamed = clients[0].generate("hi", max_new_tokens=3)
-    assert list(streamed) == ["he", "llo"] and streamed.result["cmd"] == "generate"
+    assert list(streamed) == ["he", "llo"] and streamed.result.text == "hello"
     assert all(c.model == "current" for c in clients[1].generate("x"))
     for c in clients:
         c.close()
@@ -173,5 +174,5 @@ def test_a_closed_queue_refuses_with_its_reason(served):
     served.queue.close("training has ended")
     with pytest.raises(CommandError, match="training has ended"):
         client.pause()
-    assert client.status()["step"] == 7  # status is answered at once, still
+    assert client.status().step == 7  # status is answered at once, still
     client.close()

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from contract.protocol.answers import Answer
 from contract.protocol.roles import Role
 
 _ROLES = ("system", "user", "assistant")
@@ -151,6 +152,8 @@ class Command(Arguments):
     immediate: ClassVar[bool] = False
     # who may send it (contract.protocol.roles): a command changes the run unless it says viewer
     role: ClassVar[Role] = Role.OPERATOR
+    # what it answers (contract.protocol.answers): rank 0 builds it, the client parses it
+    returns: ClassVar[type[Answer]] = Answer
 
     def to_wire(self) -> dict[str, Any]:
         return {"cmd": self.name, "args": self.args()}

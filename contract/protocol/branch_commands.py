@@ -7,6 +7,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, Field
 
+from contract.protocol.answers import Answer, BranchAnswer, BranchesAnswer, RewindAnswer, SnapshotAnswer
 from contract.protocol.roles import Role
 from contract.branches import check_name
 from contract.protocol.base import Command
@@ -29,6 +30,7 @@ class Rewind(Command):
     running engines (model, optimizer, scheduler, data position, RNGs, live settings) and
     training goes on from there on the same branch; the steps after it are abandoned."""
     name: ClassVar[str] = "rewind"
+    returns: ClassVar[type[Answer]] = RewindAnswer
     target: Target = Field(description="The checkpoint (step-40, or 40: that step's checkpoint of the "
                            "present branch, else of an ancestor) or a snapshot's name.")
 
@@ -37,6 +39,7 @@ class Branch(Command):
     """Rewind to `target` and go on as a new branch `name` (the present branch stays as it is and
     can be branched from later), optionally with changed settings."""
     name: ClassVar[str] = "branch"
+    returns: ClassVar[type[Answer]] = BranchAnswer
     target: Target = Field(description="The checkpoint or snapshot the branch starts from (as rewind's).")
     branch: BranchName = Field(description="The new branch's name (letters, digits, - _ .; unique in the run).")
     lr: float | None = Field(default=None, ge=0.0, le=10.0, description="Learning rate of the branch's first "
@@ -57,6 +60,7 @@ class Snapshot(Command):
     """Keep the complete training state in host memory now, for an instant rewind (bounded by
     checkpoint.snapshots_keep / snapshots_max_mib; the oldest goes first)."""
     name: ClassVar[str] = "snapshot"
+    returns: ClassVar[type[Answer]] = SnapshotAnswer
     # `snapshot`, not `name`: `name` is every command's wire name
     snapshot: SnapshotName | None = Field(default=None, description="The snapshot's name (unique among those kept); "
                                           "default snap-<step>.")
@@ -65,4 +69,5 @@ class Snapshot(Command):
 class Branches(Command):
     """The run's branch tree, the present branch, its checkpoints and the snapshots in memory."""
     name: ClassVar[str] = "branches"
+    returns: ClassVar[type[Answer]] = BranchesAnswer
     role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing

@@ -40,6 +40,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import Field, TypeAdapter, ValidationError, create_model, model_validator
 
+from contract.protocol.answers import (Answer, EvaluateAnswer, GenerateAnswer, SaveAnswer, SetAnswer, StateAnswer,
+                                       StatusAnswer, StopAnswer)
 from contract.protocol.roles import Role
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import WIRE, Arguments, Chat, Command, ProtocolError, StopStrings, in_words
@@ -116,6 +118,7 @@ class Generate(GenerationParams, Command):
     with the live weights, streamed token by token."""
 
     name: ClassVar[str] = "generate"
+    returns: ClassVar[type[Answer]] = GenerateAnswer
     role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     prompt: str | None = Field(default=None, description="Text the model continues (give this or `messages`).")
     messages: Chat | None = Field(default=None, description="A chat: [{role: system|user|assistant, content}] "
@@ -133,16 +136,19 @@ class Generate(GenerationParams, Command):
 class Pause(Command):
     """Hold training at the next step boundary; everything stays in memory."""
     name: ClassVar[str] = "pause"
+    returns: ClassVar[type[Answer]] = StateAnswer
 
 
 class Resume(Command):
     """Go on training after a pause."""
     name: ClassVar[str] = "resume"
+    returns: ClassVar[type[Answer]] = StateAnswer
 
 
 class Stop(Command):
     """End the run at the next step boundary."""
     name: ClassVar[str] = "stop"
+    returns: ClassVar[type[Answer]] = StopAnswer
     save: bool = Field(default=True, description="Save a training checkpoint now and the final model at the end; "
                        "false: neither (whatever checkpoint.save_at_end says).")
 
@@ -150,16 +156,19 @@ class Stop(Command):
 class Save(Command):
     """Write a training checkpoint of the present step."""
     name: ClassVar[str] = "save"
+    returns: ClassVar[type[Answer]] = SaveAnswer
 
 
 class Evaluate(Command):
     """Run the evaluation now."""
     name: ClassVar[str] = "evaluate"
+    returns: ClassVar[type[Answer]] = EvaluateAnswer
 
 
 class Set(Command):
     """Change live settings; all or nothing, recorded as a `set` event and in checkpoints."""
     name: ClassVar[str] = "set"
+    returns: ClassVar[type[Answer]] = SetAnswer
     lr: float | None = Field(default=None, ge=0.0, le=10.0, description="Learning rate from the next step on (the "
                              "schedule goes on, scaled).")
     lr_scale: float | None = Field(default=None, gt=0.0, le=1e6, description="Factor on the configured schedule's "
@@ -180,6 +189,7 @@ class Set(Command):
 class Status(Command):
     """The run now: step, state, last metrics, queue, settings and memory."""
     name: ClassVar[str] = "status"
+    returns: ClassVar[type[Answer]] = StatusAnswer
     role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     immediate: ClassVar[bool] = True  # unless `ranks`: see answered_at_once
     ranks: bool = Field(default=False, description="Gather every rank's memory at the next boundary (else rank 0's, "

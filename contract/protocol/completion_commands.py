@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, Field, model_validator
 
+from contract.protocol.answers import Answer, CompleteAnswer
 from contract.protocol.roles import Role
 from contract.protocol.base import Chat, Command, StopStrings
 
@@ -42,6 +43,7 @@ class Complete(Command):
     the run's chat defaults (`set generation={...}`)."""
 
     name: ClassVar[str] = "complete"
+    returns: ClassVar[type[Answer]] = CompleteAnswer
     role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
     prompts: Annotated[list, AfterValidator(_prompts)] | None = Field(
         default=None, description="Texts or token-id lists the model continues (or give `messages`).")

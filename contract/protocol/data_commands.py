@@ -7,6 +7,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from contract.protocol.answers import (AddSourceAnswer, Answer, ForgetAnswer, InboxAnswer, SetWeightAnswer,
+                                       SourcesAnswer, TeachAnswer)
 from contract.protocol.roles import Role
 from contract.protocol.base import Chat, Command
 
@@ -27,6 +29,7 @@ class AddSource(Command):
     """Add a training source at the next step boundary: its rows are read and checked like the
     data at start (bad rows are reported by number; an unusable file is refused, nothing changes)."""
     name: ClassVar[str] = "add_source"
+    returns: ClassVar[type[Answer]] = AddSourceAnswer
     path: str = Field(description="The file or saved dataset folder (as data.train takes).")
     format: SourceFormat = Field(
         default="auto", description="Row format: auto, text, input_output, chat or tokenized.")
@@ -46,6 +49,7 @@ class AddSource(Command):
 class SetWeight(Command):
     """Change a source's weight from the next step on; 0 pauses it."""
     name: ClassVar[str] = "set_weight"
+    returns: ClassVar[type[Answer]] = SetWeightAnswer
     source: SourceName = Field(description="The source's name.")
     weight: float = Field(default=1.0, ge=0.0, le=1e9, description="Its new weight (0 pauses it).")
 
@@ -53,6 +57,7 @@ class SetWeight(Command):
 class RemoveSource(Command):
     """Stop drawing from a source from the next step on (its position stays in the record)."""
     name: ClassVar[str] = "remove_source"
+    returns: ClassVar[type[Answer]] = SourcesAnswer
     source: SourceName = Field(description="The source's name.")
 
 
@@ -62,6 +67,7 @@ class Teach(Command):
     (teach.* in the config by default), and/or the inbox source's `weight`. With `rejected` it is
     a preference: the answer is better than the rejected one (a preference run's pair)."""
     name: ClassVar[str] = "teach"
+    returns: ClassVar[type[Answer]] = TeachAnswer
     answer: str = Field(description="The answer the model should have given.")
     prompt: str | None = Field(default=None, description="The prompt, as given to generate (give this or `messages`).")
     messages: Chat | None = Field(default=None, description="The chat the answer continues (give this or `prompt`).")
@@ -95,12 +101,14 @@ class Teach(Command):
 class Inbox(Command):
     """The run's inbox: every taught entry, forgotten ones marked."""
     name: ClassVar[str] = "inbox"
+    returns: ClassVar[type[Answer]] = InboxAnswer
     role: ClassVar[Role] = Role.VIEWER  # reads or answers; changes nothing
 
 
 class Forget(Command):
     """Stop training on an inbox entry from the next step on (the file keeps a record of it)."""
     name: ClassVar[str] = "forget"
+    returns: ClassVar[type[Answer]] = ForgetAnswer
     id: str = Field(description="The entry's id (t1, t2, ...; see inbox).")
 
     @field_validator("id")

@@ -13,6 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
+from contract.protocol.answers import Answer
 from contract.protocol.base import Command
 from contract.protocol.commands import command_from_wire
 
@@ -21,10 +24,11 @@ Sink = Callable[[dict], None]
 
 class Reply:
     """The way back to one request's sender. Sending never raises: a client that went away must
-    not make one rank fail a collective command that the others complete."""
+    not make one rank fail a collective command that the others complete. `returns`: the
+    command's answer model (contract.protocol.answers), which `done` builds and sends."""
 
-    def __init__(self, req_id: str, sink: Sink | None):
-        self.id, self._sink, self.finished = req_id, sink, False
+    def __init__(self, req_id: str, sink: Sink | None, returns: type[Answer] = Answer):
+        self.id, self._sink, self.finished, self.returns = req_id, sink, False, returns
 
     def send(self, message: dict) -> None:
         if self._sink is None:
@@ -40,9 +44,17 @@ class Reply:
     def token(self, text: str, model: str = "current") -> None:
         self.send({"type": "token", "text": text, "model": model})
 
-    def done(self, result: dict) -> None:
+    def done(self, result: Answer | dict) -> None:
+        """Answer with the command's answer model, built here from a handler's result (a result
+        that does not fit the declaration is answered as an error: never half an answer)."""
         self.finished = True
-        self.send({"type": "done", "result": result})
+        if self._sink is None:  # the other ranks answer nobody: nothing to build
+            return
+        try:
+            answer = result if isinstance(result, self.returns) else self.returns.model_validate(result)
+        except ValidationError as e:
+            return self.error(f"the run's answer does not fit {self.returns.__name__}: {e}")
+        self.send({"type": "done", "result": answer.wire()})
 
     def error(self, message: str) -> None:
         self.finished = True

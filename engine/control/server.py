@@ -338,7 +338,7 @@ class ControlServer:
     def submit(self, req_id: str, command: Command, sink: Sink) -> None:
         """Answer or queue a validated command; in-process front ends (the chat page) call this
         directly, so they go through exactly the path a socket client does."""
-        reply = Reply(req_id, sink)
+        reply = Reply(req_id, sink, command.returns)
         if self.admit is not None:
             try:
                 command = self.admit(command)
