@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from contract.data_rows import (CHECKS, MAX_EXAMPLES, DataError, PreferenceRow, RowIssue, UnreadableRow,
-                                detect_rows_format, read_rows)
+from contract.config.schema import OBJECTIVE_FORMATS
+from contract.data_rows import (CHECKS, FORMAT_KEYS, MAX_EXAMPLES, DataError, PreferenceRow, RowIssue,
+                                UnreadableRow, detect_rows_format, read_rows)
 
 SAMPLE_ROWS = 256              # rows tokenized to measure the characters per token
 DEFAULT_CHARS_PER_TOKEN = 4.0  # English text with a BPE tokenizer, roughly; used without tokenizer.json
@@ -165,3 +166,25 @@ def named_rows(rows: list[int]) -> str:
     shown = ", ".join(map(str, rows[:MAX_EXAMPLES]))
     more = f" and {len(rows) - MAX_EXAMPLES} more" if len(rows) > MAX_EXAMPLES else ""
     return f"row{'s' * (len(rows) != 1)} {shown}{more}"
+
+
+def _keys(fmt: str) -> str:
+    """`{prompt, chosen, rejected}`: the keys that make a row of `fmt`."""
+    return "{" + ", ".join(FORMAT_KEYS.get(fmt, (fmt,))) + "}"
+
+
+def objective_problem(objective: str, fmt: str, source: str) -> str | None:
+    """Why training rows of format `fmt` (found in `source`) cannot train `objective`, or None:
+    a preference objective trains on its own rows only (OBJECTIVE_FORMATS), and rows that train
+    a preference objective are not SFT samples. A micro-batch holds samples of one kind."""
+    wanted = OBJECTIVE_FORMATS.get(objective)
+    if wanted is None and fmt in OBJECTIVE_FORMATS.values():
+        takers = " or ".join(o for o, f in OBJECTIVE_FORMATS.items() if f == fmt)
+        return (f"{source} holds {fmt} rows {_keys(fmt)}, which train a preference objective, but "
+                f"preference.objective is {objective}: set preference.objective={takers} for these rows, "
+                "or give SFT rows ({text}, {input, output}, {messages} or {input_ids, labels})")
+    if wanted is not None and fmt != wanted:
+        return (f"{source} holds {fmt} rows {_keys(fmt)}, but preference.objective {objective} trains "
+                f"on {wanted} rows {_keys(wanted)}: give such a file, or set preference.objective=sft "
+                "for these rows")
+    return None

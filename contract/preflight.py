@@ -27,7 +27,7 @@ from contract import hub
 from contract.config.schema import ConfigError, RunConfig
 from contract.config.checks import validate
 from contract.data_check import (LOUD_TRUNCATION_SHARE, DataScan, chars_per_token, named_rows,
-                                 overlong_rows, scan_file)
+                                 objective_problem, overlong_rows, scan_file)
 from contract.data_rows import DataError
 from contract.deepspeed_config import build_ds_config
 from contract.model_facts import ModelFolderProblem, fact, read_model_config
@@ -93,6 +93,7 @@ def preflight(cfg: RunConfig) -> PreflightReport:
     report = PreflightReport(problems=list(validate(cfg)), fingerprint=fingerprint(cfg))
     model = _model_folder(cfg, report)
     scans = _data_files(cfg, model, report)
+    _objective_and_batch(cfg, scans, report)
     train = scans.get("data.train")
     chat_source = any(s.format == "chat" for k, s in scans.items() if k.startswith("data.sources"))
     if train is not None and train.format == "chat" or cfg.data.format == "chat" or chat_source:
@@ -254,6 +255,37 @@ def _rows_findings(cfg: RunConfig, key: str, scan: DataScan, report: PreflightRe
                             "raise data.max_length if the model's context allows"))
     else:
         report.warnings.append(("data.max_length", message))
+
+
+def _objective_and_batch(cfg: RunConfig, scans: dict[str, DataScan], report: PreflightReport) -> None:
+    """The training files' detected formats against the objective (the ranks would refuse them
+    after start), and their usable rows against one global batch (micro_batch_size x data-parallel
+    ranks: the training sampler leaves an incomplete batch out, so fewer rows train nothing)."""
+    training = {k: s for k, s in scans.items() if k != "data.eval"}
+    for key, scan in training.items():
+        problem = objective_problem(cfg.preference.objective, scan.format, scan.path)
+        if problem:
+            report.problems.append((key, problem))
+    if not training or cfg.dp_size < 1 or any(k.startswith(("data.train", "data.sources")) for k, _ in report.problems):
+        return  # a file already refused (unreadable, no usable row, the wrong rows): that is the news
+    usable = sum(_trained_rows(cfg, s) for s in training.values())
+    needed = cfg.train.micro_batch_size * cfg.dp_size
+    if 0 < usable < needed:
+        where = "data.train" if "data.train" in training else "data.sources"
+        files = ", ".join(s.path for s in training.values())
+        report.problems.append((where, f"{files}: {usable} usable row{'s' * (usable != 1)}, fewer than one "
+                                f"global batch of {needed} (train.micro_batch_size {cfg.train.micro_batch_size}"
+                                f" x {cfg.dp_size} data-parallel rank{'s' * (cfg.dp_size != 1)}): give at "
+                                "least that many rows, or lower train.micro_batch_size"))
+
+
+def _trained_rows(cfg: RunConfig, scan: DataScan) -> int:
+    """A file's usable rows, less those data.overlong=drop will drop (estimated as the warning is)."""
+    if cfg.data.overlong != "drop" or not scan.chars:
+        return len(scan.chars)
+    tok_folder = None if not (cfg.model.path or cfg.model.tokenizer) else str(_tokenizer_folder(cfg)[1])
+    ratio = 1.0 if scan.exact_tokens else chars_per_token(tok_folder, scan)[0]
+    return len(scan.chars) - len(overlong_rows(scan, cfg.data.max_length, ratio))
 
 
 # -- DeepSpeed ----------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def write_lines(path: Path, lines: list) -> Path:
 def check(model: Path | None, data_file: Path | None, **sections) -> PreflightReport:
     settings = {"model": {"path": str(model) if model else ""},
                 "data": {"train": str(data_file) if data_file else "", "max_length": 64},
-                "train": {"max_steps": 2}, **sections}
+                "train": {"max_steps": 2, "micro_batch_size": 1}, **sections}
     return preflight(load_config(data=settings))
 
 
@@ -258,6 +258,39 @@ def test_terminal_names_a_deepspeed_contradiction_and_dropped_rows(tmp_path, mod
     assert "parallel.deepspeed.gradient_accumulation_steps" in done.stderr and "train.grad_accum is 1" in done.stderr
     assert "row 4: missing key 'output'" in done.stderr  # the dropped row, named before start
     assert "fitted to the model: data.max_length=64" in done.stderr
+
+
+def test_terminal_refuses_rows_the_objective_cannot_train_and_too_few_rows(tmp_path):
+    """dpo with an SFT {input, output} file: refused before any rank starts, naming the file, its
+    format and the rows dpo needs (the batch check is left to the file that can train)."""
+    sft = write_lines(tmp_path / "sft.jsonl", ROWS[:3])
+    done = run_train(tmp_path, "preference.objective=dpo", f"data.train={sft}",
+                     "train.micro_batch_size=8")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert (f"data.train: {sft} holds input_output rows {{input, output}}, but preference.objective dpo "
+            "trains on preference rows {prompt, chosen, rejected}") in done.stderr
+    assert "fewer than one global batch" not in done.stderr  # the file is refused already
+    assert not (tmp_path / "runs").exists()  # no rank started, no run folder
+
+
+def test_preference_rows_in_an_sft_run_are_refused_before_start(tmp_path):
+    pairs = write_lines(tmp_path / "pairs.jsonl", [{"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}
+                                                   for i in range(8)])
+    message = problem_of(check(None, pairs, train={"max_steps": 2, "micro_batch_size": 4}), "data.train")
+    assert f"{pairs} holds preference rows {{prompt, chosen, rejected}}" in message
+    assert "preference.objective is sft: set preference.objective=dpo or orpo or simpo" in message
+    ok = check(None, pairs, train={"max_steps": 2, "micro_batch_size": 4}, preference={"objective": "orpo"})
+    assert ok.ok, ok.problems  # the same file, the objective that takes it
+
+
+def test_terminal_refuses_fewer_rows_than_one_global_batch(tmp_path):
+    few = write_lines(tmp_path / "few.jsonl", ROWS[:3])
+    done = run_train(tmp_path, f"data.train={few}", "train.micro_batch_size=4", "nproc=2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert (f"data.train: {few}: 3 usable rows, fewer than one global batch of 8 (train.micro_batch_size 4 "
+            "x 2 data-parallel ranks)") in done.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_supervisor_refuses_the_same_run(tmp_path):
