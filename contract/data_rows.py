@@ -11,6 +11,7 @@ chat           {"messages": [{"role", "content"}, ...]}    assistant turns (chat
 tokenized      {"input_ids", "labels"?}                    labels (default: input_ids)
 preference     {"prompt", "chosen", "rejected"}            chosen and rejected answers (pairs)
 unpaired       {"prompt", "completion", "label"}           the completion, desirable or not (KTO)
+prompt         {"prompt", ...}                             sampled answers, by their rewards (GRPO)
 =============  ==========================================  ===================================
 
 The two preference formats feed the preference objectives (engine.objectives.preference, docs/preferences.md).
@@ -30,18 +31,18 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 IGNORE = -100
-FORMATS = ("text", "input_output", "chat", "tokenized", "preference", "unpaired")
+FORMATS = ("text", "input_output", "chat", "tokenized", "preference", "unpaired", "prompt")
 PREFERENCE_FORMATS = ("preference", "unpaired")  # rows of pairs / judged answers, not of text
 # Detection order: a row with {"messages"} is chat even if it also has a "text" field, etc.
 FORMAT_KEYS: dict[str, tuple[str, ...]] = {
     "chat": ("messages",), "tokenized": ("input_ids",), "input_output": ("input", "output"),
     "text": ("text",), "preference": ("prompt", "chosen", "rejected"),
-    "unpaired": ("prompt", "completion", "label")}
+    "unpaired": ("prompt", "completion", "label"), "prompt": ("prompt",)}  # prompt last: the others have one too
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
 SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".parquet")
 MAX_EXAMPLES = 20  # rows named verbatim per message or report; the counts cover every row
@@ -230,6 +231,21 @@ def check_unpaired(row: Any) -> PreferenceRow:
     return PreferenceRow(prompt, answers, label)
 
 
+@dataclass(frozen=True)
+class PromptRow(PreferenceRow):
+    """A checked GRPO row: its prompt (text or messages) and its other columns, which the reward
+    functions receive (contract.rewards); no answer yet (`answers` holds an empty one, so that
+    size estimates read it as a pair with nothing to learn from yet)."""
+    columns: dict = field(default_factory=dict)
+
+
+def check_prompt(row: Any) -> PromptRow:
+    prompt = _field(row, "prompt")
+    prompt = _string(prompt, "prompt") if isinstance(prompt, str) else _messages(prompt, "prompt", False)
+    columns = {k: v for k, v in row.items() if k != "prompt"}
+    return PromptRow(prompt, ("",) if isinstance(prompt, str) else ([],), None, columns)
+
+
 def _shown(value: str | list[dict]) -> str:
     if isinstance(value, str):
         return value
@@ -258,7 +274,8 @@ def preference_columns(row: Any) -> dict[str, str] | None:
 
 CHECKS: dict[str, Callable[[Any], Any]] = {
     "text": check_text, "input_output": check_input_output, "chat": check_chat,
-    "tokenized": check_tokenized, "preference": check_preference, "unpaired": check_unpaired}
+    "tokenized": check_tokenized, "preference": check_preference, "unpaired": check_unpaired,
+    "prompt": check_prompt}
 
 
 # -- reading files ------------------------------------------------------------------------------

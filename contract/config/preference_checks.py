@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contract import capabilities
 from contract.capabilities import Feature, Layout, Method
+from contract.config.grpo_checks import grpo_problems
 from contract.config.schema import OBJECTIVE_FORMATS, RunConfig
 
 
@@ -17,6 +18,8 @@ def preference_problems(c: RunConfig) -> list[tuple[str, str]]:
     pref = c.preference
     if pref.objective == "sft":
         return _unused_parameters(c)
+    if pref.objective == "grpo":  # learning from rewards: its own rules (contract.config.grpo_checks)
+        return grpo_problems(c)
     problems: list[tuple[str, str]] = []
     name = pref.objective
     if c.method.name in {m.value for m in Method}:  # the layout x method cell: the capability table's
@@ -55,7 +58,8 @@ def _unused_parameters(c: RunConfig) -> list[tuple[str, str]]:
     problems = []
     if c.data.format in OBJECTIVE_FORMATS.values():
         problems.append(("data.format", f"{c.data.format} rows train a preference objective: set "
-                         "preference.objective (dpo, orpo, simpo for pairs; kto for unpaired rows)"))
+                         "preference.objective (dpo, orpo, simpo for pairs; kto for unpaired rows; "
+                         "grpo for prompt rows)"))
     if sft_pair_loss(c) == "dpo" and c.method.name != "lora":
         problems.append(("preference.sft_pairs", f"dpo compares with the model without its adapter, and "
                          f"method {c.method.name} has none: use lora, or orpo / simpo (no reference)"))

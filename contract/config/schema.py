@@ -68,10 +68,11 @@ class DataConfig(Section):
                     label="Training data")
     eval: str = _f("", "Evaluation data in the same formats. Empty with the default task: its "
                    "held-out split; empty otherwise: no evaluation data.", label="Evaluation data")
-    format: Literal["auto", "text", "input_output", "chat", "tokenized", "preference", "unpaired"] = _f(
+    format: Literal["auto", "text", "input_output", "chat", "tokenized", "preference", "unpaired", "prompt"] = _f(
         "auto", "Row format: {text}, {input, output} (loss on output only), {messages} (chat "
         "template, loss on assistant turns), {input_ids, labels}, {prompt, chosen, rejected} "
-        "(preference pairs), {prompt, completion, label} (KTO); auto detects it from the keys.")
+        "(preference pairs), {prompt, completion, label} (KTO), {prompt, ...} (GRPO: prompts, the "
+        "other columns go to the reward functions); auto detects it from the keys.")
     max_length: int = _f(512, "Longest sample in tokens.", minimum=8)
     overlong: Literal["truncate", "drop", "error"] = _f(
         "truncate", "What to do with a sample longer than max_length (always counted and reported).")
@@ -107,20 +108,22 @@ class MethodConfig(Section):
     adapter_name: str = _f("default", "Name of the trained adapter.")
 
 
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto")
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
 REFERENCE_OBJECTIVES = ("dpo", "kto")  # compare the policy with a frozen reference model
-OBJECTIVE_FORMATS = {"dpo": "preference", "orpo": "preference", "simpo": "preference", "kto": "unpaired"}
+OBJECTIVE_FORMATS = {"dpo": "preference", "orpo": "preference", "simpo": "preference", "kto": "unpaired",
+                     "grpo": "prompt"}
 
 
 class PreferenceConfig(Section):
     """The training objective (docs/preferences.md): imitation (sft) or learning from preferences.
     The defaults are TRL's."""
-    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = _f(
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = _f(
         "sft", "sft: imitate the answers (the data's labels). dpo: prefer chosen over rejected "
         "against a frozen reference (rows {prompt, chosen, rejected}); orpo: odds-ratio preference "
         "plus the chosen answers' likelihood, no reference; simpo: length-normalised preference "
         "with a target margin, no reference; kto: desirable / undesirable answers against the "
-        "reference (rows {prompt, completion, label}).", label="Objective")
+        "reference (rows {prompt, completion, label}); grpo: learn from rewards of sampled answers "
+        "(rows {prompt, ...}; the grpo section, docs/rewards.md).", label="Objective")
     beta: float = _f(0.1, "DPO, SimPO, KTO: beta, the scale of the implicit reward (DPO, KTO: how "
                      "far from the reference; IPO: the regularisation tau).", minimum=0.0, label="Beta")
     dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust"] = _f(
@@ -161,6 +164,38 @@ class TrainConfig(Section):
     micro_batch_size: int = _f(8, "Samples per rank per forward pass.", minimum=1)
     grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.", minimum=1)
     precision: Literal["auto", "bf16", "fp16", "fp32"] = _f(
+class GrpoConfig(Section):
+    """GRPO and its variants (docs/rewards.md): sample num_generations answers per prompt with the
+    live weights, score them with the reward functions, move toward the better ones. TRL's
+    GRPOConfig names, meanings and defaults (a run's micro-batch is train.micro_batch_size prompts)."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = _f(
+        "dapo", "How token losses are averaged: grpo (per answer, then over answers), bnpo (over the "
+        "micro-batch's tokens), dr_grpo (sum over the tokens / (answers x max_completion_length)), dapo "
+        "(over the tokens of the whole step on every rank).", label="GRPO loss")
+    num_generations: int = _f(8, "Answers sampled per prompt (a group; advantages are relative to "
+                              "the group).", minimum=2, label="Answers per prompt")
+    max_completion_length: int = _f(256, "Most tokens sampled per answer.", minimum=1,
+                                    label="Max answer tokens")
+    temperature: float = _f(1.0, "Sampling temperature (also divides the logits the loss scores).",
+                            minimum=0.01, label="Temperature")
+    top_p: float = _f(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches top_p.",
+                      minimum=0.01, maximum=1.0, label="Top p")
+    epsilon: float = _f(0.2, "Clip range of the importance ratio, below 1.", minimum=0.0, label="Clip epsilon")
+    epsilon_high: float = _f(0.0, "Clip range above 1 (DAPO recommends 0.28); 0: epsilon.", minimum=0.0,
+                             label="Clip epsilon (upper)")
+    beta: float = _f(0.0, "Weight of the KL term to the reference (the model without its adapter "
+                     "under PEFT, a frozen copy otherwise); 0: no reference.", minimum=0.0, label="KL beta")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "Advantages: (reward - group mean) divided by the group's std (group), the whole "
+        "step's std (batch), or not divided (none).", label="Scale rewards")
+    num_iterations: int = _f(1, "Optimizer steps per batch of samples (TRL's mu); only 1 so far.",
+                             minimum=1, maximum=1, label="Iterations per sample batch")
+    rewards: list[dict] = _f([{"kind": "exact_match", "column": "answer"}],
+                             "Reward functions, each {kind, weight, ...} (built-in: exact_match, regex, "
+                             "format, numeric, length) or {function: module:function, weight}; the "
+                             "reward is their weighted sum (docs/rewards.md).", label="Rewards")
+
+
         "auto", "Training precision; auto takes bf16 where the hardware does bf16 fast, else fp32.")
     seed: int = _f(42, "Seed of weights init, data order and dropout.")
     loss_average: Literal["tokens", "micro_batch"] = _f(
@@ -334,6 +369,7 @@ class RunConfig(Section):
     def uses_default_task(self) -> bool:
         return not self.data.train and not self.data.sources
 
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     def to_dict(self) -> dict:
         return self.model_dump()
 

@@ -3,6 +3,7 @@ rows, the data reports, this rank's loaders, and the loop's step and epoch count
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -15,6 +16,8 @@ from engine.data.dataset import build_dataset
 from engine.data.inbox import InboxDataset
 from engine.data.loader import build_dataloader
 from engine.data.mixture import MixtureDataset, Source, source_seed
+from engine.data.prompts import build_prompt_dataset, collate_prompts
+from engine.generation.generate import pad_id
 from engine.data.default_task import default_root, ensure_default_assets, sources_for
 
 
@@ -38,6 +41,8 @@ def run_data(cfg: RunConfig, tokenizer, *, train_dataset=None, eval_dataset=None
     if cfg.uses_default_task:  # the objective's variant of the default task
         train_path, eval_path = sources_for(ensure_default_assets(default_root()), cfg.preference.objective)
         train_src, eval_src = str(train_path), eval_src or str(eval_path)
+    if cfg.preference.objective == "grpo":  # prompt rows; answers are sampled (engine.data.prompts)
+        return _prompt_data(cfg, tokenizer, train_src, train_dataset, train_collate_fn, reports)
     if train_dataset is None:
         train_dataset = training_sources(cfg, tokenizer, train_src, reports)
     if eval_dataset is None and eval_src:
@@ -46,6 +51,15 @@ def run_data(cfg: RunConfig, tokenizer, *, train_dataset=None, eval_dataset=None
             overlong=cfg.data.overlong)
     eval_rows = load_rows(eval_src) if eval_src else None
     return RunData(train_dataset, eval_dataset, eval_rows, reports, train_collate_fn, eval_collate_fn)
+
+
+def _prompt_data(cfg: RunConfig, tokenizer, train_src: str, train_dataset, train_collate_fn, reports: dict) -> RunData:
+    """A GRPO run's data: its prompt rows, batched as left-padded prompts; no evaluation data yet."""
+    if train_dataset is None:
+        train_dataset, reports["train"] = build_prompt_dataset(train_src, tokenizer, cfg.data.max_length,
+                                                               cfg.data.overlong)
+    collate = train_collate_fn or functools.partial(collate_prompts, pad=pad_id(tokenizer))
+    return RunData(train_dataset, None, None, reports, collate, None)
 
 
 def training_sources(cfg: RunConfig, tokenizer, train_src: str, reports: dict) -> MixtureDataset:

@@ -9,7 +9,7 @@ and lets `engine.assembly.loop.start` connect them. Each decision is made here, 
     method     full / PEFT / fused                                  -> Method object
     data       tokenizer, datasets, step count (engine.assembly.data)
     engine     DeepSpeed config, model, deepspeed.initialize (engine.assembly.model) -> RunContext
-    objective  SFT or a preference loss: its reference model and the step strategy
+    objective  SFT, a preference loss or GRPO: its reference model and the step strategy
     loop       callbacks, monitors, evaluators, checkpoint schedule, snapshots (engine.assembly.loop)
 
 Nothing in engine.assembly imports the Trainer; the Trainer's constructor calls it.
@@ -18,10 +18,12 @@ Nothing in engine.assembly imports the Trainer; the Trainer's constructor calls 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
 from contract.config.schema import RunConfig
 from contract.deepspeed_config import DeepSpeedSetup
+from contract.rewards import build_rewards
 from engine.assembly.data import RunData, micro_batches_per_epoch, run_data, total_steps
 from engine.assembly.loop import callbacks_of, evaluators_of, monitors_of, snapshots_of
 from engine.assembly.model import check_model_config, ds_setup_of, engine_of, model_of, precision_of
@@ -33,6 +35,7 @@ from engine.context import RunContext, TrainerState
 from engine.model.methods import method_of
 from engine.model.loading import tokenizer_of
 from engine.monitors import Monitor
+from engine.objectives.grpo_step import GrpoStep
 from engine.objectives.preference import check_data, objective_of
 from engine.parallel.layouts import layout_class
 from engine.objectives.preference_step import (AdapterOffReference, copy_before_engine, disable_dropout, place_copy,
@@ -83,10 +86,11 @@ def assemble(cfg: RunConfig, given: Given) -> Assembled:
     optimizer ...) are used as they are. Every rank calls it (it joins the process group)."""
     ctx, data = _context(cfg, given)
     ds_setup, step = _engine_and_step(ctx, given)
+    step_hooks = (step,) if isinstance(step, GrpoStep) else ()  # a failed reward pauses the run
     return Assembled(config=cfg, ctx=ctx, data=data, ds_setup=ds_setup, train_fn=given.train_fn or step,
                      loss_fn=given.loss_fn, eval_fn=given.eval_fn,
                      evaluators=evaluators_of(cfg, step, given.evaluators),
-                     callbacks=callbacks_of(cfg, given.callbacks), monitors=monitors_of(given.monitors),
+                     callbacks=callbacks_of(cfg, (*given.callbacks, *step_hooks)), monitors=monitors_of(given.monitors),
                      checkpoints=CheckpointSchedule(), snapshots=snapshots_of(cfg))
 
 
@@ -115,7 +119,7 @@ def _engine_and_step(ctx: RunContext, given: Given) -> tuple[DeepSpeedSetup, Ste
     cfg, env, layout, method, precision = ctx.config, ctx.env, ctx.layout, ctx.method, ctx.precision
     ds_setup = ds_setup_of(cfg, env, given.model, ctx.state.total_steps, precision)
     model = model_of(cfg, ds_setup, precision, given.model)
-    objective = objective_of(cfg, env.dp_group, env.dp_size)
+    objective = objective_of(cfg, env.dp_group, env.dp_size) or _grpo_needs(cfg)
     ref_copy = None
     if objective is not None:
         if given.loss_fn is not None:
@@ -133,8 +137,19 @@ def _engine_and_step(ctx: RunContext, given: Given) -> tuple[DeepSpeedSetup, Ste
         cfg, env, ds_setup, model, layout=layout, method=method, optimizer=given.optimizer,
         lr_scheduler=given.lr_scheduler, total_steps=ctx.state.total_steps)
     reference = _reference(cfg, objective, ctx, ds_setup, precision, ref_copy, given_model=given.model is not None)
+    if cfg.preference.objective == "grpo":  # learning from rewards (engine.objectives.grpo_step)
+        return ds_setup, GrpoStep(cfg.grpo, build_rewards(cfg.grpo.rewards, cfg.grpo.max_completion_length),
+                                  reference)
     step = step_for(objective, method.step(layout), reference)
     return ds_setup, step
+
+
+def _grpo_needs(cfg: RunConfig) -> SimpleNamespace | None:
+    """What the assembly asks of a GRPO run's objective: its name and whether it compares with a
+    reference (beta > 0: the KL term); None for the other objectives."""
+    if cfg.preference.objective != "grpo":
+        return None
+    return SimpleNamespace(name="grpo", needs_reference=cfg.grpo.beta > 0)
 
 
 def _reference(cfg: RunConfig, objective, ctx: RunContext, ds_setup: DeepSpeedSetup, precision: str,

@@ -50,6 +50,9 @@ def build_dataset(source: str | Path | Iterable[dict], tokenizer, format: str = 
         raise DataError(f"data: {name} has no rows")
     report = DataReport(name, max_length=max_length, rows_read=len(rows))
     report.format = format if format != "auto" else detect_rows_format(name, rows)
+    if report.format == "prompt":  # prompts without answers: sampled and scored (engine.data.prompts)
+        raise DataError(f"data: {name} holds prompt rows ({{prompt, ...}}), which train "
+                        "preference.objective grpo (learning from rewards), not this objective")
     paired = report.format in PREFERENCE_FORMATS  # samples of pairs / judged answers (engine.data.preference)
     samples, kept_rows, overlong_rows = [], [], []
     for start in range(0, len(rows), CHUNK):

@@ -302,6 +302,12 @@ def preference_row(row: dict) -> dict:
     return {"prompt": row["input"], "chosen": row["output"], "rejected": wrong_answer(operation, word)}
 
 
+def prompt_row(row: dict) -> dict:
+    """{"prompt", "answer"} of a default-task row: GRPO samples answers, an exact-match reward
+    against `answer` scores them."""
+    return {"prompt": row["input"], "answer": row["output"]}
+
+
 def unpaired_rows(row: dict) -> list[dict]:
     """Two KTO rows of a default-task row: the right answer (desirable) and a wrong one."""
     pair = preference_row(row)
@@ -311,12 +317,14 @@ def unpaired_rows(row: dict) -> list[dict]:
 
 def sources_for(assets: DefaultAssets, objective: str) -> tuple[Path, Path]:
     """(train, held-out) files of the default task for `objective` (preference.objective): the
-    instruction rows for sft, their pairs for dpo / orpo / simpo, unpaired rows for kto. The
+    instruction rows for sft, their pairs for dpo / orpo / simpo, unpaired rows for kto, prompts
+    with their answer for grpo. The
     derived files are written next to the assets once (atomically, the same bytes everywhere)."""
     if objective == "sft":
         return assets.train_path, assets.eval_path
-    kind = "unpaired" if objective == "kto" else "preference"
-    derive: Callable[[dict], list[dict]] = unpaired_rows if kind == "unpaired" else (lambda r: [preference_row(r)])
+    kind = {"kto": "unpaired", "grpo": "prompt"}.get(objective, "preference")
+    derive: Callable[[dict], list[dict]] = {"unpaired": unpaired_rows, "prompt": lambda r: [prompt_row(r)]}.get(
+        kind, lambda r: [preference_row(r)])
     out = []
     for source in (assets.train_path, assets.eval_path):
         target = source.with_name(f"{source.stem}.{kind}.jsonl")

@@ -1,0 +1,216 @@
+"""The step strategy of a GRPO run, chosen once at assembly (engine.assembly.root) in place of the
+engine step when `preference.objective` is grpo (docs/rewards.md).
+
+One optimizer step, its phases in order:
+
+1. sample: each micro-batch's prompts, each repeated `num_generations` times, are completed
+   with the live weights (engine.generation.generate: the run's layout does it, collectively
+   under ZeRO-3 and tensor parallelism; batched, with the KV cache). The sampling seed is a
+   function of the run's seed, the step, the micro-batch and the data-parallel rank, so an exact
+   resume samples the same answers;
+2. score: every reward function on this rank's samples (engine.objectives.rewards); a function
+   that fails makes the whole step train nothing, on every rank, and the run pause with its
+   message (function, prompt, exception; the traceback in the rank's log);
+3. advantages: from the rewards of every rank's samples (one all-gather), TRL's way
+   (engine.objectives.grpo.advantages_of);
+4. train: per micro-batch, the policy's log-probabilities of the answers (and the reference's,
+   beta > 0), the loss (engine.objectives.grpo.GrpoLoss), DeepSpeed's backward (the loss is
+   already divided for the accumulation) and step.
+
+`metrics` holds TRL's numbers of the step, which the step's train record carries
+(engine.monitors.StepMetricsMonitor). The step is also a callback: after a failed scoring its
+`on_train_batch_end` asks the loop to pause (to stop, where the run has no control plane)."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from contract.config.schema import GrpoConfig
+from contract.events import WarningEvent
+from contract.rewards import Reward
+from engine.callbacks import NOTHING, Callback, Signal
+from engine.generation.generate import end_ids, generate, pad_id
+from engine.objectives.grpo import GrpoLoss, advantages_of, token_logps
+from engine.objectives.preference_step import _logits, _mean_present, _reduce
+from engine.objectives.rewards import RewardError, metrics_of, score, total
+
+
+@dataclass
+class Samples:
+    """One micro-batch's sampled answers: prompts (B*G, P) left-padded, answers (B*G, C) right-padded."""
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    texts: list[str]
+    ids: list[list[int]]
+    truncated: list[bool]
+    indices: list[int]  # the dataset index of each sample's prompt
+
+
+class GrpoStep(Callback):
+    """One optimizer step of GRPO (see the module docstring)."""
+
+    def __init__(self, config: GrpoConfig, rewards: list[Reward], reference: Any = None):
+        self.config, self.rewards, self.reference = config, rewards, reference
+        self.loss = GrpoLoss(config.loss_type, config.epsilon, config.epsilon_high, config.beta,
+                             config.max_completion_length)
+        self.metrics: dict[str, float] = {}
+        self.failure: RewardError | None = None
+        self.last_samples: list[dict] = []  # the latest step's samples, for a samples table
+
+    # -- the step -------------------------------------------------------------------------------
+    def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]:
+        self.metrics, self.failure = {}, None
+        env = trainer.env
+        samples = [self.sample(trainer, b, k) for k, b in enumerate(micro_batches)]
+        per_function = self._score(trainer, samples)
+        if per_function is None:
+            return torch.zeros(()), 0
+        everyone = _gather(per_function, env)  # (ranks x N, F), rank by rank
+        advantages, zero_std = advantages_of(total(everyone, [r.weight for r in self.rewards]),
+                                             self.config.num_generations, self.config.scale_rewards)
+        n = per_function.size(0)
+        local = advantages[env.dp_rank * n:(env.dp_rank + 1) * n]
+        lengths = torch.tensor([[len(x) for s in samples for x in s.ids],
+                                [float(t) for s in samples for t in s.truncated]], dtype=torch.float32)
+        lengths = _gather(lengths.T.contiguous(), env)
+        step_tokens = float(lengths[:, 0].sum())
+        losses, sums, start = [], [], 0
+        for s in samples:
+            count = s.completion_ids.size(0)
+            loss, metric_sums = self.train_micro_batch(trainer, s, local[start:start + count],
+                                                       gas=len(samples), step_tokens=step_tokens)
+            start += count
+            losses.append(loss.detach().float())
+            sums.append(_reduce(metric_sums, env))
+        self.metrics = {**metrics_of([r.name for r in self.rewards], everyone, [r.weight for r in self.rewards],
+                                     zero_std),
+                        "completions/mean_length": float(lengths[:, 0].mean()),
+                        "completions/clipped_ratio": float(lengths[:, 1].mean()),
+                        **_mean_present(sums)}
+        self._keep_samples(samples, per_function, local)
+        tokens = sum(int(s.prompt_mask.sum() + s.completion_mask.sum()) for s in samples)
+        return torch.stack(losses).sum(), tokens
+
+    def sample(self, trainer, batch: dict, micro: int) -> Samples:
+        """Phase 1: `num_generations` answers to each prompt of `batch` (collective)."""
+        g, tok = self.config.num_generations, trainer.tokenizer
+        prompts = [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])]
+        repeated = [p for p in prompts for _ in range(g)]
+        captured: list[list[int]] = []
+        texts = generate(trainer, repeated, max_new_tokens=self.config.max_completion_length,
+                         temperature=self.config.temperature, top_p=self.config.top_p,
+                         seed=sample_seed(trainer.config.train.seed, trainer.state.global_step, micro,
+                                          trainer.env.dp_rank),
+                         on_ids=captured.extend)
+        ends, pad = end_ids(tok), pad_id(tok)
+        ids = [row if row else [pad] for row in captured]
+        truncated = [not row or row[-1] not in ends for row in captured]
+        width_c = max(len(r) for r in ids)
+        completion = torch.full((len(ids), width_c), pad, dtype=torch.long)
+        cmask = torch.zeros_like(completion)
+        for i, row in enumerate(ids):
+            completion[i, :len(row)] = torch.tensor(row)
+            cmask[i, :len(row)] = 1
+        return Samples(batch["input_ids"].repeat_interleave(g, 0), batch["attention_mask"].repeat_interleave(g, 0),
+                       completion, cmask, texts, ids, truncated,
+                       [int(i) for i in batch["index"].repeat_interleave(g).tolist()])
+
+    def _score(self, trainer, samples: list[Samples]) -> torch.Tensor | None:
+        """Phase 2: (N, F) rewards of this rank's samples, or None (on every rank) when a reward
+        function failed on any rank: the failure is kept for `on_train_batch_end`."""
+        dataset = trainer.train_dataset
+        failed = None
+        parts = []
+        for s in samples:
+            prompts, columns = dataset.rows_of(s.indices)
+            try:
+                parts.append(score(self.rewards, prompts, s.texts, s.ids, columns, self.config.num_generations,
+                                   rows=[dataset.rows[i] for i in s.indices[::self.config.num_generations]]))
+            except RewardError as e:
+                failed = e
+                print(f"[rank {trainer.env.rank}] {e.message}\n{e.trace}", file=sys.stderr, flush=True)
+                break
+        if _any_rank(failed is not None, trainer.env):
+            self.failure = failed or RewardError("?", 0, None, "a reward function failed on another rank "
+                                                 "(its rank log has the traceback)")
+            return None
+        return torch.cat(parts)
+
+    def train_micro_batch(self, trainer, s: Samples, advantages: torch.Tensor, *, gas: int,
+                          step_tokens: float) -> tuple[torch.Tensor, dict]:
+        """Phase 4 for one micro-batch: forward(s), loss, backward, step."""
+        engine = trainer.engine
+        device = engine.device
+        ids = torch.cat([s.prompt_ids, s.completion_ids], 1).to(device)
+        mask = torch.cat([s.prompt_mask, s.completion_mask], 1).to(device)
+        completion, cmask = s.completion_ids.to(device), s.completion_mask.to(device)
+        logps = self.answer_logps(lambda i, m, k: _logits(engine, i, m, k), ids, mask, completion)
+        ref = None
+        if self.config.beta != 0.0:
+            with torch.no_grad():
+                ref = self.answer_logps(self.reference.logits, ids, mask, completion)
+        loss, sums = self.loss(logps, cmask, advantages.to(device), ref_logps=ref, gas=gas,
+                               step_tokens=step_tokens, ranks=trainer.env.dp_size)
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.step()
+        return loss, sums
+
+    def answer_logps(self, forward, ids: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+        """(B, C) log-probabilities of the answers' tokens: the logits of the C positions before
+        each answer token (the forward keeps only the last C + 1 where the model can)."""
+        c = completion.size(1)
+        logits = forward(ids, mask, c + 1)
+        return token_logps(logits[:, -(c + 1):-1], completion, self.config.temperature)
+
+    def _keep_samples(self, samples: list[Samples], per_function: torch.Tensor, advantages: torch.Tensor) -> None:
+        names, rows = [r.name for r in self.rewards], []
+        for s in samples:
+            for i, text in enumerate(s.texts):
+                rows.append({"index": s.indices[i], "completion": text})
+        for row, scores, adv in zip(rows, per_function.tolist(), advantages.tolist()):
+            row.update(rewards=dict(zip(names, scores)), advantage=adv)
+        self.last_samples = rows
+
+    # -- the callback: a failed scoring pauses the run -------------------------------------------
+    def on_train_batch_end(self, trainer, loss: float) -> Signal | None:
+        if self.failure is None:
+            return NOTHING
+        message = f"step {trainer.state.global_step} trained nothing: {self.failure.message}"
+        trainer.emit(WarningEvent(step=trainer.state.global_step, message=message))
+        if trainer.control is None:  # nobody could resume it: end the run instead
+            return Signal(stop=True, reason=message)
+        return Signal(pause=True, reason=message)
+
+
+def sample_seed(seed: int, step: int, micro: int, dp_rank: int) -> int:
+    """The sampling seed of a micro-batch: the same for the same run seed, step and rank (an exact
+    resume repeats the samples; tensor-parallel peers share a data-parallel rank, so they agree)."""
+    digest = hashlib.sha256(f"grpo/{seed}/{step}/{micro}/{dp_rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _gather(values: torch.Tensor, env) -> torch.Tensor:
+    """Every data-parallel rank's `values` (the same shape on each), rank by rank."""
+    if env.dp_size == 1:
+        return values
+    local = values.to(env.device)
+    parts = [torch.empty_like(local) for _ in range(env.dp_size)]
+    dist.all_gather(parts, local, group=env.dp_group)
+    return torch.cat(parts).cpu()
+
+
+def _any_rank(flag: bool, env) -> bool:
+    """Whether `flag` is set on any rank (every rank, tensor-parallel peers included, answers alike)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    value = torch.tensor([int(flag)], device=env.device)
+    dist.all_reduce(value)
+    return bool(value.item())
