@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import Field, TypeAdapter, ValidationError, create_model, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, create_model, field_validator, model_validator
 
 from contract.protocol.answers import (Answer, EvaluateAnswer, GenerateAnswer, SaveAnswer, SetAnswer, StateAnswer,
                                        StatusAnswer, StopAnswer)
@@ -178,6 +178,28 @@ class Set(Command):
     save_every_n_steps: int | None = Field(default=None, ge=0, le=2**31, description="Checkpoint every n steps; "
                                            "0: off.")
     generation: GenerationParams | None = Field(default=None, description="New defaults of chat requests.")
+    # the optimizer's parameter groups (torch's rules for Adam; the engine refuses a field the
+    # run's optimizer does not have, and checks `optimizer` fields with that optimizer's own rules)
+    weight_decay: float | None = Field(default=None, ge=0.0, le=1e3, description="Weight decay of the parameter "
+                                       "groups that decay (biases and norm weights keep 0).")
+    betas: list[float] | None = Field(default=None, min_length=2, max_length=2, description="Adam's two betas, "
+                                     "each in [0, 1).")
+    eps: float | None = Field(default=None, gt=0.0, le=1.0, description="Adam's epsilon (above 0).")
+    optimizer: dict[str, float | bool | list[float]] | None = Field(
+        default=None, description="Any other field of the optimizer's parameter groups by name (e.g. momentum "
+        "for SGD), checked by the optimizer's own rules.")
+    preference_beta: float | None = Field(default=None, gt=0.0, le=1e3, description="The preference objective's "
+                                          "beta (DPO, SimPO, KTO; an SFT run's live pairs).")
+    serving_budget: float | None = Field(default=None, ge=0.0, le=1.0, description="Share of the training time the "
+                                         "OpenAI-compatible API's requests may take (control.serving_budget).")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas: list[float] | None) -> list[float] | None:
+        # torch's rule for Adam's betas: 0 <= beta < 1, each
+        if betas is not None and not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"argument 'betas' must be two numbers each in [0, 1), got {betas}")
+        return betas
 
     @model_validator(mode="after")
     def _something(self) -> Set:

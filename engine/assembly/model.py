@@ -15,7 +15,7 @@ from contract.config.schema import RunConfig
 from contract.deepspeed_config import DeepSpeedSetup
 from engine.parallel import ds_config
 from engine.context import DistEnv
-from engine.model.loading import build_model, hidden_size, model_dir_of, read_config
+from engine.model.loading import build_model, hidden_size, model_dir_of, quantization_config, read_config
 from engine.rng import seed_everything
 
 
@@ -55,7 +55,8 @@ def model_of(cfg: RunConfig, setup: DeepSpeedSetup, precision: str, model=None):
         attn_implementation=cfg.model.attn_implementation,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         init_context=lambda: ds_config.zero3_init(setup.config),
-        trust_remote_code=cfg.model.trust_remote_code)
+        trust_remote_code=cfg.model.trust_remote_code,
+        quantization=quantization_config(cfg.model, precision))
 
 
 def engine_of(cfg: RunConfig, env: DistEnv, setup: DeepSpeedSetup, model, *, layout, method,
@@ -92,8 +93,9 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimi
         if p.requires_grad:
             # ZeRO-3 parameters are flat shards: the rule goes by their real shape
             (decay if len(ds_config.full_shape(p)) >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # `decay`: which group a live `set weight_decay` changes (engine.control.live_fields)
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay, "decay": True},
+              {"params": no_decay, "weight_decay": 0.0, "decay": False}]
     groups = [g for g in groups if g["params"]]
     if cfg.optim.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.optim.lr)

@@ -19,7 +19,10 @@ from contract.config.schema import RunConfig
 from contract.protocol.commands import GENERATION_DEFAULTS
 
 # the settings `set` replaces as they are (lr and lr_scale go through the schedule, generation merges)
-REPLACED = ("grad_clip", "eval_every_n_steps", "save_every_n_steps")
+REPLACED = ("grad_clip", "eval_every_n_steps", "save_every_n_steps", "preference_beta", "serving_budget")
+# the typed fields of the optimizer's parameter groups (`set optimizer={...}` names any other);
+# they merge into `LiveSettings.optimizer` (engine.control.live_fields applies them)
+OPTIMIZER_FIELDS = ("weight_decay", "betas", "eps")
 
 
 @dataclass
@@ -31,7 +34,13 @@ class LiveSettings:
     eval_every_n_steps: int | None = None      # None: eval.every_n_steps
     save_every_n_steps: int | None = None      # None: checkpoint.every_n_steps
     generation: dict[str, Any] = field(default_factory=dict)  # chat defaults over GENERATION_DEFAULTS
+    optimizer: dict[str, Any] = field(default_factory=dict)   # parameter-group fields set live (weight_decay, ...)
+    preference_beta: float | None = None       # None: preference.beta
+    serving_budget: float | None = None        # None: control.serving_budget
     final_save: bool | None = None             # stop(save=...); None: checkpoint.save_at_end
+    # the optimizer's groups as built (engine.control.live_fields.remember): what a field `set`
+    # never changed goes back to on a restore; the process's own, never recorded
+    configured_groups: list[dict[str, Any]] = field(default_factory=list, compare=False, repr=False)
 
     # -- what the loop reads ------------------------------------------------------------------
     def eval_every(self, config: RunConfig) -> int:
@@ -55,12 +64,15 @@ class LiveSettings:
         """The changed settings, as stored in training checkpoints (plain values)."""
         state: dict[str, Any] = {"lr_scale": self.lr_scale, "generation": copy.deepcopy(self.generation)}
         state.update({k: getattr(self, k) for k in REPLACED if getattr(self, k) is not None})
+        if self.optimizer:
+            state["optimizer"] = copy.deepcopy(self.optimizer)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the settings a checkpoint recorded (what it does not name goes back to config)."""
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.generation = copy.deepcopy(dict(state.get("generation") or {}))
+        self.optimizer = copy.deepcopy(dict(state.get("optimizer") or {}))
         for key in REPLACED:
             setattr(self, key, state.get(key))
 
