@@ -282,10 +282,8 @@ class Trainer:
         with preserved_rng(), torch.no_grad():
             self.engine.eval()
             try:
-                if self.eval_fn is not None:
-                    results.update(self.eval_fn(self))
-                for evaluator in self.evaluators:
-                    results.update(evaluator(self))
+                for evaluator in ([self.eval_fn] if self.eval_fn is not None else []) + list(self.evaluators):
+                    results.update(self._evaluated(evaluator))
             finally:
                 self.engine.train()
         self._last_eval_step = self.state.global_step
@@ -294,6 +292,19 @@ class Trainer:
                             **{f"eval/{k}": v for k, v in results.items()}))
         self._pending = self._pending | self.callbacks.fire("on_evaluate_end", self, results)  # early stopping
         return results
+
+    def _evaluated(self, evaluator: Any) -> dict[str, float]:
+        """One evaluator's results; one that raises is reported (a warning naming it and the
+        error) and the run goes on: an evaluation mistake never ends a run. (It must raise on
+        every rank alike, as a bad task name or a bug does; a collective left half-done on one
+        rank cannot be caught here.)"""
+        try:
+            return evaluator(self)
+        except Exception as e:  # noqa: BLE001 - any evaluator's failure: reported, training goes on
+            name = getattr(evaluator, "name", None) or getattr(evaluator, "__name__", type(evaluator).__name__)
+            self.emit(WarningEvent(step=self.state.global_step, message=f"evaluator {name} failed at step "
+                                   f"{self.state.global_step} and was skipped: {type(e).__name__}: {e}"))
+            return {}
 
     # -- saving and loading (engine.checkpoint; the run's method and layout decide how) --------
     def save_model(self, path: str) -> None:
