@@ -103,3 +103,28 @@ def test_paths_are_made_absolute_against_the_directory_they_were_given_in(tmp_pa
     assert cfg.parallel.deepspeed == {"file": str(tmp_path / "ds.json")}
     assert load_config(overrides=["resume=s3://bucket/step-40"]).resume == "s3://bucket/step-40"  # URLs stay
     assert load_config(overrides=["run_name=x", "resume=latest"]).resume == "latest"
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("max_steps=true", "train.max_steps", "got True (true / false is not a number)"),
+    ("optim.lr=nan", "optim.lr", "got nan, which is not a number"),
+    ("optim.lr=.inf", "optim.lr", "got inf, which is not a number"),
+    ("optim.betas=[0.9, .nan]", "optim.betas", "not a number"),
+])
+def test_true_is_not_a_number_nor_are_nan_and_inf(override, key, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert [k for k, _ in err.value.problems] == [key] and words in str(err.value), str(err.value)
+
+
+def test_the_trainer_validates_the_config_it_is_given():
+    """A config changed in code after loading is refused before anything is built (no process
+    group, no run folder)."""
+    from engine import Trainer
+    cfg = load_config(overrides=["max_steps=2"])
+    cfg.optim.lr = -1
+    cfg.train.max_steps = True
+    with pytest.raises(ConfigError) as err:
+        Trainer(config=cfg)
+    assert sorted(k for k, _ in err.value.problems) == ["optim.lr", "train.max_steps"]
+    assert "must be at least 0.0, got -1" in str(err.value)

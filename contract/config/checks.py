@@ -279,6 +279,10 @@ def _in_words(err: Any, raw: dict) -> tuple[str, str]:
         close = [k for k in known if k.startswith(str(loc[-1])[:3])]
         hint = f"; did you mean {', '.join(close)}?" if close else f"; allowed: {', '.join(known)}"
         return key, f"unknown key{hint}"
+    if kind == "finite_number":
+        return key, f"got {given}, which is not a number (nan and inf are refused)"
+    if kind == "bool_for_number":
+        return key, f"expected {_type_name(model.model_fields[name].annotation) if model else 'a number'}, got {given!r} (true / false is not a number)"
     if kind == "greater_than_equal":
         return key, f"must be at least {err['ctx']['ge']}, got {given}"
     if kind == "less_than_equal":

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 
 def _f(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
@@ -31,13 +32,16 @@ def _f(default: Any, help: str, *, minimum: float | None = None, maximum: float 
 
 class Section(BaseModel):
     """A config section: unknown keys are refused; a number given where a string is expected is
-    taken as its text (`run_name=123`); a list may be given as `a,b` (the command line, a form)."""
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    taken as its text (`run_name=123`); a list may be given as `a,b` (the command line, a form);
+    true / false is not a number (`max_steps=true` is refused, not read as 1), nor are nan and inf."""
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _comma_separated_lists(cls, value: Any, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
+        if field is not None and field.annotation in (int, float) and isinstance(value, bool):
+            raise PydanticCustomError("bool_for_number", "true / false is not a number")
         if field is not None and typing.get_origin(field.annotation) is list and isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
-from contract.config.schema import RunConfig
+from contract.config.checks import schema_problems
+from contract.config.schema import ConfigError, RunConfig
 from contract.deepspeed_config import DeepSpeedSetup
 from contract.rewards import build_rewards
 from engine.assembly.data import RunData, micro_batches_per_epoch, run_data, total_steps
@@ -83,7 +84,12 @@ class Assembled:
 
 def assemble(cfg: RunConfig, given: Given) -> Assembled:
     """Build a run's parts from its config; given parts (a user's model, tokenizer, datasets,
-    optimizer ...) are used as they are. Every rank calls it (it joins the process group)."""
+    optimizer ...) are used as they are. Every rank calls it (it joins the process group).
+    The config is validated again first (ConfigError naming each field): one changed in code
+    after loading (`cfg.optim.lr = -1`) is refused before anything is built."""
+    problems = schema_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     ctx, data = _context(cfg, given)
     ds_setup, step = _engine_and_step(ctx, given)
     step_hooks = (step,) if isinstance(step, GrpoStep) else ()  # a failed reward pauses the run
