@@ -300,9 +300,10 @@ class Session:
             client.close()
 
     def send(self, ref: str | Path | None, command: Command, timeout: float = COMMAND_TIMEOUT_S,
-             connect_timeout: float = 10.0) -> dict:
+             connect_timeout: float = 10.0) -> Any:
         """Send a typed command (Pause(), Set(lr=1e-4) ...) to the run `ref` names and return its
-        answer: at its next step boundary (status at once). Stop goes through `stop`."""
+        answer model (`type(command).returns`, contract.protocol.answers): at its next step
+        boundary (status at once). Stop goes through `stop`."""
         if isinstance(command, Stop):
             raise SessionError("stop a run with Session.stop, which also ends its processes")
         self.require(command.name, command.role)
@@ -420,6 +421,5 @@ def chat_updates(generation: Generation, compare_base: bool = False) -> Iterator
         else:
             text += chunk
         yield ChatUpdate(text, base if compare_base else None, None)
-    result = generation.result or {}
-    yield ChatUpdate(result.get("text", text), result.get("base") if compare_base else None,
-                     int(result.get("step", 0)), result.get("note"))
+    answer = generation.wait()  # contract.protocol.answers.GenerateAnswer
+    yield ChatUpdate(answer.text, answer.base if compare_base else None, answer.step, answer.note)

@@ -23,6 +23,7 @@ from app.notebook.extras import DataControls
 from app.session import SessionError
 from app.web import build_app, chat, chat_prefer, launch_options
 from app.web.backend import Backend
+from contract.protocol.answers import TeachAnswer
 from contract.protocol.base import ProtocolError
 from contract.config.load import load_config
 from contract.protocol.data_commands import Inbox, Teach
@@ -57,11 +58,10 @@ def test_the_pair_and_the_refusals_before_any_run(tmp_path):
         chat_prefer.pick(None, view, None, None, "a")  # type: ignore[arg-type]
     with pytest.raises(SessionError, match="nothing to compare with"):
         list(chat_prefer.two_answers(None, view, None, "q", chat_prefer.COMPARED, None, *SETTINGS))  # type: ignore[arg-type]
-    text = chat_prefer.said({"id": "t4", "step": 7, "answer": "qux", "rejected": "zorb", "margin": -1.25,
-                             "check_at_step": 9})
+    text = chat_prefer.said(_taught(id="t4", answer="qux", rejected="zorb", margin=-1.25, check_at_step=9))
     assert "**Preferred t4** at step 7" in text and "= -1.250" in text and "rejected answer" in text
     assert "step 9" in text and "*qux* over *zorb*" in text
-    assert "*a\\*b \\<c\\>* over" in chat_prefer.said({"id": "t5", "answer": "a*b\n<c>", "rejected": "x"})  # as typed
+    assert "*a\\*b \\<c\\>* over" in chat_prefer.said(_taught(id="t5", answer="a*b\n<c>", rejected="x"))  # as typed
     backend = Backend(tmp_path / "runs")
     try:
         with gr.Blocks():  # the fold is on the Chat tab
@@ -231,3 +231,9 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
     finally:
         page.close()
         demo.close()
+
+
+def _taught(**fields) -> TeachAnswer:
+    """The run's answer to a preference (contract.protocol.answers.TeachAnswer)."""
+    return TeachAnswer(**{"step": 7, "prompt": "q", "old": "", "per_step": 1, "steps": 1, "check_at_step": None,
+                          "applies_from_step": 8, "sources": [], **fields})

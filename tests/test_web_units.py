@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import re
 import pytest
 import yaml
 
@@ -300,12 +301,13 @@ def test_plot_batches_carry_only_what_the_page_lacks():
 
 
 def test_the_learning_rate_box_refuses_anything_but_a_number():
-    from app.web import train
+    from app.lr_box import ZERO, lr_from_box
 
-    assert train._number(" 0.001 ") == 0.001 and train._number("0") == 0.0
-    for bad in ("", "abc", "-1", "nan", "inf"):
-        with pytest.raises(SessionError, match="learning rate"):
-            train._number(bad)
+    assert lr_from_box(" 0.001 ").lr == 0.001 and lr_from_box("0", confirmed=True).lr == 0.0
+    for bad, words in (("", "type a learning rate"), ("abc", "must be a number"), ("-1", "argument 'lr' must be"),
+                       ("nan", "argument 'lr' must be"), ("inf", "argument 'lr' must be"), ("0", ZERO)):
+        with pytest.raises(SessionError, match=re.escape(words)):
+            lr_from_box(bad)
 
 
 def test_list_saved(tmp_path):

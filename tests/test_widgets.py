@@ -11,6 +11,8 @@ import textwrap
 
 import ipywidgets as widgets
 import pytest
+from app.lr_box import lr_from_box
+from app.session import SessionError
 import yaml
 
 from app.form import ENTRY_LISTS, Form
@@ -359,7 +361,8 @@ def test_the_panel_refuses_to_set_an_untouched_learning_rate_box(tmp_path):
         for typed in ("", "0", "-1e-3", "fast", "inf"):
             panel.lr.value = typed
             assert panel.set_lr() is None, typed
-            assert panel.messages[-1] == ("set lr: type a learning rate > 0 first (to stop learning on purpose: "
-                                          "run.set(lr=0))", True)
+            with pytest.raises(SessionError) as refused:  # the web page's rule and words (app.lr_box)
+                lr_from_box(typed)
+            assert panel.messages[-1] == (str(refused.value), True)
     finally:
         panel.close()

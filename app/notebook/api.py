@@ -29,7 +29,10 @@ from app.series import RunHistory
 from app.session import Session, SessionError
 from contract.config.schema import RunConfig
 from contract.config.load import load_config
-from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.answers import (AddSourceAnswer, BranchAnswer, BranchesAnswer, EvaluateAnswer, ForgetAnswer,
+                                       RewindAnswer, SaveAnswer, SetAnswer, SetWeightAnswer, SnapshotAnswer,
+                                       SourcesAnswer, StateAnswer, StatusAnswer, TeachAnswer)
+from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, SourceFormat, Teach
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status
 from contract.protocol.states import RunState
@@ -191,10 +194,7 @@ class Run:
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  **params: Any) -> Generation:
         """Stream the live model's answer: iterate for the pieces as they come."""
-        try:
-            request = Generate(prompt=prompt, messages=messages, **params)
-        except TypeError as e:
-            raise SessionError(f"generate: {e}") from None
+        request = _command(lambda: Generate(prompt=prompt, messages=messages, **params))
         return self.session.generate(str(self.path), request, connect_timeout=300.0)
 
     def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> str:
@@ -204,59 +204,52 @@ class Run:
             prompt, messages = None, [{"role": "user", "content": prompt}]
         return self.generate(prompt, messages=messages, **params).text
 
-    def _send(self, command: Any) -> dict:
+    def _send(self, command: Any) -> Any:
         return self.session.send(str(self.path), command, connect_timeout=300.0)
 
-    def pause(self) -> dict:
+    def pause(self) -> StateAnswer:
         return self._send(Pause())
 
-    def resume(self) -> dict:
+    def resume(self) -> StateAnswer:
         return self._send(Resume())
 
-    def save(self) -> dict:
+    def save(self) -> SaveAnswer:
         """A training checkpoint of the present step, in the run's checkpoints/."""
         return self._send(Save())
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> EvaluateAnswer:
         return self._send(Evaluate())
 
-    def set(self, **changes: Any) -> dict:
+    def set(self, **changes: Any) -> SetAnswer:
         """Live settings: lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps, generation."""
-        try:
-            command = Set(**changes)
-        except TypeError as e:
-            raise SessionError(f"set: {e}") from None
-        return self._send(command)
+        return self._send(_command(lambda: Set(**changes)))
 
-    def status(self) -> dict:
+    def status(self) -> StatusAnswer:
         return self._send(Status())
 
     # -- data: sources and the inbox; the client's methods, errors as SessionError ----------
-    def _data(self, build: Any) -> dict:
-        try:
-            command = build()
-        except (TypeError, ProtocolError) as e:
-            raise SessionError(str(e)) from None
-        return self._send(command)
+    def _data(self, build: Any) -> Any:
+        return self._send(_command(build))
 
-    def add_source(self, path: str | Path, weight: float = 1.0, format: str = "auto", name: str = "") -> dict:
+    def add_source(self, path: str | Path, weight: float = AddSource.model_fields["weight"].default,
+                   format: SourceFormat = AddSource.model_fields["format"].default, name: str = "") -> AddSourceAnswer:
         """Add a training source from the next step on (checked like data at start)."""
         return self._data(lambda: AddSource(path=str(path), weight=weight, format=format, source=name))
 
-    def set_weight(self, name: str, weight: float) -> dict:
+    def set_weight(self, name: str, weight: float) -> SetWeightAnswer:
         """Change a source's weight from the next step on; 0 pauses it."""
         return self._data(lambda: SetWeight(source=name, weight=weight))
 
-    def remove_source(self, name: str) -> dict:
+    def remove_source(self, name: str) -> SourcesAnswer:
         return self._data(lambda: RemoveSource(source=name))
 
-    def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None, **rate: Any) -> dict:
+    def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None, **rate: Any) -> TeachAnswer:
         """Teach `answer` for `prompt` (or chat `messages`); rate: per_step, steps, check_after, weight."""
         where = {"messages": messages} if messages is not None else {"prompt": prompt}
         return self._data(lambda: Teach(answer=answer, **where, **rate))
 
     def prefer(self, prompt: str | None, chosen: str, rejected: str, *, messages: list[dict] | None = None,
-               **rate: Any) -> dict:
+               **rate: Any) -> TeachAnswer:
         """A preference: for `prompt` (raw text, as given to generate) or chat `messages`, `chosen`
         is the better answer and `rejected` the worse (say the model's own answer, edited into
         `chosen`). Into the inbox as teach; the run trains on the pair from the next step with its
@@ -266,30 +259,30 @@ class Run:
 
     def inbox(self) -> list[dict]:
         """The inbox entries: id, prompt, answer, removed, steps_left (and a preference's rejected)."""
-        return self._data(Inbox)["entries"]
+        return self._data(Inbox).entries
 
-    def forget(self, entry_id: str) -> dict:
+    def forget(self, entry_id: str) -> ForgetAnswer:
         return self._data(lambda: Forget(id=entry_id))
 
     def sources(self) -> list[dict]:
         """The training sources now: name, path, format, weight, samples, seen (samples drawn)."""
-        return self._data(Inbox)["sources"]
+        return self._data(Inbox).sources
 
-    def rewind(self, target: str | int) -> dict:
+    def rewind(self, target: str | int) -> RewindAnswer:
         """Go back in place to a checkpoint ("step-40", 40) or a snapshot's name (README: Rewind,
         branch, snapshot)."""
         return self._send(_command(lambda: Rewind(target=str(target))))
 
-    def branch(self, target: str | int, name: str, **settings: Any) -> dict:
+    def branch(self, target: str | int, name: str, **settings: Any) -> BranchAnswer:
         """Rewind to `target` and go on as branch `name`, with optional lr, lr_scale, grad_clip,
         eval_every_n_steps, save_every_n_steps."""
         return self._send(_command(lambda: Branch(target=str(target), branch=name, **settings)))
 
-    def snapshot(self, name: str | None = None) -> dict:
+    def snapshot(self, name: str | None = None) -> SnapshotAnswer:
         """Keep the training state in host memory for an instant rewind."""
         return self._send(_command(lambda: Snapshot(snapshot=name)))
 
-    def branches(self) -> dict:
+    def branches(self) -> BranchesAnswer:
         """The run's branch tree, the present branch, its checkpoints and the snapshots kept."""
         return self._send(Branches())
 
@@ -305,10 +298,11 @@ class Run:
 
 
 def _command(make: Any) -> Any:
-    """The command `make()` builds, its refusal (a bad argument) as SessionError."""
+    """The command `make()` builds, its refusal (a bad argument: the command model's words, as
+    every front end shows them) as SessionError."""
     try:
         return make()
-    except (ProtocolError, TypeError) as e:
+    except ProtocolError as e:
         raise SessionError(str(e)) from None
 
 

@@ -129,10 +129,10 @@ class ChatBox:
             self.wanted.value = ""
             said = "taught" if rejected is None else "preferred"
             over = "" if rejected is None else f" over {html.escape(rejected)}"
-            margin = result.get("margin")
+            margin = result.margin
             before = f", margin before {margin:+.3f}" if isinstance(margin, (int, float)) else ""
-            self.taught.value = (f"<span style='color:#333'>{said} {html.escape(str(result.get('id')))} at step "
-                                 f"{html.escape(str(result.get('step')))}: {html.escape(question)} → "
+            self.taught.value = (f"<span style='color:#333'>{said} {html.escape(result.id)} at step "
+                                 f"{result.step}: {html.escape(question)} → "
                                  f"{html.escape(answer)}{over}{before} (see the data fold's inbox)</span>")
         except Exception as e:  # noqa: BLE001 - shown, the kernel goes on
             self._on_error(f"teach: {e}")

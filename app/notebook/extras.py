@@ -131,7 +131,7 @@ class DataControls:
         live = None
         if run.info().alive and run.info().state in (RunState.RUNNING, RunState.PAUSED):
             try:
-                live = run.status().get("sources")
+                live = run.status().sources
             except Exception:  # noqa: BLE001 - the event log's account is shown instead
                 live = None
         view = data_view(RunFolder(run.path), live_sources=live if isinstance(live, list) else None)

@@ -31,7 +31,8 @@ from app.notebook.form import ConfigForm
 from app.notebook.plots import render_png
 from app.notebook.watch import Watcher
 from app.series import RunHistory, format_seconds
-from app.session import allowed
+from app.lr_box import lr_from_box
+from app.session import SessionError, allowed
 from contract.config.schema import ConfigError
 from contract.protocol.commands import Stop
 from contract.protocol.states import RunState
@@ -188,17 +189,15 @@ class RunPanel:
 
     def set_lr(self) -> Future | None:
         """Send the box's learning rate and empty the box (its placeholder shows the present
-        rate again). An empty box, or anything but a number > 0, is refused: a click on an
-        untouched box must not stop learning (from code, `run.set(lr=0)` does it on purpose)."""
+        rate again). The box's rule is the web page's (app.lr_box: the Set command's bounds; 0
+        stops learning, which a panel cannot confirm, so from code `run.set(lr=0)` does it)."""
         try:
-            lr = float(self.lr.value.strip())
-        except ValueError:
-            lr = float("nan")
-        if not 0 < lr < float("inf"):
-            self._error("set lr: type a learning rate > 0 first (to stop learning on purpose: run.set(lr=0))")
+            command = lr_from_box(self.lr.value)
+        except SessionError as e:
+            self._error(str(e))
             return None
         self.lr.value = ""
-        return self._command("set lr", lambda run: run.set(lr=lr))
+        return self._command("set lr", lambda run: run.set(lr=command.lr))
 
     def wait_idle(self, timeout: float | None = None) -> None:
         """Wait until every command sent so far has been answered."""

@@ -37,6 +37,12 @@ def _info(info: RunInfo) -> dict:
     return {"run": info.name, "folder": fields.pop("path"), **fields}
 
 
+def _answer(backend: Backend, run: str, make: Any) -> dict:
+    """Send the command `make()` builds (its arguments, defaults and checks are the command's) to
+    `run`; its answer model's JSON (contract.protocol.answers), "path" keys named "file"."""
+    return _no_paths(_call(lambda: backend.session.send(run, make())).wire())
+
+
 def _call(fn, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
@@ -61,11 +67,11 @@ def register(backend: Backend) -> None:
 
     def pause(run: str = "") -> dict:
         """Pause at the next step boundary; the model stays in memory and still answers chats."""
-        return _call(backend.session.send, run, Pause())
+        return _answer(backend, run, Pause)
 
     def resume(run: str = "") -> dict:
         """Resume a paused run."""
-        return _call(backend.session.send, run, Resume())
+        return _answer(backend, run, Resume)
 
     def set_values(run: str = "", lr: float | None = None, lr_scale: float | None = None,
                    grad_clip: float | None = None, eval_every_n_steps: int | None = None,
@@ -77,15 +83,15 @@ def register(backend: Backend) -> None:
         if not changes:
             raise gr.Error("set: give at least one of lr, lr_scale, grad_clip, eval_every_n_steps, "
                            "save_every_n_steps", print_exception=False)
-        return _call(lambda: backend.session.send(run, Set(**changes)))
+        return _answer(backend, run, lambda: Set(**changes))
 
     def save(run: str = "") -> dict:
         """Save a training checkpoint now."""
-        return _call(backend.session.send, run, Save())
+        return _answer(backend, run, Save)
 
     def evaluate(run: str = "") -> dict:
         """Evaluate now; returns the metrics."""
-        return _call(backend.session.send, run, Evaluate())
+        return _answer(backend, run, Evaluate)
 
     def chat(message: str, run: str = "", max_new_tokens: int = 64, temperature: float = 0.0,
              compare_base: bool = False) -> Iterator[dict]:
@@ -122,7 +128,7 @@ def _tree_and_data(backend: Backend) -> list:
     """The branch and data endpoints: each builds the contract's command (its arguments, defaults
     and checks are the command's own) and returns the run's answer."""
     def send(run: str, make: Any) -> dict:
-        return _no_paths(_call(lambda: backend.session.send(run, make())))
+        return _answer(backend, run, make)
 
     def given(**args: Any) -> dict[str, Any]:  # what the caller gave: the rest are the command's defaults
         return {k: v for k, v in args.items() if v is not None}
@@ -143,7 +149,8 @@ def _tree_and_data(backend: Backend) -> list:
         """The branch tree, the present branch, its checkpoints and the snapshots kept."""
         return send(run, Branches)
 
-    def add_source(path: str, run: str = "", weight: float = 1.0, format: str = "auto", name: str = "") -> dict:
+    def add_source(path: str, run: str = "", weight: float | None = None, format: str | None = None,
+                   name: str = "") -> dict:
         """Add a training source from the next step on (checked row by row first)."""
         return send(run, lambda: AddSource(**given(path=path, weight=weight, format=format, source=name)))
 

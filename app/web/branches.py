@@ -20,6 +20,7 @@ from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from app.web.widgets import readable
 from contract.run_folder import RunFolder
+from contract.protocol.answers import RewindAnswer
 from contract.protocol.branch_commands import Branch, Rewind, Snapshot
 
 PLOTS = ("branch_loss", "branch_lr", "branch_eval")
@@ -108,7 +109,7 @@ def do_rewind(backend: Backend, section: BranchesSection, path: str | None, targ
     if not target:
         raise SessionError("pick a checkpoint or snapshot to rewind to")
     result = backend.session.send(path, Rewind(target=target))
-    return {section.result: f"**Rewound** to step {result.get('step')}{_abandoned(result)}.",
+    return {section.result: f"**Rewound** to step {result.step}{_abandoned(result)}.",
             **show(backend, section, path)}
 
 
@@ -124,9 +125,9 @@ def do_branch(backend: Backend, section: BranchesSection, path: str | None, targ
         except ValueError:
             raise SessionError(f"branch: the learning rate must be a number, got {str(lr).strip()!r}") from None
     result = backend.session.send(path, Branch(**args))
-    changes = ", ".join(f"{k} {v}" for k, v in (result.get("changes") or {}).items())
-    return {section.result: f"**Branch {html.escape(str(result.get('branch', args['branch'])))}** goes on from "
-                            f"step {result.get('step')}{' with ' + changes if changes else ''}; the branch it "
+    changes = ", ".join(f"{k} {v}" for k, v in result.changes.items())
+    return {section.result: f"**Branch {html.escape(result.branch)}** goes on from "
+                            f"step {result.step}{' with ' + changes if changes else ''}; the branch it "
                             f"left keeps its steps{_abandoned(result, kept=True)}.",
             **show(backend, section, path)}
 
@@ -135,15 +136,15 @@ def do_snapshot(backend: Backend, section: BranchesSection, path: str | None, na
     """Snapshot now: the complete training state kept in host memory."""
     args = {"snapshot": name.strip()} if (name or "").strip() else {}
     result = backend.session.send(path, Snapshot(**args))
-    evicted = result.get("evicted") or []
-    mib = (result.get("bytes") or 0) / 2**20
-    text = f"**Snapshot {result.get('name')}** kept at step {result.get('step')} ({mib:.1f} MiB in host memory)"
+    evicted = result.evicted
+    mib = result.bytes / 2**20
+    text = f"**Snapshot {result.name}** kept at step {result.step} ({mib:.1f} MiB in host memory)"
     text += f"; dropped to make room: {', '.join(evicted)}" if evicted else ""
     return {section.result: text + ".", **show(backend, section, path)}
 
 
-def _abandoned(result: dict, kept: bool = False) -> str:
-    span = result.get("abandoned") or []
+def _abandoned(result: RewindAnswer, kept: bool = False) -> str:
+    span = result.abandoned
     if len(span) != 2:
         return ""
     return (f" (steps {span[0]}-{span[1]} stay on the branch it left)" if kept else

@@ -289,8 +289,8 @@ def teach_answer(backend: Backend, path: str | None, question: str | None, answe
             result = backend.session.send(path, Teach(prompt=question, answer=answer))
     except (SessionError, ProtocolError) as e:
         raise gr.Error(str(e), print_exception=False) from None
-    old = result.get("old")
-    text = (f"**Taught {result.get('id', '')}** at step {result.get('step', '?')}: it is mixed into the next "
+    old = result.old
+    text = (f"**Taught {result.id}** at step {result.step}: it is mixed into the next "
             "batches; the model is asked again after a few steps (the answers before and after are in the "
             "inbox, on the Train tab's data panel).")
     if old:

@@ -17,6 +17,7 @@ import gradio as gr
 from app.session import SessionError
 from app.web.backend import Backend
 from app.web.widgets import readable
+from contract.protocol.answers import TeachAnswer
 from contract.protocol.data_commands import Teach
 
 SAMPLE = "Another sample of the live model"
@@ -151,18 +152,18 @@ def prefer(backend: Backend, path: str | None, question: str, chosen: str, rejec
     return said(result)
 
 
-def said(result: dict) -> str:
+def said(result: TeachAnswer) -> str:
     """The page's words for the run's answer to a preference."""
-    text = (f"**Preferred {result.get('id', '')}** at step {result.get('step', '?')}: "
-            f"*{_plain(result.get('answer', ''))}* over *{_plain(result.get('rejected', ''))}*, mixed into the next "
+    text = (f"**Preferred {result.id}** at step {result.step}: "
+            f"*{_plain(result.answer)}* over *{_plain(result.rejected or '')}*, mixed into the next "
             "batches.")
-    margin = result.get("margin")
+    margin = result.margin
     if isinstance(margin, (int, float)):
         leaning = "the chosen answer" if margin > 0 else "the rejected answer"
         text += (f" Margin before: log p(chosen) − log p(rejected) = {margin:+.3f} (the model leaned to "
                  f"{leaning}).")
-    if result.get("check_at_step") is not None:
-        text += (f" It is checked again at step {result['check_at_step']} (the margin after is in the inbox, "
+    if result.check_at_step is not None:
+        text += (f" It is checked again at step {result.check_at_step} (the margin after is in the inbox, "
                  "on the Train tab's data panel).")
     return text
 

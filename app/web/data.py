@@ -129,7 +129,7 @@ def live_sources(backend: Backend, path: str) -> list[dict] | None:
     if not info.alive or info.state not in (RunState.RUNNING, RunState.PAUSED):
         return None
     try:
-        found = backend.session.client(path, timeout=2.0).status().get("sources")
+        found = backend.session.client(path, timeout=2.0).status().sources
     except Exception:  # noqa: BLE001 - the event log's account is shown instead
         return None
     return found if isinstance(found, list) else None
@@ -190,8 +190,7 @@ def do_add(backend: Backend, panel: DataPanel, path: str | None, file: str, fmt:
     if (name or "").strip():
         args["source"] = name.strip()
     result = backend.session.send(path, AddSource(**args))
-    added = result.get("source") or {}
-    report = result.get("report") or ""
+    added, report = result.source, result.report
     text = f"**Added {added.get('name', args.get('source', file))}** (weight {args['weight']:g})."
     return {panel.result: text + (f" {report}" if report else ""), **show(backend, panel, path)}
 

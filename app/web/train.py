@@ -18,13 +18,14 @@ from typing import Any, Callable
 
 import gradio as gr
 
+from app.lr_box import lr_from_box
 from app.session import SessionError, allowed
 from app.web import chat_side, data, feed
 from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import Plots, make_plots
 from app.web.widgets import banner_html, readable, status_html
-from contract.protocol.commands import Evaluate, Pause, Resume, Save, Set, Stop
+from contract.protocol.commands import Evaluate, Pause, Resume, Save, Stop
 from contract.protocol.roles import Role
 from contract.protocol.states import RunState
 
@@ -260,19 +261,6 @@ def _changed(view: TrainView, sent: dict, state: str | None, status: str, path: 
     return out
 
 
-def _number(text: Any) -> float:
-    """The learning rate typed in the box; a readable error for anything but a number >= 0."""
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        value = float("nan")
-    if not value >= 0 or value == float("inf"):
-        shown = str(text).strip()
-        raise SessionError("type a learning rate first (a number >= 0, e.g. 0.001)" if not shown else
-                           f"the learning rate must be a number >= 0, got {shown!r}")
-    return value
-
-
 def _act(backend: Backend, what: str, path: str | None, new_lr: Any = None, confirmed: bool = True) -> None:
     session = backend.session
     if what in ("stop", "stop_other"):
@@ -282,19 +270,15 @@ def _act(backend: Backend, what: str, path: str | None, new_lr: Any = None, conf
         gr.Info(f"Stopping {info.name}{' (saving first)' if save else ''} ...", duration=60)
         return
     if what == "set_lr":
-        new_lr = _number(new_lr)
-        if new_lr == 0 and not confirmed:
-            gr.Info("The learning rate was left as it is.")
-            return
-        result = session.send(path, Set(lr=float(new_lr)))
-        gr.Info(f"Learning rate set to {result['changes']['lr']:.3g} at step {result['step']}")
+        result = session.send(path, lr_from_box(new_lr, confirmed))  # the one box rule (app.lr_box)
+        gr.Info(f"Learning rate set to {result.changes['lr']:.3g} at step {result.step}")
         return
     command = {"pause": Pause(), "resume": Resume(), "save": Save(), "evaluate": Evaluate()}[what]
     result = session.send(path, command)
-    step = result.get("step")
+    step = result.step
     messages = {"pause": f"Paused at step {step}; the model stays in memory (chat still works).",
                 "resume": f"Resumed at step {step}.",
-                "save": f"Saved a checkpoint at step {step}: {result.get('checkpoint')}",
+                "save": f"Saved a checkpoint at step {step}: {getattr(result, 'checkpoint', None)}",
                 "evaluate": f"Evaluated at step {step}: " + ", ".join(
-                    f"{k} {v:.4g}" for k, v in (result.get("metrics") or {}).items())}
+                    f"{k} {v:.4g}" for k, v in (getattr(result, "metrics", None) or {}).items())}
     gr.Info(messages[what])
