@@ -54,7 +54,7 @@ def stuck_viewer(address: dict) -> socket.socket:
 
 @pytest.mark.slow
 def test_live_run_under_hostile_clients(tmp_path, task):
-    run = launch(tmp_path, "limits", task, "max_steps=400", "optim.scheduler=constant",
+    run = launch(tmp_path, "limits", task, "max_steps=100000", "optim.scheduler=constant",  # stopped by the test
                  "optim.warmup_steps=0")
     client = RunClient.connect(run.folder.root, timeout=180)
     wait_for_step(run, 2)

@@ -12,7 +12,7 @@ from control_runs import end_leftover_runs  # noqa: F401 - autouse: no run outli
 from control_runs import (CONNECT_S, events, launch, logged_commands, logs_of, states, task_files, wait_exit,
                           wait_for_step)
 
-STEPS = 400  # never reached: the test stops the run
+STEPS = 100_000  # never reached, on any CPU: the test stops the run
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
 
     # the live settings went into the checkpoint: a resumed run has them again
     last = train[-1]["step"]
-    again = launch(tmp_path, "live", task, "zero_stage=2", f"max_steps={last + 40}", "resume=latest",
+    again = launch(tmp_path, "live", task, "zero_stage=2", f"max_steps={STEPS}", "resume=latest",
                    "optim.scheduler=constant", "optim.warmup_steps=0", "optim.lr=0.002",
                    "checkpoint.save_at_end=false")
     assert again.folder.root == run.folder.root

@@ -158,7 +158,8 @@ def test_dp_times_tp_and_dp_times_pp_on_4_ranks(task):
 @pytest.mark.parametrize("layout", ["tp=2", "pp=2"])
 def test_live_run_chats_through_the_control_plane(tmp_path, layout):
     task = task_files(tmp_path / "task")
-    run = launch(tmp_path, layout.replace("=", ""), task, layout, "max_steps=400", "optim.scheduler=constant")
+    run = launch(tmp_path, layout.replace("=", ""), task, layout, "max_steps=100000",  # stopped by the test
+                 "optim.scheduler=constant")
     client = RunClient.connect(run.folder.root, timeout=300)
     try:
         wait_for_step(run, 2, timeout=300)

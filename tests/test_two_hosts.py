@@ -271,7 +271,7 @@ def test_a_killed_remote_rank_is_reported_with_its_host(net, task, tmp_path, dec
     # what a process that ran a one-machine run in-process holds (engine.parallel.rendezvous): not carried
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     with in_host(a):
-        handle = manager.start(two_host_config(net, runs, "killed", task, "max_steps=400"), env=host_env(net))
+        handle = manager.start(two_host_config(net, runs, "killed", task, "max_steps=100000"), env=host_env(net))
     try:
         wait_step(handle, 2)
         (rank1,) = [p for p in net.processes(b) if "-m engine.worker" in cmdline(p)
