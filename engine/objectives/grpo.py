@@ -9,7 +9,8 @@ which the parity tests hold us to:
   an unscored sample (every reward function said None) counts in no mean and gets advantage 0;
 * per token: ratio = exp(logp - old logp) (1 on the samples' first use: old = logp detached),
   loss = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A), plus beta times the
-  k3 estimate of the KL to the reference, exp(ref - logp) - (ref - logp) - 1;
+  k3 estimate of the KL to the reference, exp(ref - logp) - (ref - logp) - 1, times the ratio
+  (TRL's `use_bias_correction_kl`, on by default; the `kl` metric is this product);
 * a micro-batch's loss, as its gradient contribution (already divided by the accumulation steps;
   the data-parallel ranks' gradients are averaged): grpo, the mean over answers of each answer's
   token mean, / gas; bnpo, the token mean of the micro-batch, / gas; dr_grpo, the token sum /
@@ -91,7 +92,8 @@ class GrpoLoss:
         if self.beta != 0.0:
             if ref_logps is None:
                 raise ValueError("grpo with beta > 0 needs the reference's log-probabilities")
-            kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+            # k3, times the ratio (TRL's default use_bias_correction_kl: the unbiased reverse-KL gradient)
+            kl = (torch.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
             per_token = per_token + self.beta * kl
         loss = self._reduce(per_token, mask, gas, step_tokens, ranks)
         low_clip = (ratio < 1 - self.epsilon) & (adv < 0)

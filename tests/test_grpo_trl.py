@@ -1,0 +1,123 @@
+"""GRPO against the reference implementation, TRL's GRPOTrainer (use_vllm=False), on 1 rank in
+fp32: TRL samples and scores a batch; the same completions, decoded, scored by our reward
+functions give TRL's advantages, and our loss of the same tensors with our forward gives TRL's
+`_compute_loss` and its metrics, for each loss type (with beta > 0 against a moved policy, so
+that the KL term is not zero)."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.slow  # one TRL trainer built (~40-60 s on 2 loaded cores)
+
+G, PROMPTS, MAX_NEW = 4, 3, 6
+
+
+def exact_match_fn(prompts, completions, answer, **kwargs):  # TRL's form of our built-in
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
+
+
+def has_letter_fn(prompts, completions, **kwargs):  # a reward with None: rows it does not score
+    return [None if i % 5 == 0 else sum(ch in "aeiou" for ch in c) / 3 for i, c in enumerate(completions)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """One TRL trainer (with a reference model: beta > 0 at construction); each case sets its
+    loss type, beta and scaling on it, as its constructor would from GRPOConfig."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from conftest import save_tiny_llama
+    from engine.data.default_task import make_examples, prompt_row
+    folder = tmp_path_factory.mktemp("grpo_trl")
+    save_tiny_llama(folder / "model")
+    rows = [prompt_row(r) for r in make_examples(PROMPTS, seed=3)]
+    tok = AutoTokenizer.from_pretrained(folder / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+    args = GRPOConfig(output_dir=str(folder / "out"), per_device_train_batch_size=G * PROMPTS,
+                      num_generations=G, max_completion_length=MAX_NEW, beta=0.04, temperature=1.3,
+                      report_to=[], use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
+                      epsilon=0.1, epsilon_high=0.15)
+    trainer = GRPOTrainer(model=model, reward_funcs=[exact_match_fn, has_letter_fn], args=args,
+                          train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer.current_gradient_accumulation_steps = 1  # what its training loop sets: one micro-batch a step
+    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return folder, rows, trainer, initial
+
+
+@pytest.mark.parametrize("loss_type,beta,scale", [("grpo", 0.0, "group"), ("dr_grpo", 0.0, "none"),
+                                                  ("dapo", 0.04, "group"), ("bnpo", 0.04, "batch")])
+def test_objective_matches_trl(setup, loss_type, beta, scale):
+    from transformers import AutoModelForCausalLM
+
+    from contract.config.schema import GrpoConfig
+    from contract.rewards import Reward, build_reward
+    from engine.objectives.grpo import advantages_of
+    from engine.objectives.grpo_step import GrpoStep
+    from engine.objectives.rewards import metrics_of, score, total
+
+    folder, rows, trainer, initial = setup
+    trainer.model.load_state_dict(initial)
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.loss_type, trainer.beta, trainer.scale_rewards = loss_type, beta, scale
+    torch.manual_seed(0)
+    trainer.model.train()
+    trainer._logs["completion"].clear()
+    batch = [dict(r) for r in rows for _ in range(G)]  # TRL's sampler repeats each prompt G times
+    out = trainer._generate_and_score_completions(batch)
+    completions = list(trainer._logs["completion"])
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    # rewards and advantages: our functions on TRL's decoded completions
+    rewards = [Reward("exact_match_fn", 1.0, build_reward({"kind": "exact_match"}, "r").fn, {}),
+               Reward("has_letter_fn", 1.0, has_letter_fn, {})]
+    per_function = score(rewards, [b["prompt"] for b in batch], completions,
+                         [r[m.bool()].tolist() for r, m in zip(out["completion_ids"], out["completion_mask"])],
+                         {"answer": [b["answer"] for b in batch]}, G)
+    ours_adv, zero_std = advantages_of(total(per_function, [1.0, 1.0]), G, scale)
+    assert torch.allclose(ours_adv, out["advantages"], atol=1e-6), (ours_adv, out["advantages"])
+    ours_metrics = metrics_of([r.name for r in rewards], per_function, [1.0, 1.0], zero_std)
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match_fn/mean",
+                "rewards/has_letter_fn/mean", "rewards/has_letter_fn/std"):
+        assert ours_metrics[key] == pytest.approx(metrics[key], abs=1e-6), key
+
+    # the loss: old log-probabilities from the sampling policy, then the policy moved away from
+    # it (ratios that clip, a KL to the reference that is not 0)
+    step = GrpoStep(GrpoConfig(loss_type=loss_type, beta=beta, epsilon=0.1, epsilon_high=0.15,
+                               temperature=1.3, max_completion_length=MAX_NEW, num_generations=G), rewards)
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    initial = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+
+    def forward(m):
+        return lambda i, a, k: m(input_ids=i, attention_mask=a, logits_to_keep=k).logits
+    with torch.no_grad():
+        old = step.answer_logps(forward(initial), ids, mask, out["completion_ids"])
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ours_model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+    ours_model.load_state_dict(trainer.model.state_dict())
+    out["old_per_token_logps"] = old
+    theirs = trainer._compute_loss(trainer.model, out)
+    their_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    if beta:
+        assert torch.allclose(old, out["ref_per_token_logps"], atol=1e-5)  # reference = initial model
+    logps = step.answer_logps(forward(ours_model), ids, mask, out["completion_ids"])
+    loss, sums = step.loss(logps, out["completion_mask"], out["advantages"], old_logps=old,
+                           ref_logps=old if beta else None, gas=1,
+                           step_tokens=float(out["num_items_in_batch"]), ranks=1)
+    diff = abs(float(loss) - float(theirs))
+    print(f"{loss_type}: ours {float(loss):.8f} trl {float(theirs):.8f} diff {diff:.2e}")
+    assert diff <= 1e-5
+    for key, (value, count) in sums.items():
+        assert float(value / count) == pytest.approx(their_metrics[key], abs=1e-5), key
+    assert their_metrics["clip_ratio/region_mean"] > 0  # clipping really happened
+    if beta:
+        assert their_metrics["kl"] > 1e-4  # the KL term really counted
+    # and the gradients agree too
+    loss.backward()
+    theirs.backward()
+    for (name, a), b in zip(ours_model.named_parameters(), trainer.model.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
