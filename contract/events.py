@@ -47,6 +47,8 @@ class EventType(str, Enum):
     REWIND = "rewind"            # training state restored in place; later steps abandoned (engine.checkpoint.rewind)
     BRANCH = "branch"            # the run goes on as a new branch of the run folder's tree (contract.branches)
     SNAPSHOT = "snapshot"        # the training state kept in host memory, or one evicted
+    RANK_FAILED = "rank_failed"  # a rank died or hung, and the run restarts (manager, supervisor.restart)
+    RESTART = "restart"          # the whole group relaunched from the latest complete checkpoint (manager)
 
     def __str__(self) -> str:  # its value in messages and f-strings, as in the log
         return self.value
@@ -361,13 +363,36 @@ class EarlyStopEvent(Event):
     threshold: float | None = None
 
 
+class RankFailedEvent(Event):
+    """`rank_failed`: a rank of the group failed (`kind`: died, error, hung; `rank`; `error`: why,
+    with its log's last lines) at `step`, and the run restarts (`restart` follows). A failure the
+    run does not restart from is its final `state` failed event instead."""
+    type: Literal[EventType.RANK_FAILED] = EventType.RANK_FAILED
+    step: int | None = None
+    rank: int | None = None
+    kind: str | None = None
+    error: str | None = None
+    source: str | None = None
+
+
+class RestartEvent(Event):
+    """`restart`: the whole group relaunched (`attempt` of `max_restarts`) from `checkpoint` (the
+    run folder's latest complete one, of step `step`), with the same folder, control file and inbox."""
+    type: Literal[EventType.RESTART] = EventType.RESTART
+    step: int | None = None
+    attempt: int | None = None
+    max_restarts: int | None = None
+    checkpoint: str | None = None
+    source: str | None = None
+
+
 COMMAND_STATUSES = tuple(s.value for s in CommandStatus)
 
 EVENT_MODELS: tuple[type[Event], ...] = (
     StateEvent, SetupEvent, TrainEvent, EvalEvent, CommandEvent, SetEvent, ChatPageEvent, CheckpointEvent,
     CheckpointDeletedEvent, CheckpointFailedEvent, ResumeEvent, ExportEvent, BestModelEvent, RewindEvent,
     BranchEvent, SnapshotEvent, DataEvent, TeachEvent, TeachCheckEvent, WarningEvent, GuardEvent,
-    EarlyStopEvent)
+    EarlyStopEvent, RankFailedEvent, RestartEvent)
 
 AnyEvent = Annotated[Union[EVENT_MODELS], Field(discriminator="type")]  # type: ignore[valid-type]
 EVENTS: TypeAdapter[Event] = TypeAdapter(AnyEvent)  # the one reader: `type` picks the model

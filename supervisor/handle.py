@@ -20,10 +20,12 @@ from contract.protocol.states import RunState
 from contract.run_folder import EventLog, EventTail, RunFolder
 from contract.events import StateEvent
 
-from supervisor import procs, stopping
+from contract.config.load import load_config
+from supervisor import procs, restart, stopping
+from supervisor.launch import spawn
 from supervisor.judgement import LOST_PEER, Facts, RankExit, Verdict, VerdictKind, exited, judge, last_exception, post_mortem
 from supervisor.remote import RemoteLog
-from supervisor.records import (Failure, RunInfo, child_running, launcher_reported_failure, launcher_spawned,
+from supervisor.records import (Failure, RunInfo, adopt_child, child_running, launcher_reported_failure, launcher_spawned,
                                 launcher_reported_success, log_tail, mark_stopping, read_pid, reap,
                                 stop_in_progress)
 from supervisor.summary import RunSummary
@@ -60,11 +62,15 @@ class RunHandle:
         self._final_seen_at: float | None = None
         self._cleanup: threading.Thread | None = None
         self._remote = RemoteLog(folder.logs / "launcher.log")  # ranks on other machines
+        self._launch_env: dict[str, str] = {}  # the extra environment of its launch (restarts reuse it)
+        self.restarts = 0  # times this handle relaunched the group (supervisor.restart)
 
-    def mark_launched(self) -> None:
-        """This process started the run: if it dies before it is ever seen, that is news."""
+    def mark_launched(self, env: dict[str, str] | None = None) -> None:
+        """This process started the run: if it dies before it is ever seen, that is news.
+        `env`: the extra environment it was started with (a restart starts it so again)."""
         with self._lock:
             self._seen_alive = True
+            self._launch_env = dict(env or {})
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -288,7 +294,32 @@ class RunHandle:
         stopping.end_group(self.pid, self.folder.root, grace_s=3.0)
         with self._lock:
             self.refresh()
+            if not self._is_stopping() and self._restart(failure):
+                return
             self._record_failure(failure)
+
+    def _restart(self, failure: Failure) -> bool:
+        """Relaunch the whole group from the latest complete checkpoint when `fault.max_restarts`
+        allows (supervisor.restart); False: the failure is the run's final one (its message then
+        says why no restart came)."""
+        try:
+            cfg = load_config(self.folder.config)
+            cfg.fault.max_restarts  # noqa: B018 - a config of this run's version has the section
+        except Exception:  # noqa: BLE001 - no readable config: nothing to restart with
+            return False
+        step = self._summary.step
+        decision = restart.decide(cfg.fault.max_restarts, restart.earlier_failures(self.folder), step,
+                                  restart.latest_complete(self.folder))
+        if not decision.restart:
+            if decision.why_not:
+                self._failure = dataclasses.replace(failure, message=f"{failure.message} ({decision.why_not})")
+            return False
+        cfg = restart.prepare(self.folder, decision, failure.rank, failure.kind, failure.message, step)
+        launched = spawn(cfg, self.folder, extra_env=self._launch_env)
+        adopt_child(launched.process)
+        self.restarts += 1
+        self._seen_alive = True
+        return True
 
     def wait_cleaned_up(self, timeout: float = 30.0) -> None:
         """Wait until the ending of a failed run (started by `evaluate`) is done."""
@@ -297,6 +328,7 @@ class RunHandle:
             cleanup.join(timeout)
 
     def _record_failure(self, failure: Failure) -> None:
+        failure = self._failure or failure  # with why no restart came, when one was asked for
         s = self._summary
         if s.final and (s.state != RunState.FAILED or s.error_rank == failure.rank):
             return  # the run recorded it itself, and rightly

@@ -107,7 +107,7 @@ class RunManager:
                 log.close()
             adopt_child(launched.process)
             handle = RunHandle(folder, self.hang_timeout, self.log_lines)
-            handle.mark_launched()
+            handle.mark_launched(env)
             self._handles[handle.name] = handle
         return handle
 

@@ -1,0 +1,85 @@
+"""Restarts after a failure (fault.max_restarts, supervisor.restart): the decision's table, then a
+real run through the real launcher whose rank is killed with SIGKILL mid-run: the manager records
+the failure and the restart, relaunches the group from the latest complete checkpoint in the same
+folder, and the run finishes; the steps trained again after the restart repeat the first run's
+losses exactly (as a resume by hand from that checkpoint does)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from contract.config.load import load_config
+from contract.run_folder import read_events
+from control_runs import task_files
+from supervisor.manager import RunManager
+from supervisor.restart import decide
+
+CKPT = (Path("/r/checkpoints/step-4"), 4)
+
+
+def test_restart_decisions():
+    assert not decide(0, [], 7, CKPT).restart  # off: the failure is the run's
+    first = decide(2, [], 7, CKPT)
+    assert (first.restart, first.attempt, first.checkpoint, first.step) == (True, 1, CKPT[0], 4)
+    assert decide(2, [{"step": 7}], 7, CKPT).attempt == 2
+    loop = decide(2, [{"step": 7}, {"step": 7}], 7, CKPT)
+    assert not loop.restart and loop.why_not == "gave up after 2 restart(s), each time at step 7: a crash loop"
+    assert decide(1, [{"step": 5}], 9, CKPT).why_not == "gave up after 1 restart(s)"
+    assert "no complete checkpoint" in decide(1, [], 3, None).why_not
+
+
+def _losses(events: list[dict]) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in events if e["type"] == "train"]
+
+
+def _wait_final_after_restart(path: Path, deadline: float) -> list[dict]:
+    """The events once a final state follows a restart (or, without one, once the run failed)."""
+    while True:
+        events = list(read_events(path))
+        kinds = [(e["type"], e.get("state")) for e in events]
+        at = max((i for i, k in enumerate(kinds) if k[0] == "restart"), default=-1)
+        if any(k[1] in ("finished", "failed") for k in kinds[at + 1:]) or time.monotonic() > deadline:
+            return events
+        time.sleep(0.3)
+
+
+@pytest.mark.slow  # two 1-rank starts through the DeepSpeed launcher
+def test_a_killed_rank_restarts_from_the_checkpoint_and_the_run_finishes(tmp_path):
+    task = task_files(tmp_path / "task")
+    cfg = load_config(overrides=[
+        "run_name=r", "nproc=1", "max_steps=10", "batch_size=8", "data.max_length=32",
+        f"data.train={task['train']}", f"data.eval={task['eval']}", "precision=fp32",
+        "logging.tensorboard=false", "checkpoint.save_at_end=false", "eval.at_end=false",
+        "checkpoint.every_n_steps=4", "fault.max_restarts=1", "control.enabled=true"])
+    with RunManager(tmp_path / "runs") as manager:
+        handle = manager.start(cfg, env={"LIVETUNE_CACHE": task["cache"]})
+        manager.start_monitor(interval=0.3)
+        events_path = handle.folder.events
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:  # past the step-4 checkpoint, before the end
+            steps = [s for s, _ in _losses(list(read_events(events_path)))]
+            if steps and steps[-1] >= 6 and (handle.folder.root / "checkpoints" / "step-4").exists():
+                break
+            time.sleep(0.2)
+        ranks = handle.rank_pids()
+        assert ranks, "no rank seen"
+        os.kill(ranks[0], signal.SIGKILL)
+        events = _wait_final_after_restart(events_path, deadline=time.monotonic() + 600)
+        assert handle.wait(timeout=120), "the run's processes did not end"
+        info = handle.info()
+    assert info.state.value == "finished", (info, [e for e in events if e["type"] in ("state", "rank_failed")])
+    (failed,) = [e for e in events if e["type"] == "rank_failed"]
+    (restarted,) = [e for e in events if e["type"] == "restart"]
+    assert failed["rank"] == 0 and "SIGKILL" in failed["error"] or "signal 9" in failed["error"], failed
+    assert restarted["attempt"] == 1 and restarted["checkpoint"].endswith("step-4")
+    cut = events.index(restarted)
+    before, after = _losses(events[:cut]), _losses(events[cut:])
+    assert [s for s, _ in after] == list(range(5, 11))
+    first = dict(before)
+    repeated = [s for s, _ in after if s in first]
+    assert repeated and all(dict(after)[s] == first[s] for s in repeated), (before, after)
