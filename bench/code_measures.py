@@ -2,8 +2,9 @@
 
     python bench/code_measures.py [CHECKOUT]
 
-state / event-type / command-status string literals outside contract/ (the check of
-tests/test_declared_once.py), names re-exported by a module that does not use them, the longest
+state / event-type / command-status string literals outside contract/ and commands' answers
+read by string key in app/ or supervisor/ (the checks of tests/test_declared_once.py), events
+written as dicts (`emit({...})`, `emit(dict(...))`: an event is written through its model), names re-exported by a module that does not use them, the longest
 functions, and the README's length."""
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ def main(root: Path) -> None:
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     check.ROOT = root
-    reexported, functions = 0, []
+    reexported, functions, dict_events = 0, [], []
     for package in PACKAGES:
         for path in (root / package).rglob("*.py"):
             tree = ast.parse(path.read_text())
+            dict_events += [f"{path.relative_to(root)}:{line}" for line in _events_as_dicts(tree)]
             functions += [(n.end_lineno - n.lineno + 1, f"{path.relative_to(root)}:{n.name}") for n in ast.walk(tree)
                           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
             if path.name == "__init__.py":
@@ -36,9 +38,22 @@ def main(root: Path) -> None:
                     reexported += sum(1 for a in node.names if (a.asname or a.name) not in used)
     functions.sort(reverse=True)
     print(f"state / event-type / status literals outside contract/: {len(check.literals_outside_the_contract())}")
+    keyed = check.answers_read_by_key()
+    print(f"answers read by string key in app/ or supervisor/: {len(keyed)}"
+          + (f" ({', '.join(keyed)})" if keyed else ""))
+    print(f"events written as dicts: {len(dict_events)}" + (f" ({', '.join(dict_events)})" if dict_events else ""))
     print(f"names imported from our packages and not used where imported (re-exports): {reexported}")
     print("longest functions: " + ", ".join(f"{name} ({lines} lines)" for lines, name in functions[:5]))
     print(f"README.md: {len((root / 'README.md').read_text().splitlines())} lines")
+
+
+def _events_as_dicts(tree: ast.AST) -> list[int]:
+    """Lines where an event is emitted as a dict: `emit({...})` or `emit(dict(...))`."""
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "emit"
+            and node.args and (isinstance(node.args[0], ast.Dict) or
+                               (isinstance(node.args[0], ast.Call) and isinstance(node.args[0].func, ast.Name)
+                                and node.args[0].func.id == "dict"))]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Run states, event types and command statuses are enums declared once in contract/; outside it
 they are used through the enum, never spelled as string literals (a typo in a literal compares
-false forever; a typo in an enum member fails at import)."""
+false forever; a typo in an enum member fails at import). Commands' answers are models
+(contract.protocol.answers): app/ and supervisor/ read their fields, never `answer["step"]`."""
 
 import ast
 from pathlib import Path
@@ -44,6 +45,74 @@ def _uses(node: ast.AST):
 
 def _is(node: ast.AST, what: str) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in SPELLED[what]
+
+
+# the client's verbs (supervisor.client.RunClient, the notebook's Run, app.session.Session.send):
+# what they return is a command's answer model
+VERBS = {"send", "command", "pause", "resume", "save", "evaluate", "set", "status", "rewind", "branch",
+         "snapshot", "branches", "add_source", "set_weight", "remove_source", "teach", "prefer", "inbox",
+         "forget", "wait"}
+
+
+def answers_read_by_key() -> list[str]:
+    """Each `answer["step"]` / `answer.get("step")` in app/ and supervisor/ where `answer` is what a
+    verb returned (or a generation's `.result`), or a parameter annotated as an answer model."""
+    found = []
+    for package in ("app", "supervisor"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for function in ast.walk(ast.parse(path.read_text())):
+                if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found += [f"{path.relative_to(ROOT)}:{line} {text}" for line, text in _key_reads(function)]
+    return found
+
+
+def _key_reads(function: ast.AST):
+    names = {a.arg for a in ast.walk(function) if isinstance(a, ast.arg) and a.annotation is not None
+             and ast.unparse(a.annotation).endswith("Answer")}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and _is_answer(node.value, set()):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(function):
+        keyed = None
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_text(node.slice):
+            keyed = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args and _is_text(node.args[0]):
+            keyed = node.func.value
+        if keyed is not None and _is_answer(keyed, names):
+            yield node.lineno, ast.unparse(node)
+
+
+def _is_answer(node: ast.AST, names: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in names
+    if isinstance(node, ast.Attribute):  # generation.result
+        return node.attr == "result"
+    if isinstance(node, ast.BoolOp):  # generation.result or {}
+        return any(_is_answer(v, names) for v in node.values)
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in VERBS
+
+
+def _is_text(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+# the OpenAI-compatible API's stream reads the raw `done` message its own sink receives
+# (supervisor.openai_stream.LoopAnswers); it is to parse it into CompleteAnswer as the client does
+NOT_YET = ("supervisor/openai_stream.py:",)
+
+
+def test_no_answer_read_by_string_key_in_app_or_supervisor():
+    assert [read for read in answers_read_by_key() if not read.startswith(NOT_YET)] == []
+
+
+def test_the_check_finds_an_answer_read_by_key():
+    tree = ast.parse('def f(client, g, shown: SetAnswer):\n    r = client.set(lr=1)\n    s = client.status()\n'
+                     '    x = {"a": 1}\n    return r["changes"], s.get("step"), g.result["text"], shown["step"], '
+                     'client.pause()["state"], x["a"], r.changes\n')
+    found = [text for _, text in _key_reads(tree.body[0])]
+    assert sorted(found) == sorted(["r['changes']", "s.get('step')", "g.result['text']", "shown['step']",
+                                    "client.pause()['state']"])
 
 
 def test_no_state_event_type_or_status_literal_outside_the_contract():

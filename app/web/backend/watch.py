@@ -99,8 +99,7 @@ class Watch:
         if info.alive and info.state in (RunState.RUNNING, RunState.PAUSED):
             try:
                 live = self.session.client(path, timeout=2.0).status()
-                out["settings"] = live.get("settings")
-                out["queue"] = live.get("queue")
+                out["settings"], out["queue"] = live.settings, live.queue
             except (SessionError, CommandError, RunGone, OSError, TimeoutError):
                 pass
         return out
