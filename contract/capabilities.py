@@ -56,6 +56,7 @@ class Feature(str, Enum):
     PACKING = "packing"              # data.batching packing
     SNAPSHOTS = "snapshots"          # in-memory snapshots and rewinds to them
     PREFERENCE = "preference"        # a preference objective (DPO, ORPO, SimPO, KTO)
+    QUANTIZED = "quantized"          # model.quantization 4bit / 8bit (a bitsandbytes base)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ _PREF_PP = Refusal("preference.objective", "a preference objective scores chosen
 _PREF_FUSED = Refusal("preference.objective", "{method} updates inside backward from one loss at a time; a "
                       "preference objective needs the chosen and rejected answers' log-probabilities "
                       "first; use method full or lora")
+_QUANT_FULL = Refusal("model.quantization", "a quantized base's weights are frozen integers that an "
+                      "optimizer cannot update; {method} trains every weight. Use method lora (or another "
+                      "PEFT method), or quantization none")
+_QUANT_SPLIT = Refusal("model.quantization", "tensor and pipeline parallelism split or stage the model's "
+                       "linear layers, which bitsandbytes' packed weights and their quantization constants "
+                       "do not support; use tp_size 1 and pp_size 1 (ZeRO 0-2) with a quantized base")
 _PREF_VIRTUAL = Refusal("preference.objective", "{method}'s virtual tokens have no adapters-off reference "
                         "model to compare with; use method lora or full")
 
@@ -111,6 +118,10 @@ def _cells() -> dict[tuple[Layout, Method, Feature], Refusal]:
                 refused[layout, method, Feature.GUARD_SKIP] = _PP_SKIP
             if layout is Layout.PIPELINE and not method.fused:
                 refused[layout, method, Feature.PREFERENCE] = _PREF_PP
+            if not method.peft:
+                refused[layout, method, Feature.QUANTIZED] = _QUANT_FULL
+            elif split:
+                refused[layout, method, Feature.QUANTIZED] = _QUANT_SPLIT
             if method in (Method.PROMPT_TUNING, Method.P_TUNING):
                 refused[layout, method, Feature.PACKING] = _VIRTUAL_PACKING
                 refused.setdefault((layout, method, Feature.PREFERENCE), _PREF_VIRTUAL)

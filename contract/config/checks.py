@@ -187,7 +187,16 @@ def capability_problems(c: RunConfig) -> list[tuple[str, str]]:
         asked.append(Feature.GRAD_ACCUM)
     if c.data.batching == "packing":
         asked.append(Feature.PACKING)
-    found = (capabilities.problem(layout, method, feature) for feature in asked)
+    if c.model.quantization != "none":
+        asked.append(Feature.QUANTIZED)
+    found = [capabilities.problem(layout, method, feature) for feature in asked]
+    if c.model.quantization != "none" and c.parallel.zero_stage == 3:
+        # a value rule (the stage), so it stays here rather than in the table
+        found.append(("model.quantization", "ZeRO-3 partitions every parameter into flat per-dtype shards; "
+                      "transformers carries a 4-bit base through that only with bnb_4bit_quant_storage equal "
+                      "to the compute dtype, on CUDA, loaded under ZeRO-3's construction context, which this "
+                      "engine does not do (and never 8-bit); use zero_stage 0, 1 or 2 (the frozen base is "
+                      "already small, ZeRO-2 partitions the adapter's gradients and optimizer state)"))
     return [p for p in found if p is not None]
 
 

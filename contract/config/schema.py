@@ -64,6 +64,24 @@ class ModelConfig(Section):
         "matrix products), flash_attention_2 (a CUDA GPU in bf16 / fp16, the flash_attn package).",
         label="Attention")
     trust_remote_code: bool = _f(False, "Allow model code shipped inside the model folder to run.")
+    quantization: Literal["none", "4bit", "8bit"] = _f(
+        "none", "Load the base model's linear layers quantized with bitsandbytes (QLoRA) and train a "
+        "PEFT adapter on it: 4bit keeps about a quarter of bf16's weight memory, 8bit about half. Costs: "
+        "every forward dequantizes the weights (slower steps) and the base loses a little accuracy. "
+        "Needs method lora, prompt_tuning or p_tuning, zero_stage 0-2, tp_size and pp_size 1.",
+        label="Quantized base")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = _f(
+        "nf4", "4bit: the data type of the weights: nf4 (NormalFloat, QLoRA's, fits normally "
+        "distributed weights) or fp4.", label="4-bit type")
+    bnb_4bit_use_double_quant: bool = _f(
+        True, "4bit: quantize the quantization constants too (about 0.4 bits per parameter less).",
+        label="Double quantization")
+    bnb_4bit_compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f(
+        "auto", "4bit: the dtype the weights are dequantized to for each matrix product; auto: the run's "
+        "precision.", label="4-bit compute dtype")
+    bnb_4bit_quant_storage: Literal["uint8", "bf16", "fp16", "fp32"] = _f(
+        "uint8", "4bit: the dtype of the tensors that hold the packed weights (the bits are the same; a "
+        "float type is what layouts that flatten parameters by dtype need).", label="4-bit storage dtype")
 
 
 class DataConfig(Section):
@@ -150,24 +168,6 @@ class PreferenceConfig(Section):
         label="SFT run's preference pairs")
 
 
-class OptimConfig(Section):
-    name: Literal["adamw", "sgd"] = _f("adamw", "Optimizer (ignored by LOMO / AdaLomo).", label="Optimizer")
-    lr: float = _f(1e-3, "Peak learning rate.", minimum=0.0)
-    weight_decay: float = _f(0.0, "Decoupled weight decay.", minimum=0.0)
-    betas: list[float] = _f([0.9, 0.999], "Adam betas.")
-    eps: float = _f(1e-8, "Adam epsilon.", minimum=0.0)
-    scheduler: Literal["constant", "linear", "cosine"] = _f("cosine", "Learning-rate schedule after warmup.")
-    warmup_steps: int = _f(0, "Linear warmup steps (wins over warmup_ratio when > 0).", minimum=0)
-    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps.", minimum=0.0, maximum=0.99)
-    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables.", minimum=0.0)
-
-
-class TrainConfig(Section):
-    epochs: int = _f(1, "Passes over the training data (max_steps wins when > 0).", minimum=0)
-    max_steps: int = _f(0, "Optimizer steps to train; 0: as many as the epochs give.", minimum=0)
-    micro_batch_size: int = _f(8, "Samples per rank per forward pass.", minimum=1)
-    grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.", minimum=1)
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = _f(
 class GrpoConfig(Section):
     """GRPO and its variants (docs/rewards.md): sample num_generations answers per prompt with the
     live weights, score them with the reward functions, move toward the better ones. TRL's
@@ -200,6 +200,24 @@ class GrpoConfig(Section):
                              "reward is their weighted sum (docs/rewards.md).", label="Rewards")
 
 
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = _f("adamw", "Optimizer (ignored by LOMO / AdaLomo).", label="Optimizer")
+    lr: float = _f(1e-3, "Peak learning rate.", minimum=0.0)
+    weight_decay: float = _f(0.0, "Decoupled weight decay.", minimum=0.0)
+    betas: list[float] = _f([0.9, 0.999], "Adam betas.")
+    eps: float = _f(1e-8, "Adam epsilon.", minimum=0.0)
+    scheduler: Literal["constant", "linear", "cosine"] = _f("cosine", "Learning-rate schedule after warmup.")
+    warmup_steps: int = _f(0, "Linear warmup steps (wins over warmup_ratio when > 0).", minimum=0)
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps.", minimum=0.0, maximum=0.99)
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables.", minimum=0.0)
+
+
+class TrainConfig(Section):
+    epochs: int = _f(1, "Passes over the training data (max_steps wins when > 0).", minimum=0)
+    max_steps: int = _f(0, "Optimizer steps to train; 0: as many as the epochs give.", minimum=0)
+    micro_batch_size: int = _f(8, "Samples per rank per forward pass.", minimum=1)
+    grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.", minimum=1)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = _f(
         "auto", "Training precision; auto takes bf16 where the hardware does bf16 fast, else fp32.")
     seed: int = _f(42, "Seed of weights init, data order and dropout.")
     loss_average: Literal["tokens", "micro_batch"] = _f(
@@ -355,6 +373,7 @@ class RunConfig(Section):
     teach: TeachConfig = Field(default_factory=TeachConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     resume: str = _f("", "Continue from a training checkpoint folder, `latest` in the run folder (the "
                      "present branch's newest), or a branch's name (its newest checkpoint).",
                      label="Resume from checkpoint")
@@ -373,7 +392,6 @@ class RunConfig(Section):
     def uses_default_task(self) -> bool:
         return not self.data.train and not self.data.sources
 
-    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     def to_dict(self) -> dict:
         return self.model_dump()
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.locations import CheckpointError
+from engine.model.loading import is_quantized
 
 
 def placeholder_optimizer(engine) -> bool:
@@ -51,7 +52,11 @@ def load_engine_state(engine, local: Path, tag: str, *, scheduler: bool = True) 
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     placeholder = placeholder_optimizer(engine)  # nothing was saved of it (save_engine_state)
     own_file = isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization() and not placeholder
-    load_path, _ = engine.load_checkpoint(str(local), tag=tag, load_module_strict=True,
+    # a quantized base's saved state has bitsandbytes' quantization constants beside each packed
+    # weight, which a loaded (already quantized) module does not take back as keys; the base is
+    # rebuilt bit for bit from its folder; the adapter loads under the names it was saved with
+    strict = not is_quantized(engine.module)
+    load_path, _ = engine.load_checkpoint(str(local), tag=tag, load_module_strict=strict,
                                           load_optimizer_states=not (own_file or placeholder),
                                           load_lr_scheduler_states=scheduler)
     if load_path is None:

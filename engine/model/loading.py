@@ -8,13 +8,14 @@ config with the run's seed.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from contract import hub
-from contract.config.schema import RunConfig
+from contract.config.schema import ModelConfig, RunConfig
 from engine.data.default_task import default_root, ensure_default_assets
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -72,18 +73,60 @@ def read_config(folder: str | Path, *, trust_remote_code: bool = False):
         raise ModelFolderError(f"model.path: {folder} is not a Hugging Face model folder: {e}") from None
 
 
+def quantization_config(model: ModelConfig, precision: str):
+    """transformers' BitsAndBytesConfig for `model.quantization` (None for "none"); the 4-bit
+    compute dtype "auto" is the run's precision."""
+    if model.quantization == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+    if model.quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = precision if model.bnb_4bit_compute_dtype == "auto" else model.bnb_4bit_compute_dtype
+    storage = torch.uint8 if model.bnb_4bit_quant_storage == "uint8" else DTYPES[model.bnb_4bit_quant_storage]
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=model.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=model.bnb_4bit_use_double_quant,
+                              bnb_4bit_compute_dtype=DTYPES[compute], bnb_4bit_quant_storage=storage)
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """Whether the model's base was loaded quantized (bitsandbytes 4-bit or 8-bit)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
+def _device() -> str:
+    """Where a quantized model is placed: bitsandbytes quantizes as it moves the weights there."""
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
 def build_model(folder: str | Path, *, seed: int, precision: str, attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, init_context=contextlib.nullcontext,
-                trust_remote_code: bool = False) -> torch.nn.Module:
+                trust_remote_code: bool = False, quantization=None) -> torch.nn.Module:
     """Load (or, without weights, initialise) a causal LM.
 
     `init_context` is the ZeRO-3 construction context from the DeepSpeed layer, so the model is
-    partitioned while it is built and no rank ever holds all of it.
+    partitioned while it is built and no rank ever holds all of it. `quantization` (a
+    BitsAndBytesConfig, see `quantization_config`) loads the linear layers quantized; ZeRO-3 is
+    refused for it by the config check, so no construction context applies.
     """
     folder = Path(folder)
     config = read_config(folder, trust_remote_code=trust_remote_code)
     torch.manual_seed(seed)
     _import_model_class(config)
+    if quantization is not None:
+        model = _build_quantized(folder, config, seed=seed, precision=precision, quantization=quantization,
+                                 attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    else:
+        model = _build_plain(folder, config, precision=precision, attn_implementation=attn_implementation,
+                             init_context=init_context, trust_remote_code=trust_remote_code)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def _build_plain(folder: Path, config, *, precision: str, attn_implementation: str, init_context,
+                 trust_remote_code: bool) -> torch.nn.Module:
     with init_context():
         if has_weights(folder):
             model = AutoModelForCausalLM.from_pretrained(
@@ -95,10 +138,26 @@ def build_model(folder: str | Path, *, seed: int, precision: str, attn_implement
             model = AutoModelForCausalLM.from_config(
                 config, dtype=DTYPES[precision], attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     return model
+
+
+def _build_quantized(folder: Path, config, *, seed: int, precision: str, quantization,
+                     attn_implementation: str, trust_remote_code: bool) -> torch.nn.Module:
+    """The model with its linear layers quantized as they load (transformers quantizes only in
+    `from_pretrained`): a folder without weights is first initialised with the seed (the same
+    weights an unquantized run of this seed starts from), and written to a temporary folder."""
+    kwargs = dict(dtype=DTYPES[precision], attn_implementation=attn_implementation,
+                  trust_remote_code=trust_remote_code, quantization_config=quantization,
+                  device_map={"": _device()})
+    if has_weights(folder):
+        return AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    with tempfile.TemporaryDirectory(prefix="quantize-") as tmp:
+        torch.manual_seed(seed)
+        plain = AutoModelForCausalLM.from_config(config, dtype=DTYPES[precision], attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+        plain.save_pretrained(tmp)
+        del plain
+        return AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
 
 
 def _import_model_class(config) -> None:

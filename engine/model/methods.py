@@ -46,6 +46,7 @@ from contract.capabilities import Feature
 from contract.config.schema import FUSED_METHODS, PEFT_METHODS, RunConfig
 from engine import lomo
 from engine.parallel import ds_config
+from engine.model.loading import is_quantized
 from engine.checkpoint import adapters
 from engine.context import Method, RunContext
 from engine.steps import StepStrategy
@@ -124,6 +125,9 @@ def refuse_peft_model(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module
     if is_peft_model(model):
         raise ValueError(f"method.name: {cfg.method.name} trains the whole model, but the model given "
                          "is a PEFT model; choose lora, prompt_tuning or p_tuning")
+    if is_quantized(model):  # the config check refuses it first; a model given by hand meets it here
+        raise ValueError(f"method.name: {cfg.method.name} trains the whole model, but the model given is "
+                         "quantized (frozen integer weights); choose lora, prompt_tuning or p_tuning")
     return model
 
 
@@ -159,6 +163,17 @@ def set_active_adapter(model, name: str) -> None:
         raise ValueError(f"method.adapter_name: no adapter named {name!r}; the model has "
                          f"{', '.join(model.peft_config)}")
     model.set_adapter(name)
+
+
+def prepare_quantized(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+    """A quantized base made ready for an adapter (peft's `prepare_model_for_kbit_training`): every
+    base weight frozen, the norms and other unquantized weights in fp32 for a stable forward, the
+    input embeddings' output requiring grad (so gradient checkpointing has a graph to recompute)."""
+    from peft import prepare_model_for_kbit_training
+    checkpointing = cfg.model.gradient_checkpointing
+    return prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None)
 
 
 def trainable_parameter_names(model: torch.nn.Module) -> list[str]:
@@ -230,6 +245,8 @@ class PeftMethod(FullMethod):
         self.targets_shifted = name == "lora"
 
     def prepare_model(self, model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+        if is_quantized(model) and not is_peft_model(model):
+            model = prepare_quantized(model, cfg)
         model = wrap_with_adapter(model, cfg)
         targets = getattr(model.peft_config[cfg.method.adapter_name], "target_modules", None)
         self.lora_targets = sorted(targets) if isinstance(targets, (set, list, tuple)) else []
