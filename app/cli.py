@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
+from app.cli_command import command
 from app.cli_preview import preview
 from contract.args import resolve_args
 from contract.config.schema import ConfigError, RunConfig, SHORTCUTS
@@ -54,6 +55,7 @@ TRAIN_HELP = """usage: ./launch.sh train [--detach] [CONFIG.yaml] [key=value ...
        ./launch.sh watch RUN_FOLDER
        ./launch.sh stop RUN_FOLDER [save=false]
        ./launch.sh preview DATA_FILE [format=...]   (rows, format; preference pairs side by side)
+       ./launch.sh command RUN_FOLDER NAME [key=value ...]   (pause, set lr=1e-4, status ...: its answer)
 
 Train from the terminal. No config: the embedded default task. Overrides are dotted field names
 (optim.lr=1e-4, data.train=my.jsonl) or the short names:
@@ -425,7 +427,8 @@ def submit(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "watch": watch, "stop": stop, "submit": submit, "preview": preview}
+COMMANDS = {"train": train, "watch": watch, "stop": stop, "submit": submit, "preview": preview,
+            "command": lambda argv: command(argv, say)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,70 @@
+"""One set of verbs: the same bad input gets the same words from every front end (the Python
+client, the notebook's Run, the web app's API and learning-rate box, the terminal), because
+each builds the same contract.protocol command, whose model refuses it. No run is needed: a bad
+argument is refused before anything is sent."""
+
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from app.cli import main
+from app.lr_box import lr_from_box
+from app.notebook.api import Run
+from app.session import SessionError
+from app.web import api
+from app.web.backend import Backend
+from contract.protocol.base import ProtocolError
+from contract.protocol.commands import Set
+from contract.run_folder import RunFolder
+from supervisor.client import CommandError, RunClient
+
+
+def _run() -> Run:
+    """A notebook Run whose verbs are called without a run: the command is refused while it is
+    built, before the run (its session, its handle) is ever asked."""
+    return object.__new__(Run)
+
+
+def _words(lr: float = -1) -> str:
+    with pytest.raises(ProtocolError) as refused:
+        Set(lr=lr)
+    return str(refused.value)
+
+
+def test_a_bad_learning_rate_gets_the_same_words_everywhere(tmp_path, capsys):
+    words = _words()
+    assert words == "set: argument 'lr' must be >= 0.0 and <= 10.0, got -1"
+    folder = RunFolder(tmp_path / "runs" / "r").create()
+
+    with pytest.raises(CommandError) as client:  # Python
+        RunClient(folder.root).set(lr=-1)
+    with pytest.raises(SessionError) as notebook:  # the notebook
+        _run().set(lr=-1)
+    with pytest.raises(SessionError) as box:  # the web page's and the panel's learning-rate box
+        lr_from_box("-1", confirmed=True)
+    backend = Backend(tmp_path / "runs")
+    try:
+        with gr.Blocks() as blocks:
+            api.register(backend)
+        endpoint = next(f.fn for f in blocks.fns.values() if f.api_name == "set")
+        with pytest.raises(gr.Error) as web:  # the web app's API (gradio_client's /set)
+            endpoint(str(folder.root), lr=-1)
+    finally:
+        backend.close()
+    with pytest.raises(SystemExit) as ended:  # the terminal
+        main(["command", str(folder.root), "set", "lr=-1"])
+    terminal = capsys.readouterr().err.strip()
+
+    assert ended.value.code == 2
+    assert [str(client.value), str(notebook.value), web.value.message, terminal] == [words] * 4
+    assert str(box.value) == _words(-1.0)  # a box's text is read as a float
+
+
+def test_a_bad_source_weight_gets_the_same_words_from_client_and_notebook(tmp_path):
+    folder = RunFolder(tmp_path / "runs" / "r").create()
+    with pytest.raises(CommandError) as client:
+        RunClient(folder.root).add_source("x.jsonl", weight=-2)
+    with pytest.raises(SessionError) as notebook:
+        _run().add_source("x.jsonl", weight=-2)
+    assert str(client.value) == str(notebook.value) == "add_source: argument 'weight' must be >= 0.0 and <= 1000000000.0, got -2"
