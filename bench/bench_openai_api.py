@@ -1,6 +1,7 @@
 """What the OpenAI-compatible API costs, on a 2-rank ZeRO-3 run of the tiny default model. By hand:
 
-    .venv/bin/python bench/bench_openai_api.py [--window 100] [--pairs 2] [--requests 40]
+    .venv/bin/python bench/bench_openai_api.py [--window 100] [--pairs 2] [--requests 40] [--clients 8]
+        [--throughput-only]
 
 1. First token: a streamed completion through the API (the `openai` client, supervisor.openai_api)
    against the same request through the control plane's own client (RunClient.generate), on the
@@ -12,11 +13,14 @@
      server, the `openai` client's parsing against one socket hop).
    This run has `control.serving_budget=1` (no limit): the comparison is of the two paths; under
    the default budget a request that comes when the budget is spent waits for it, by design.
-2. Training tokens/s while one `openai` client keeps streaming chats (the default serving budget)
-   against no client (target: at least 0.95x), on one run, in windows of `--window` steps in the
-   order none, client, client, none (`--pairs` times two), so that the machine's drift weighs on
-   both alike; then, for reference, while the control plane's own client streams the same chats
-   (its chat is not limited by the budget: each costs a generation at a step boundary).
+2. Training tokens/s while `--clients` `openai` clients (default 8) keep streaming chats without a
+   pause (the default serving budget) against no client (target: at least 0.95x), on one run, in
+   windows of `--window` steps in the order none, clients, clients, none (`--pairs` times two), so
+   that the machine's drift weighs on both alike, and the largest share of any 10 s of the served
+   windows that serving took (from the event log: each answered boundary's seconds); then, for
+   reference, while the control plane's own client streams the same chats (its chat is not
+   limited by the budget: each costs a generation at a step boundary). `--throughput-only`: this
+   part alone.
 3. lm-evaluation-harness wall time for the tests' small task (tests/lm_eval_task) through the
    live API (the run paused) against its own `hf` model on the same weights, exported.
 """
@@ -42,7 +46,8 @@ from bench_control import WINDOW_SKIP, reach_step, step_time, throughput  # noqa
 from contract.config.schema import ControlConfig  # noqa: E402
 from control_runs import events, launch, task_files, wait_exit  # noqa: E402
 from supervisor.client import RunClient  # noqa: E402
-from supervisor.openai_api import ApiServer, key_of  # noqa: E402
+from contract.run_folder import key_of  # noqa: E402
+from supervisor.openai_api import ApiServer  # noqa: E402
 from supervisor.procs import kill_group  # noqa: E402
 
 PROMPT = "reverse: planet\n"
@@ -107,7 +112,7 @@ def first_token_run(tmp: Path, task: dict, requests: int) -> dict:
     return {"step_s": step_s, "training": training, "paused": paused}
 
 
-def served_run(tmp: Path, task: dict, window: int, pairs: int) -> dict:
+def served_run(tmp: Path, task: dict, window: int, pairs: int, clients: int = 1, lm_eval: bool = True) -> dict:
     run = launch(tmp, "served", task, *ZERO3, "max_steps=100000")
     server = ApiServer(tmp / "runs").start()
     client = RunClient.connect(run.folder.root, timeout=300)
@@ -124,26 +129,30 @@ def served_run(tmp: Path, task: dict, window: int, pairs: int) -> dict:
 
     reach_step(run, WINDOW_SKIP)
     sums = {False: [0, 0.0], True: [0, 0.0]}  # served or not: tokens, seconds
-    streams = 0
+    streams, spans = 0, []
     for i in range(2 * pairs):
         served = i % 4 in (1, 2)
         first = int(client.status()["step"])
         if served:
-            streams += streaming_window(run, through_api, first + window)
+            started = time.time()
+            streams += streaming_window(run, through_api, first + window, clients)
+            spans.append((started, time.time()))
         else:
             reach_step(run, first + window)
         tokens, seconds = _totals(run, first, first + window)
         sums[served][0] += tokens
         sums[served][1] += seconds
     serving = client.status()["serving"]
+    worst = max(worst_window_share(run, start, end) for start, end in spans)
     first = int(client.status()["step"])
     client_streams = streaming_window(run, through_client, first + window)
     client_tps = throughput(run, first, first + window)
     client.pause()
-    saved = client.save()
     result = {"tps": sums[True][0] / sums[True][1], "quiet_tps": sums[False][0] / sums[False][1],
               "streams": streams, "serving": serving, "client_tps": client_tps, "client_streams": client_streams,
-              **lm_eval_times(tmp, server, run, saved)}
+              "worst_10s": worst}
+    if lm_eval:
+        result.update(lm_eval_times(tmp, server, run, client.save()))
     client.stop(save=False)
     wait_exit(run, timeout=600)
     server.close()
@@ -156,21 +165,41 @@ def _totals(run, first: int, last: int) -> tuple[int, float]:
     return sum(train[s]["tokens"] for s in range(first + 1, last + 1)), train[last]["time"] - train[first]["time"]
 
 
-def streaming_window(run, stream_once, until_step: int) -> int:
-    """Stream chats one after another until the run reaches `until_step`; how many."""
-    count, stop = [0], threading.Event()
+def streaming_window(run, stream_once, until_step: int, clients: int = 1) -> int:
+    """`clients` threads each stream chats one after another until the run reaches `until_step`;
+    how many chats in all."""
+    counts, stop = [0] * clients, threading.Event()
 
-    def loop() -> None:
+    def loop(i: int) -> None:
         while not stop.is_set():
             stream_once()
-            count[0] += 1
+            counts[i] += 1
 
-    streamer = threading.Thread(target=loop, daemon=True)
-    streamer.start()
+    streamers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
+    for streamer in streamers:
+        streamer.start()
     reach_step(run, until_step)
     stop.set()
-    streamer.join()
-    return count[0]
+    for streamer in streamers:
+        streamer.join()
+    return sum(counts)
+
+
+def worst_window_share(run, start: float, end: float, window_s: float = 10.0) -> float:
+    """The largest share of any `window_s` seconds between `start` and `end` (wall clock) that
+    answering the API took: each answered boundary's seconds, from the event log (every request
+    answered at one boundary records that boundary's seconds: counted once)."""
+    boundaries = {}
+    for e in events(run):
+        if e["type"] == "command" and e.get("cmd") == "complete" and e.get("status") == "done" and \
+                start <= e["time"] <= end:
+            boundaries[(e["step"], e["seconds"])] = e["time"]
+    served = sorted((t, seconds) for (_, seconds), t in boundaries.items())
+    worst = 0.0
+    for t0, _ in served:
+        if t0 + window_s <= end:
+            worst = max(worst, sum(s for t, s in served if t0 <= t < t0 + window_s) / window_s)
+    return worst
 
 
 def lm_eval_times(tmp: Path, server: ApiServer, run, saved: dict) -> dict:
@@ -200,27 +229,33 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=100, help="steps per throughput window")
     parser.add_argument("--pairs", type=int, default=2, help="pairs of windows (none/client, client/none)")
     parser.add_argument("--requests", type=int, default=40, help="first-token requests of each path and phase")
+    parser.add_argument("--clients", type=int, default=8, help="openai clients streaming at once in part 2")
+    parser.add_argument("--throughput-only", action="store_true", help="part 2 alone")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-openai-") as tmp_dir:
         tmp = Path(tmp_dir)
         task = task_files(tmp / "task")
-        first = first_token_run(tmp, task, args.requests)
-        served = served_run(tmp, task, args.window, args.pairs)
+        first = None if args.throughput_only else first_token_run(tmp, task, args.requests)
+        served = served_run(tmp, task, args.window, args.pairs, args.clients, lm_eval=first is not None)
     budget = ControlConfig().serving_budget
-    print(f"\nOpenAI-compatible API: 2 ranks ZeRO-3, tiny default model ({first['step_s'] * 1e3:.0f} ms a step), "
+    print(f"\nOpenAI-compatible API: 2 ranks ZeRO-3, tiny default model, "
           f"load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"first token, medians of {args.requests} each, training (the target, <= 1.2): {_ms(first['training'])}")
-    print(f"first token, paused (the path alone): {_ms(first['paused'])}")
+    if first is not None:
+        print(f"step {first['step_s'] * 1e3:.0f} ms; first token, medians of {args.requests} each, training "
+              f"(the target, <= 1.2): {_ms(first['training'])}")
+        print(f"first token, paused (the path alone): {_ms(first['paused'])}")
     s = served["serving"]
-    print(f"training tokens/s, {2 * args.pairs} windows of {args.window} steps: {served['tps']:.0f} with a client "
-          f"streaming ({served['streams']} chats; serving budget {budget}: {s['served_s']:.1f} s served of "
-          f"{s['elapsed_s']:.1f} s, {s['held']} waits) vs {served['quiet_tps']:.0f} without, ratio "
+    print(f"training tokens/s, {2 * args.pairs} windows of {args.window} steps: {served['tps']:.0f} with "
+          f"{args.clients} clients streaming ({served['streams']} chats; serving budget {budget}: "
+          f"{s['served_s']:.1f} s served of {s['elapsed_s']:.1f} s, {s['held']} waits, largest share of any "
+          f"10 s {served['worst_10s']:.3f}) vs {served['quiet_tps']:.0f} without, ratio "
           f"{served['tps'] / served['quiet_tps']:.3f} (target >= 0.95)")
     print(f"  the same chats through the control plane's own client ({served['client_streams']}, not "
           f"budgeted): {served['client_tps']:.0f} tokens/s, ratio {served['client_tps'] / served['quiet_tps']:.3f}")
-    print(f"lm-evaluation-harness, tests/lm_eval_task: {served['lm_eval_api_s']:.1f} s through the live API, "
-          f"{served['lm_eval_hf_s']:.1f} s with its hf model on the export")
+    if "lm_eval_api_s" in served:
+        print(f"lm-evaluation-harness, tests/lm_eval_task: {served['lm_eval_api_s']:.1f} s through the live API, "
+              f"{served['lm_eval_hf_s']:.1f} s with its hf model on the export")
 
 
 if __name__ == "__main__":

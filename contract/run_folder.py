@@ -7,6 +7,8 @@ Torch-free: the app process uses it to list runs, rebuild plots and find the con
         events.jsonl       append-only event log (one JSON object per line), the durable record
         control.json       control socket address and token (mode 0600), written by rank 0
         viewer.json        the same with the viewer's token (mode 0600; contract.protocol.roles)
+        api_key.json       the OpenAI-compatible API's key of this run (mode 0600, made with the
+                           folder; supervisor.openai_api), api_viewer_key.json a viewer's
         logs/              launcher.log and one log per rank (files, never an undrained pipe)
         checkpoints/       training checkpoints; `latest` names the newest complete one
         branches.json      the branch tree, once the run has branched (contract.branches)
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import threading
 import time
 from datetime import datetime
@@ -133,6 +136,22 @@ def write_private_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+KEY_FILE = "api_key.json"                # the OpenAI-compatible API's operator key of a folder
+VIEWER_KEY_FILE = "api_viewer_key.json"  # and its viewer's key
+
+
+def key_of(folder: Path, file: str = KEY_FILE) -> str:
+    """The API key kept in `folder`'s `file` (made, mode 0600, the first time it is asked for):
+    a run folder's open that run, an output folder's every run in it (supervisor.openai_api)."""
+    path = Path(folder) / file
+    try:
+        return str(json.loads(path.read_text())["key"])
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        key = "lt-" + secrets.token_urlsafe(32)
+        write_private_json(path, {"key": key})
+        return key
+
+
 READ_CHUNK = 64 * 1024  # what one EventTail.read takes from the file at most (about)
 
 
@@ -232,6 +251,8 @@ def make_run_folder(cfg: RunConfig) -> RunFolder:
     cfg.logging.run_name = root.name
     folder = RunFolder(root.resolve()).create()
     folder.config.write_text(cfg.to_yaml())
+    for file in (KEY_FILE, VIEWER_KEY_FILE):  # the API's keys are there from the start
+        key_of(folder.root, file)
     return folder
 
 

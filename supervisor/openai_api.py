@@ -14,7 +14,7 @@ Models: one per live run (its folder name) and per chat-only session of a checkp
 (`<run>@<checkpoint>`, e.g. `my-run@step-40`); `/v1/models` lists those answering now.
 
 Keys: `Authorization: Bearer <key>`. Each run folder keeps its own key in `api_key.json` (mode
-0600, beside control.json; made when the API first sees the run, kept after it ends); it grants
+0600, beside control.json; made with the run's folder when it starts, kept after it ends); it grants
 that run and its name only. The output folder's own `api_key.json` grants every run in it (for
 Open WebUI and other tools that list models). A wrong or missing key: 401. Beside each
 `api_key.json` (the operator's key) is `api_viewer_key.json` (a viewer's key, also 0600, to hand
@@ -25,7 +25,7 @@ sent. Delete a key file to revoke its key (a new one is made when the API next l
 
 Errors come in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad request,
 401 key, 404 unknown model, 413 body over MAX_BODY_BYTES, 429 more than MAX_IN_FLIGHT requests
-waiting for one run (or the run's own queue full), 503 the run is not answering.
+waiting for one run (or the run's own queue full), with `Retry-After`; 503 the run is not answering.
 """
 
 from __future__ import annotations
@@ -53,17 +53,16 @@ from contract.protocol.completion_commands import Complete
 from contract.protocol.wire import MAX_MESSAGE_BYTES
 from contract.protocol.base import ProtocolError
 from contract.protocol.roles import Role, refusal
-from contract.run_folder import write_private_json
+from contract.run_folder import KEY_FILE, VIEWER_KEY_FILE, key_of
 from supervisor.client import RunClient, RunGone
 from supervisor.openai_models import ChatRequest, CompletionRequest, first_problem
 from supervisor.openai_stream import LoopAnswers, Made, RunFailed
 
-KEY_FILE = "api_key.json"                # the operator's key
-VIEWER_KEY_FILE = "api_viewer_key.json"  # a viewer's key: every endpoint today needs no more
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES  # what the run's control socket takes in one message
 MAX_IN_FLIGHT = 32                  # requests waiting for one run at once; more get 429
 CONNECT_TIMEOUT_S = 5.0             # a run that does not take the connection by then: 503
 ANSWER_TIMEOUT_S = 600.0            # a run that takes longer to answer: 503
+RETRY_AFTER_S = 2                   # a 429's Retry-After: about one payback of the serving budget
 
 
 class ApiError(Exception):
@@ -75,19 +74,10 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def response(self) -> JSONResponse:
+        # a 429 says when to come back, as OpenAI's do (the `openai` client waits that long)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
-
-
-def key_of(folder: Path, file: str = KEY_FILE) -> str:
-    """The API key kept in `folder`'s `file` (made, mode 0600, the first time it is asked for)."""
-    path = folder / file
-    try:
-        return str(json.loads(path.read_text())["key"])
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        key = "lt-" + secrets.token_urlsafe(32)
-        write_private_json(path, {"key": key})
-        return key
+                                       "code": self.code}}, status_code=self.status, headers=headers)
 
 
 class _ByMtime:
@@ -143,8 +133,8 @@ def _alive(pid: Any) -> bool:
 class Runs:
     """The runs of an output folder that answer now, by model name, and their clients."""
 
-    def __init__(self, root: Path):
-        self.root = Path(root)
+    def __init__(self, root: Path, max_in_flight: int = MAX_IN_FLIGHT):
+        self.root, self.max_in_flight = Path(root), max_in_flight
         self._clients: dict[Path, RunClient] = {}
         self._busy: dict[Path, threading.BoundedSemaphore] = {}
         self._lock = threading.Lock()
@@ -192,7 +182,7 @@ class Runs:
             if run not in self._clients:
                 # a viewer's token (viewer.json): the API can answer, never change a run
                 self._clients[run] = RunClient(run, connect_timeout=CONNECT_TIMEOUT_S, role=Role.VIEWER)
-                self._busy[run] = threading.BoundedSemaphore(MAX_IN_FLIGHT)
+                self._busy[run] = threading.BoundedSemaphore(self.max_in_flight)
             return self._clients[run]
 
     def slot(self, run: Path) -> threading.BoundedSemaphore:
@@ -206,9 +196,10 @@ class Runs:
             self._clients.clear()
 
 
-def create_app(root: str | Path) -> FastAPI:
-    """The API over the runs in output folder `root` (each run key made as runs appear)."""
-    runs = Runs(Path(root))
+def create_app(root: str | Path, max_in_flight: int = MAX_IN_FLIGHT) -> FastAPI:
+    """The API over the runs in output folder `root` (each run's keys made with its folder);
+    more than `max_in_flight` requests waiting for one run get 429."""
+    runs = Runs(Path(root), max_in_flight)
     app = FastAPI(title="livetune OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.state.runs = runs
 
@@ -280,7 +271,7 @@ async def _answer(runs: Runs, request: Request, body: ChatRequest | CompletionRe
         raise ApiError(400, str(e)) from None
     slot = runs.slot(run)
     if not slot.acquire(blocking=False):
-        raise ApiError(429, f"{MAX_IN_FLIGHT} requests to `{body.model}` are waiting already; try again later",
+        raise ApiError(429, f"{runs.max_in_flight} requests to `{body.model}` are waiting already; try again later",
                        "rate_limit_error", code="rate_limit_exceeded")
     try:
         answers = await _send(runs.client(run), command)
@@ -348,7 +339,7 @@ async def _released(chunks: AsyncIterator[str], slot: threading.BoundedSemaphore
 class ApiServer:
     """The API served by uvicorn on a thread (the app process, tests); `url` ends in /v1."""
 
-    def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0, max_in_flight: int = MAX_IN_FLIGHT):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -358,7 +349,7 @@ class ApiServer:
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{host}:{self.port}/v1"
-        self.app = create_app(root)
+        self.app = create_app(root, max_in_flight)
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="openai-api", daemon=True)

@@ -157,7 +157,7 @@ def first_problem(error: ValidationError) -> tuple[str, str]:
     return param, text
 
 
-def _where(problem: dict) -> str:
+def _where(problem: Any) -> str:
     """The field's path, without pydantic's names of a union's branches (`stop.list[...]`)."""
     param = (problem.get("ctx") or {}).get("param")
     if param:

@@ -33,6 +33,7 @@ class LoopAnswers:
         self._loop, self._timeout = loop, timeout
         self._queue: asyncio.Queue[dict] = asyncio.Queue()
         self.result: dict | None = None
+        self.answered_by: dict = {}  # {step, seed} of the weights and sample, from the first piece on
 
     def put(self, message: dict) -> None:
         """From any thread: hand `message` to the loop (gone with its server: nobody waits)."""
@@ -49,9 +50,12 @@ class LoopAnswers:
                 raise TimeoutError(f"no answer from the run within {self._timeout} s") from None
             kind = message.get("type")
             if kind == "token":
+                if "step" in message:
+                    self.answered_by = {"step": message["step"], "seed": message.get("seed")}
                 yield str(message["text"])
             elif kind == "done":
                 self.result = message["result"]
+                self.answered_by = {"step": self.result.get("step"), "seed": self.result.get("seed")}
             elif kind == "error":
                 raise RunFailed(str(message.get("message")))
 
@@ -120,15 +124,16 @@ class Made:
         self.model, self.chat, self.created = model, chat, int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
-    def _head(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+    def _head(self, kind: str, fingerprint: str | None = None) -> dict[str, Any]:
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return head if fingerprint is None else {**head, "system_fingerprint": fingerprint}
 
     def response(self, result: dict) -> dict:
         choices = [self._choice(c) for c in result.get("choices", [])]
         usage = result.get("usage", {})
         usage = {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)}
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": choices, "usage": usage, "system_fingerprint": _fingerprint(result)}
+        return {**self._head(kind, _fingerprint(result)), "choices": choices, "usage": usage}
 
     def _choice(self, c: dict) -> dict:
         if self.chat:
@@ -143,37 +148,41 @@ class Made:
     async def stream(self, answers: LoopAnswers, first: list[str], command: Complete,
                      include_usage: bool) -> AsyncIterator[str]:
         """The SSE stream: the pieces as the run streams them (held back where a stop string may
-        begin), then every choice's rest and finish reason, `[DONE]` last."""
+        begin), then every choice's rest and finish reason, `[DONE]` last. Every chunk carries
+        `system_fingerprint` (the step and seed that answer: the run names them with its first
+        piece, which has come before the stream starts)."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         stops, sent = StopFilter(command.stop), ""
+        head = self._head(kind, _fingerprint(answers.answered_by))
         if self.chat:
-            yield sse({**self._head(kind), "choices": [chat_chunk(0, {"role": "assistant", "content": ""})]})
+            yield sse({**head, "choices": [chat_chunk(0, {"role": "assistant", "content": ""})]})
         try:
             for piece in first:
                 text = stops.feed(piece)
                 if text:
                     sent += text
-                    yield sse({**self._head(kind), "choices": [self._delta(0, text)]})
+                    yield sse({**head, "choices": [self._delta(0, text)]})
             async for piece in answers.texts():
                 text = stops.feed(piece)
                 if text:
                     sent += text
-                    yield sse({**self._head(kind), "choices": [self._delta(0, text)]})
+                    yield sse({**head, "choices": [self._delta(0, text)]})
         except (RunFailed, TimeoutError) as e:
             yield sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": None}})
             yield sse("[DONE]")
             return
         result = answers.result or {}
+        head = self._head(kind, _fingerprint(result))
         for c in self.response(result)["choices"]:
             whole = c["message"]["content"] if self.chat else c["text"]
             rest = whole[len(sent):] if c["index"] == 0 and whole.startswith(sent) else whole
             if rest:
-                yield sse({**self._head(kind), "choices": [self._delta(c["index"], rest)]})
+                yield sse({**head, "choices": [self._delta(c["index"], rest)]})
             end = self._delta(c["index"], None)
             end["finish_reason"] = c["finish_reason"]
-            yield sse({**self._head(kind), "choices": [end]})
+            yield sse({**head, "choices": [end]})
         if include_usage:
-            yield sse({**self._head(kind), "choices": [], "usage": self.response(result)["usage"]})
+            yield sse({**head, "choices": [], "usage": self.response(result)["usage"]})
         yield sse("[DONE]")
 
     def _delta(self, index: int, text: str | None) -> dict:
@@ -182,6 +191,9 @@ class Made:
         return {"index": index, "text": text or "", "logprobs": None, "finish_reason": None}
 
 
-def _fingerprint(result: dict) -> str:
-    """Which weights answered: the training step (and the seed a sample can be repeated with)."""
+def _fingerprint(result: dict) -> str | None:
+    """Which weights answered: the training step (and the seed a sample can be repeated with);
+    None before the run has named them."""
+    if result.get("step") is None:
+        return None
     return f"step-{result.get('step')}-seed-{result.get('seed')}"

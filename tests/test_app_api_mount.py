@@ -15,7 +15,7 @@ def test_the_api_is_served_under_v1_beside_the_page(tmp_path):
     import gradio as gr
 
     from app.web.openai_mount import api_mount
-    from supervisor.openai_api import key_of
+    from contract.run_folder import key_of
     route, api = api_mount(tmp_path / "runs")
     with gr.Blocks(analytics_enabled=False) as demo:
         gr.Markdown("page")

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from contract.protocol.completion_commands import Complete
 from contract.protocol.base import ProtocolError
 from contract.protocol.commands import command_from_wire
-from supervisor.openai_api import KEY_FILE, ApiServer, key_of, model_name
+from contract.run_folder import KEY_FILE, key_of
+from supervisor.openai_api import ApiServer, model_name
 from supervisor.openai_models import ChatRequest, CompletionRequest
 from supervisor.openai_stream import StopFilter
 

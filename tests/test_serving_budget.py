@@ -1,7 +1,7 @@
 """The serving budget (control.serving_budget, engine.control.serving): while a run trains, the
 OpenAI-compatible API's `complete` requests take at most that share of its wall time (plus one
-boundary's worth); the rest wait queued and are all answered. The bucket's rule on a clock of our
-own; then one rank in this process (the client in a thread, through the real socket), a tiny model."""
+boundary's worth); the rest wait queued and are all answered. One rank in this process (the
+client in a thread, through the real socket), a tiny model."""
 
 from __future__ import annotations
 
@@ -15,40 +15,14 @@ from contract.config.load import load_config
 from contract.config.schema import ConfigError
 from contract.protocol.completion_commands import Complete
 from contract.run_folder import read_events
-from engine.control.serving import WINDOW_S, ServingBudget
 from supervisor.client import RunClient
 from control_runs import CONNECT_S
 
 BUDGET, REQUESTS = 0.05, 4
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_the_bucket_fills_at_its_share_and_each_boundary_takes_its_seconds_out():
-    clock = Clock()
-    budget = ServingBudget(0.1, clock=clock)
-    budget.begin()
-    assert not budget.allows()  # empty at the first boundary
-    clock.now += 1.0            # 0.1 s of serving earned
-    assert budget.allows()
-    budget.charge(0.5)          # one boundary may overdraw it ...
-    clock.now += 3.9
-    assert not budget.allows()  # ... and then waits until it is paid back (0.4 s)
-    clock.now += 0.2
-    assert budget.allows()
-    clock.now += 10 * WINDOW_S  # a long quiet time fills it to share x window only
-    budget.charge(0.1 * WINDOW_S)
-    assert not budget.allows()
-    snap = budget.snapshot()
-    assert snap["served_s"] == 0.5 + 0.1 * WINDOW_S and snap["largest_s"] == 0.1 * WINDOW_S
-    assert snap["served_s"] <= 0.1 * snap["elapsed_s"] + snap["largest_s"]
-    assert ServingBudget(1.0, clock=clock).allows() and not ServingBudget(0.0, clock=clock).allows()
+def test_a_budget_outside_zero_to_one_is_refused():
+    """(The budget's rule on a clock of our own: tests/test_openai_budget.py.)"""
     with pytest.raises(ConfigError, match="serving_budget"):
         load_config(overrides=["control.serving_budget=1.5"])
 

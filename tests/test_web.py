@@ -294,7 +294,7 @@ def test_gradio_client_start_chat_set_stop(app):
 
     # the OpenAI-compatible API on the app's own port (app.web.openai_mount), the folder's key
     import openai
-    from supervisor.openai_api import key_of
+    from contract.run_folder import key_of
     api = openai.OpenAI(base_url=f"{url}/v1", api_key=key_of(runs), max_retries=0, timeout=SLOW / 1000)
     assert "api-run" in [m.id for m in api.models.list().data]
     answer = api.completions.create(model="api-run", prompt="sort: dcba\n", max_tokens=6, temperature=0)

@@ -17,7 +17,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.routing import Mount
 
-from supervisor.openai_api import KEY_FILE, VIEWER_KEY_FILE, create_app, key_of
+from contract.run_folder import KEY_FILE, VIEWER_KEY_FILE, key_of
+from supervisor.openai_api import create_app
 
 PREFIX = "/v1"
 

@@ -9,6 +9,7 @@ Client -> server, one object per line:
 Server -> client, one object per line, each tagged with the request id it belongs to:
     {"type": "ack",   "id": ..., "queued": <queue length>}      accepted, waits for a step boundary
     {"type": "token", "id": ..., "text": "...", "model": "current" | "base"}   streamed generation
+                                                                (`complete`'s also "step", "seed")
     {"type": "done",  "id": ..., "result": {...}}               the command has taken effect
     {"type": "error", "id": ..., "message": "..."}              refused or failed; nothing changed
     {"type": "event", "line": N, "event": {...}}                an events.jsonl record (subscribers)

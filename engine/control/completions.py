@@ -183,9 +183,13 @@ def _sample(control: Plane, group: list[Job]) -> None:
 
 
 def _stream(control: Plane, job: Job) -> Callable[[str], None] | None:
-    """Where a single-sample request that asked to stream sends its text (rank 0 only)."""
+    """Where a single-sample request that asked to stream sends its text (rank 0 only). Each
+    piece names the step and seed that answer (the API's `system_fingerprint`, on every chunk
+    from the first, as OpenAI's streams carry it)."""
     if control.rank == 0 and job.cmd.stream and len(job.rows) == 1:
-        return lambda text, reply=job.reply: reply.token(text, "current")
+        step, seed = control.trainer.state.global_step, job.params["seed"]
+        return lambda text, reply=job.reply: reply.send({"type": "token", "text": text, "model": "current",
+                                                          "step": step, "seed": seed})
     return None
 
 
@@ -238,23 +242,30 @@ def _choice(tok, index: int, prompt: list[int], new: list[int], text: str, param
     limit = params["max_new_tokens"]
     ended = bool(new) and new[-1] in end_ids(tok) or text != tok.decode(new, skip_special_tokens=True)
     finish = "length" if limit and len(new) >= limit and not ended else "stop"
+    # `echo`: a text prompt exactly as it was sent (the BOS token the tokenizer put in front is
+    # not part of it); token ids as the text they decode to
+    sent = cmd.prompts[index // cmd.n] if cmd.echo and cmd.prompts is not None else None
+    text_sent = isinstance(sent, str)
     choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish, "token_ids": new,
-                              "prompt": tok.decode(prompt) if cmd.echo else None, "logprobs": None}
+                              "prompt": (sent if text_sent else tok.decode(prompt)) if cmd.echo else None,
+                              "logprobs": None}
     if scores is not None:
         first = 0 if cmd.echo else len(prompt)
         # a chat lists the tokens of its message; a completion every token, its end token too
         last = len(scores.tokens) - (1 if cmd.messages is not None and new and new[-1] in end_ids(tok) else 0)
-        choice["logprobs"] = _logprobs(tok, scores, first, last, cmd.top_logprobs)
+        unseen = set(tok.all_special_ids) if text_sent else set()
+        choice["logprobs"] = _logprobs(tok, scores, first, last, cmd.top_logprobs, unseen)
     return choice
 
 
-def _logprobs(tok, scores: RowScores, first: int, last: int, top: int) -> dict[str, Any]:
-    """OpenAI's completions `logprobs` object for tokens `first`..`last` (excluded) of the scored row."""
+def _logprobs(tok, scores: RowScores, first: int, last: int, top: int, unseen: set[int]) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` object for tokens `first`..`last` (excluded) of the scored row;
+    the `unseen` tokens (those the tokenizer added to a text prompt) take no room in `text_offset`."""
     pieces = [tok.decode([t]) for t in scores.tokens]
     offsets, at = [], 0
-    for piece in pieces:
+    for token, piece in zip(scores.tokens, pieces):
         offsets.append(at)
-        at += len(piece)
+        at += 0 if token in unseen else len(piece)
     alternatives = [_top_dict(tok, pairs[:top]) if pairs else None for pairs in scores.top]
     if top == 0:  # the chosen token's own entry, as OpenAI lists it with logprobs=0
         alternatives = [None if lp is None else {p: lp} for p, lp in zip(pieces, scores.logprobs)]
