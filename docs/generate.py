@@ -113,12 +113,17 @@ def command_reference() -> str:
              "`contract/protocol/`: one pydantic model per command, sent as `{\"cmd\": name, \"args\": "
              "{...}}`. Unknown arguments, wrong types (strictly: `1` is not `true`, `\"1\"` not `1`), "
              "explicit nulls and values out of bounds are refused with a message naming the argument. "
-             "An argument without a default is required; a default of none means the run's setting.", ""]
+             "An argument without a default is required; a default of none means the run's setting. "
+             "Each command's answer is a model too (`contract/protocol/answers.py`): the Python client "
+             "returns it (`client.status().step`), the wire carries its JSON.", ""]
     for name, model in REQUESTS.items():
         spec = model.model_json_schema()
         doc = " ".join((model.__doc__ or "").split())
         at_once = "; answered at once by rank 0" if model.immediate else ""
         lines += ["", f"## `{name}`", "", f"{doc} Needs the {model.role.value} role{at_once}.", ""]
+        if model.returns.model_fields:  # its answer model (contract/protocol/answers.py)
+            fields = ", ".join(f"`{f}`" for f in model.returns.model_fields)
+            lines += [f"Answer (`{model.returns.__name__}`): {fields}.", ""]
         if not spec["properties"]:
             lines.append("No arguments.")
             continue
