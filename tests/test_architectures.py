@@ -2,8 +2,8 @@
 (sliding window), Phi-3 (fused qkv and gate_up projections), GPT-NeoX, OPT, Gemma and Llama, each
 built tiny from its config (hidden 32, 2 layers, no hub), trained by our Trainer on one process
 with full fine-tuning and with LoRA (16 steps each: two passes over the rows, the second's mean
-loss lower than the first's by a clear margin: LEARNS). LoRA's targets are chosen by module type: every nn.Linear / Conv1D of the blocks,
-attention and MLP, never the embeddings or the output head. The saved adapter loads back with peft and gives the trained model's logits.
+loss lower than the first's by a clear margin: LEARNS). LoRA's targets are chosen by module type:
+every nn.Linear / Conv1D of the blocks, attention and MLP, never the embeddings or the output head. The saved adapter loads back with peft and gives the trained model's logits.
 
 One process runs that matrix (tests/scripts/architectures.py); each architecture is its own
 test over that run's report.
@@ -134,7 +134,8 @@ def zero_reports(folders) -> dict[str, dict[int, dict]]:
 def tp_verdict(folder: Path) -> str | None:
     """The pre-flight check's refusal of tp=2 for this folder (None: accepted)."""
     try:
-        load_config(overrides=arch_script.overrides(folder, "full", arch_script.FULL_LR, STEPS, "tp", "nproc=2", "tp=2"))
+        load_config(overrides=arch_script.overrides(folder, "full", arch_script.FULL_LR, STEPS, "tp",
+                                                    "nproc=2", "tp=2"))
     except ConfigError as e:
         return "; ".join(m for k, m in e.problems if k == "parallel.tp_size") or str(e)
     return None
