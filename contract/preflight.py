@@ -30,6 +30,7 @@ from contract.data_check import (LOUD_TRUNCATION_SHARE, DataScan, chars_per_toke
                                  objective_problem, overlong_rows, scan_file)
 from contract.data_rows import DataError
 from contract.deepspeed_config import build_ds_config
+from contract.lm_eval_names import task_problems
 from contract.model_facts import ModelFolderProblem, fact, read_model_config
 from contract.presets import MODEL_SIZE
 
@@ -101,6 +102,7 @@ def preflight(cfg: RunConfig) -> PreflightReport:
     report.problems += _deepspeed(cfg, model, train, report)
     _monitor_packages(cfg, report)
     _attention(cfg, report)
+    report.problems += task_problems(cfg.eval.lm_eval_tasks)  # a bad name would end the run at its first evaluation
     report.problems = list(dict.fromkeys(report.problems))  # a finding said once
     return report
 

@@ -134,7 +134,7 @@ def test_deepspeed_dict_contradicting_the_run_config(tmp_path, model_dir):
     report = check(model_dir, path, parallel={"deepspeed": {
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto",
         "zero_optimization": {"stage": 2}}})
-    assert "train.micro_batch_size is 8" in problem_of(report, "parallel.deepspeed.train_micro_batch_size_per_gpu")
+    assert "train.micro_batch_size is 1" in problem_of(report, "parallel.deepspeed.train_micro_batch_size_per_gpu")
     assert "parallel.zero_stage is 0" in problem_of(report, "parallel.deepspeed.zero_optimization.stage")
     assert not [k for k, _ in report.problems if "gradient_accumulation" in k]
 
@@ -293,6 +293,26 @@ def test_terminal_refuses_fewer_rows_than_one_global_batch(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_unknown_lm_eval_tasks_and_missing_task_yamls_are_refused_before_start(tmp_path):
+    """The harness's own task index, read without torch (the app never imports it); the terminal
+    exits 2 naming each entry (it used to end the run at the first evaluation)."""
+    env = {k: v for k, v in os.environ.items() if k != "LIVETUNE_CACHE"}  # the machine's name index
+    done = subprocess.run([sys.executable, "-m", "app.cli", "train", f"output_dir={tmp_path / 'runs'}",
+                           "max_steps=2", f"eval.lm_eval_tasks=[nosuchtask_xyz, hellaswg, {tmp_path}/gone.yaml]"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "eval.lm_eval_tasks: 'nosuchtask_xyz' is not a task, group or tag of the installed lm-eval" in done.stderr
+    assert "did you mean hellaswag" in done.stderr
+    assert f"eval.lm_eval_tasks: no such task YAML file: {tmp_path}/gone.yaml" in done.stderr
+    assert not (tmp_path / "runs").exists()
+    probe = ("import sys; from contract.lm_eval_names import task_problems, task_names; "
+             "assert task_problems(['arc_easy', 'mmlu']) == [] and 'nosuchtask_xyz' not in task_names(); "
+             "print('torch' in sys.modules)")
+    torch_free = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=600)
+    assert torch_free.stdout.strip() == "False", torch_free.stdout + torch_free.stderr
+
+
 def test_supervisor_refuses_the_same_run(tmp_path):
     mixed = write_lines(tmp_path / "mixed.jsonl", [ROWS[0], {"text": "t"}])
     cfg = load_config(data={"data": {"train": str(mixed)}, "train": {"max_steps": 2}})
@@ -329,6 +349,17 @@ def test_form_keeps_start_disabled_with_the_message_beside_the_field(tmp_path, m
     sources = form.sources(good)
     assert sources["train.max_steps"] == "form" and sources["optim.lr"] == "default"
     assert form.sources(form.preset_values("embedded default"))["optim.lr"] == "preset"
+
+
+def test_the_form_names_an_unknown_lm_eval_task_beside_its_field(tmp_path):
+    from app.form import Form
+    form = Form(output_dir=str(tmp_path / "runs"))
+    values = {**form.preset_values("embedded default"), "eval.lm_eval_tasks": ["nosuchtask_xyz", "arc_easy"]}
+    checked = form.check(values)
+    assert not checked.ok and checked.by_field["eval.lm_eval_tasks"] == [
+        m for k, m in checked.problems if k == "eval.lm_eval_tasks"]
+    assert any("'nosuchtask_xyz' is not a task" in m for m in checked.by_field["eval.lm_eval_tasks"])
+    assert not any("arc_easy" in m for m in checked.by_field["eval.lm_eval_tasks"])
 
 
 def test_session_start_refusal_carries_the_problems(tmp_path):
