@@ -33,8 +33,5 @@ def grpo_problems(c: RunConfig) -> list[tuple[str, str]]:
     for key, fmt in formats:
         if fmt not in ("auto", "prompt"):
             problems.append((key, f"grpo trains on prompt rows ({{prompt, ...}}), not {fmt}"))
-    if c.eval.every_n_steps or c.eval.every_n_epochs:
-        problems.append(("eval.every_n_steps", "grpo runs no evaluation during training yet (its "
-                         "metrics are the rewards of each step's samples): set 0"))
     problems += reward_problems(c.grpo.rewards, c.grpo.max_completion_length)
     return problems
