@@ -27,6 +27,8 @@ def test_the_web_form_takes_the_tasks_as_a_list_of_entries():
     with gr.Blocks():
         box = _component(field, form.display(field, TASKS), [], None)
     assert isinstance(box, gr.Dropdown) and box.multiselect and box.allow_custom_value
+    offered = [c[0] for c in box.choices]  # the installed harness's task names, searchable
+    assert "arc_easy" in offered and "hellaswag" in offered and len(offered) > 1000
     assert box.value == TASKS and "local task YAML" in box.info
     tab = ConfigureTab({"eval.lm_eval_tasks": box})
     assert tab.show({"eval.lm_eval_tasks": "a, b.yaml"}) == {box: ["a", "b.yaml"]}

@@ -21,6 +21,7 @@ from typing import Any
 import gradio as gr
 
 from app.form import DEFAULT_PRESET, ENTRY_LISTS, Checked, Form, entries, entries_text
+from contract.lm_eval_names import task_names
 from app.web.backend import Backend
 from app.web import slurm
 from app.web.backend.preview import PreviewError, describe_data, describe_model
@@ -83,7 +84,9 @@ def _component(f: dict, value: Any, problems: list[str], warnings: list[str] | N
                        elem_classes=classes)
     common = dict(label=label, info=info, elem_id=elem_id, elem_classes=classes)
     if f["key"] in ENTRY_LISTS:  # a list of entries, each typed and confirmed with Enter
-        return gr.Dropdown(choices=[], value=entries(value), multiselect=True, allow_custom_value=True, **common)
+        # the harness's task names to search among (a task YAML's path is typed as a custom value)
+        offered = list(task_names() or ()) if f["key"] == "eval.lm_eval_tasks" else []
+        return gr.Dropdown(choices=offered, value=entries(value), multiselect=True, allow_custom_value=True, **common)
     if kind == "bool":
         return gr.Checkbox(value=value, **common)
     if kind == "choice":
