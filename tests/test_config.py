@@ -128,3 +128,12 @@ def test_the_trainer_validates_the_config_it_is_given():
         Trainer(config=cfg)
     assert sorted(k for k, _ in err.value.problems) == ["optim.lr", "train.max_steps"]
     assert "must be at least 0.0, got -1" in str(err.value)
+
+
+def test_the_methods_are_the_capability_tables():
+    """method.name's allowed values are contract.capabilities.Method's (the schema's Literal is
+    the one spelling pydantic and mypy read; this keeps the two from drifting apart)."""
+    import typing
+    from contract.capabilities import Method
+    allowed = typing.get_args(RunConfig.model_fields["method"].annotation.model_fields["name"].annotation)
+    assert allowed == tuple(m.value for m in Method)

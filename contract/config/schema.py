@@ -47,7 +47,6 @@ class Section(BaseModel):
         return value
 
 
-METHODS = ("full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo")
 FUSED_METHODS = ("lomo", "adalomo")  # the update happens inside backward
 PEFT_METHODS = ("lora", "prompt_tuning", "p_tuning")
 # eval.evaluators values (engine.evaluation.evaluators builds them; kept here so that validation stays torch-free)
