@@ -11,29 +11,51 @@ checkpoint under the callback's `state_key` and handed back to `on_load_checkpoi
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
+
+
+class Answer(Protocol):
+    """The command that asked for a signal (the control plane's stop, pause, rewind, branch),
+    answered by the loop once it has carried the signal out."""
+
+    def done(self, outcome: Any = None) -> None:
+        """Carried out; `outcome` is what the loop's act gave (a rewind's RewindResult)."""
+
+    def failed(self, error: BaseException) -> None:
+        """Refused or failed (nothing changed, or it was undone)."""
 
 
 @dataclass(frozen=True)
 class Signal:
     """What a hook, a command handler, the spike guard or early stopping asks of the loop; the
-    loop (engine.trainer) is the one that acts on it."""
+    loop (engine.trainer, `Trainer._act`) is the one that acts on it."""
     stop: bool = False               # end training after this step's boundary
     pause: bool = False              # hold at this step's boundary until a resume (the control plane)
     rewind: str | None = None        # go back to this checkpoint / snapshot now (Trainer.rewind) ...
     reason: str = "user"             # ... why (the rewind's event); also the pause's
     then_lr_scale: float | None = None  # ... and then scale the learning rate by this (the guard)
-    skip: bool = False               # (before the update) neither back-propagate nor apply the step
+    branch: str | None = None        # ... and go on as this new branch (Trainer.branch) ...
+    settings: dict[str, Any] | None = None  # ... with these settings changed (the branch command's)
+    skip: bool = False               # (before the update) neither back-propagate nor apply the step:
+    #                                  the step strategy carries it out (engine.steps), the rest of
+    #                                  its signal goes on to the loop
+    answer: Answer | None = None     # the command that asked: answered once the loop has acted
 
     def __or__(self, other: "Signal | None") -> "Signal":
-        """Both signals' asks (the first rewind wins)."""
+        """Both signals' asks (the first rewind wins, with its branch and answer)."""
         if other is None:
             return self
         first = self if self.rewind is not None else other
         return replace(self, stop=self.stop or other.stop, pause=self.pause or other.pause,
                        skip=self.skip or other.skip, rewind=first.rewind, then_lr_scale=first.then_lr_scale,
+                       branch=first.branch, settings=first.settings,
+                       answer=first.answer if first.answer is not None else (self.answer or other.answer),
                        reason=first.reason if first.rewind is not None else
                        (self.reason if self.reason != "user" else other.reason))
+
+    def without_skip(self) -> "Signal":
+        """The signal less its skip (which the step itself carries out)."""
+        return replace(self, skip=False)
 
 
 NOTHING = Signal()  # a hook with nothing to ask

@@ -9,7 +9,7 @@ monitors, evaluators and `train_fn`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ContextManager, Protocol
 
 import torch
@@ -19,6 +19,7 @@ from contract import capabilities
 from contract.config.schema import RunConfig
 from contract.events import Event
 from contract.run_folder import EventLog, RunFolder
+from engine.control.settings import LiveSettings
 from engine.objectives.losses import PER_MICRO_BATCH, Window
 from engine.steps import StepStrategy
 
@@ -116,6 +117,9 @@ class RunContext:
     engine: Any = None
     optimizer: Any = None
     lr_scheduler: Any = None
+    # what `set` (and `stop`) changed while the run goes on (engine.control.settings): the loop
+    # reads its schedule and final save from it, the control plane's handlers write it
+    settings: LiveSettings = field(default_factory=LiveSettings)
 
     def emit(self, event: Event) -> None:
         """Write an event (a model of contract.events) to events.jsonl (rank 0 only; other ranks' events are dropped)."""

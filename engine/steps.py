@@ -15,6 +15,9 @@ and may call `step_window` and `trainer.compute_loss(batch, window=...)` to weig
 
 A strategy may keep numbers of its last step in a `metrics` dict (the preference step's rewards,
 engine.objectives.preference_step); `engine.monitors.StepMetricsMonitor` puts them in the step's record.
+A strategy that fires hooks inside the step keeps what they asked of the loop, besides the skip it
+carries out itself, in `asked` (a Signal); the loop acts on it with the step's other signals
+(`asked_by`).
 """
 
 from __future__ import annotations
@@ -23,12 +26,20 @@ from typing import Protocol
 
 import torch
 
+from engine.callbacks import NOTHING, Signal
 from engine.data import count_tokens
 from engine.objectives.losses import Window, window_of
 
 
 class StepStrategy(Protocol):
     def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]: ...
+
+
+def asked_by(strategy: object) -> Signal:
+    """What the hooks inside `strategy`'s last step asked of the loop (nothing for a strategy,
+    or a user's train_fn, that fires none)."""
+    asked = getattr(strategy, "asked", NOTHING)
+    return asked if isinstance(asked, Signal) else NOTHING
 
 
 def step_window(trainer, micro_batches: list[dict]) -> Window:
@@ -46,8 +57,11 @@ class EngineStep:
     Two callback hooks let the spike guard in (engine.guard.hook): with one micro-batch per step,
     `on_before_backward` sees the loss first (this rank's share; the ranks' mean is the step's
     loss), and a `skip` signal from it means neither backward nor update (DeepSpeed's counters do
-    not move, as for its own skipped fp16 steps); `on_before_optimizer_step` comes once the
-    gradients are reduced, before they are applied."""
+    not move, as for its own skipped fp16 steps); whatever else it asks is kept in `asked` for
+    the loop. `on_before_optimizer_step` comes once the gradients are reduced, before they are
+    applied."""
+
+    asked: Signal = NOTHING  # what on_before_backward asked of the loop in the last step, less the skip
 
     def __call__(self, trainer, micro_batches):
         window = step_window(trainer, micro_batches)
@@ -55,11 +69,13 @@ class EngineStep:
         # divide by the accumulation steps, and `scale` undoes its mean over the ranks
         scale_wrt_gas = window.num_items is None
         judged_first = len(micro_batches) == 1  # later micro-batches would judge after gradients exist
-        engine, losses, tokens = trainer.engine, [], 0
+        engine, losses, tokens, self.asked = trainer.engine, [], 0, NOTHING
         for batch in micro_batches:
             loss = self.micro_loss(trainer, batch, window)
             share = loss * window.scale  # this rank's part of the step's loss: the ranks' mean is the loss
-            if not (judged_first and trainer.callbacks.fire("on_before_backward", trainer, share).skip):
+            signal = trainer.callbacks.fire("on_before_backward", trainer, share) if judged_first else NOTHING
+            self.asked = self.asked | signal.without_skip()
+            if not signal.skip:
                 engine.backward(share, scale_wrt_gas=scale_wrt_gas)
                 if engine.is_gradient_accumulation_boundary():
                     trainer.callbacks.fire("on_before_optimizer_step", trainer)

@@ -4,17 +4,20 @@ Read `train()` top to bottom: epochs of optimizer steps, and in `_train_step` on
 in their fixed order -- data, forward and loss, backward, optimizer step (the step strategy,
 engine.steps), record, evaluate if due, checkpoint if due, control boundary. The loop owns its
 control flow, as the Hugging Face Trainer does with its TrainerControl: callbacks (early
-stopping, the spike guard) and the control plane's commands answer with a Signal
-(engine.callbacks: stop, pause, rewind to X, skip), and `_act` is the one place that carries it
-out. Rewinding is a public method (`rewind`, `branch`). Callbacks are for user extensions; the
-checkpoint schedule, the control plane, `resume` and the final save are parts of the loop, built
-by the composition root (`engine.assembly`) from the config, so a Trainer made in a script is
-the same run as a launched one.
+stopping, the spike guard) and the control plane's commands that move the loop (pause, stop,
+rewind, branch: engine.control.moves) answer with a Signal (engine.callbacks), and `_act` is the
+one place that carries it out -- then the command is answered. Only a skip is carried out inside
+the step (by the step strategy, before the backward); whatever else a hook asks there reaches
+`_act` with the step's other signals. Callbacks are for user extensions; the checkpoint schedule,
+the control plane, the live settings, `resume` and the final save are parts of the loop, built
+by the composition root (`engine.assembly`) from the config and declared here, so a Trainer
+made in a script is the same run as a launched one.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 import torch
@@ -26,15 +29,16 @@ from contract.events import EvalEvent, Event, StateEvent, TrainEvent, WarningEve
 from engine import checkpoint
 from engine.control import chat_only
 from engine.assembly import data as run_data
-from engine.assembly.loop import start
+from engine.assembly.loop import announce_run, control_of, start
 from engine.assembly.root import Given, assemble
 from engine.callbacks import NOTHING, Callback, Signal
 from engine.checkpoint import rewind as rewinding
 from engine.checkpoint import state as checkpoint_state
 from engine.checkpoint.locations import CheckpointError
 from engine.control.plane import Control
-from engine.control.settings import live_settings
+from engine.control.settings import LiveSettings
 from engine.objectives.losses import PER_MICRO_BATCH, Window
+from engine.steps import asked_by
 from engine.monitors import Monitor, StepInfo
 from engine.rng import preserved_rng
 
@@ -95,55 +99,65 @@ class Trainer:
         self.train_fn, self.loss_fn, self.eval_fn = parts.train_fn, parts.loss_fn, parts.eval_fn
         self.callbacks, self.monitors, self.evaluators = parts.callbacks, parts.monitors, parts.evaluators
         self.checkpoints, self.snapshots = parts.checkpoints, parts.snapshots  # snapshots: in host memory
-        self.control: Control | None = None  # made by `start` when the config enables it
         # the loop's own bookkeeping
         self._stopping = False  # a stop signal came: training ends after this step's boundary
-        self._restart = False   # a rewind moved the position: the loop starts its epoch again there
-        self._pending = NOTHING  # what hooks asked inside a public method (evaluate), acted on next
         self._sampler = None
         self._last_eval_step = -1
-        start(self, chat_page=server)  # set-up hooks, setup event, control plane, resume
+        announce_run(self)  # set-up hooks, setup event
+        # the control plane when the config enables it (commands at every step boundary)
+        self.control: Control | None = control_of(self, chat_page=server)
+        start(self)  # initialized hooks, resume
+
+    @property
+    def live_settings(self) -> LiveSettings:
+        """What `set` (and `stop`) changed while the run goes on: the loop's schedule and final save."""
+        return self.ctx.settings
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self) -> None:
         """Train to the end (or a stop), then save the final model when the config says so."""
         cfg, state = self.config, self.state
         if cfg.control.chat_only and self.control is not None:  # hold the model for chat, train nothing
-            chat_only.serve(self)
+            self._act(chat_only.hold(self))
+            self._boundary()  # holds: chat, evaluate, status ... until a stop
+            self._last_boundaries()
+            self.emit(StateEvent(state=RunState.FINISHED, step=state.global_step, chat_only=True))
             return
         self._act(self.callbacks.fire("on_train_begin", self))
-        self._act(self._boundary())  # a pause sent before the first step holds it back
+        self._boundary()  # a pause sent before the first step holds it back
         self.emit(StateEvent(state=RunState.RUNNING, step=state.global_step))
         while state.epoch < self._epochs() and not self._done():
-            self._restart, epoch = False, state.epoch
+            epoch = state.epoch
             loader = self.train_loader(epoch, start_batch=state.batch_in_epoch)
-            self._act(self.callbacks.fire("on_train_epoch_begin", self))
+            if self._act(self.callbacks.fire("on_train_epoch_begin", self)):
+                continue  # rewound: the epoch starts again at the restored position
             for micro_batches in _chunks(loader, cfg.train.grad_accum):
-                self._train_step(epoch, micro_batches)
-                if self._done() or self._restart:
-                    break
+                if self._train_step(epoch, micro_batches) or self._done():
+                    break  # rewound (the epoch starts again there), or stopping
             else:  # the epoch ran to its end
                 self._end_epoch(epoch)
         self._end_training()
 
-    def _train_step(self, epoch: int, micro_batches: list[dict]) -> None:
-        """One optimizer step, its phases in order."""
+    def _train_step(self, epoch: int, micro_batches: list[dict]) -> bool:
+        """One optimizer step, its phases in order; True when a rewind moved the data position
+        (the step's later phases are abandoned, and the loop starts its epoch again there)."""
         cfg, state = self.config, self.state
-        self._act(self.callbacks.fire("on_train_batch_begin", self, micro_batches))
+        if self._act(self.callbacks.fire("on_train_batch_begin", self, micro_batches)):
+            return True
         started, lr = time.perf_counter(), self.current_lr()  # the step's own rate (the schedule moves)
         self.engine.train()
         loss, tokens = self._reduce(*self.train_fn(self, micro_batches))  # data, forward, loss, backward, update
         state.global_step += 1
         state.batch_in_epoch += len(micro_batches)
         self._record(StepInfo(state.global_step, epoch, loss, tokens, time.perf_counter() - started, lr))
-        self._act(self.callbacks.fire("on_train_batch_end", self, loss))  # the guard: rewind, pause
-        if self._restart:  # rewound: this step's later phases are abandoned
-            return
-        live = live_settings(self)  # the schedule, as the control plane may have changed it
-        if _due(state.global_step, live.eval_every(cfg)):
-            self.evaluate()                                               # evaluate if due
+        # the guard: rewind, pause (and what on_before_backward asked besides a skip)
+        if self._act(asked_by(self.train_fn) | self.callbacks.fire("on_train_batch_end", self, loss)):
+            return True
+        live = self.live_settings  # the schedule, as the control plane may have changed it
+        if _due(state.global_step, live.eval_every(cfg)) and self._act(self.evaluation()[1]):  # evaluate if due
+            return True
         self.checkpoints.after_step(self, live.save_every(cfg))           # checkpoint if due
-        self._act(self._boundary())                                       # control boundary
+        return self._boundary()                                           # control boundary
 
     def _end_epoch(self, epoch: int) -> None:
         state = self.state
@@ -154,46 +168,96 @@ class Trainer:
         self._act(self.callbacks.fire("on_train_epoch_end", self))
 
     def _end_training(self) -> None:
-        """The end: last evaluation, the schedule's last checkpoint, the final boundary, the final
-        model -- but a stop with save=false writes nothing (no checkpoint, no model)."""
-        cfg, state, live = self.config, self.state, live_settings(self)
+        """The end: last evaluation, the schedule's last checkpoint, the final boundaries, the
+        final model -- but a stop with save=false writes nothing (no checkpoint, no model)."""
+        cfg, state, live = self.config, self.state, self.live_settings
         if cfg.eval.at_end and self.eval_dataset is not None and self._last_eval_step != state.global_step:
-            self.evaluate()
+            asked = self.evaluation()[1]
+            if asked.rewind is not None:  # as a command's rewind now: refused, the final weights stay
+                self.emit(WarningEvent(message=f"{asked.reason}: the rewind to {asked.rewind} was refused: "
+                                               "training has ended"))
+            self._act(replace(asked, rewind=None))
         if live.final_save is not False:
             self.checkpoints.at_end(self, live.save_every(cfg))
-        if self.control is not None:
-            self.control.end_of_training()
+        self._last_boundaries()
         self.callbacks.fire("on_train_end", self)
-        if live_settings(self).save_at_end(cfg):
+        if live.save_at_end(cfg):
             self.save_model(str(self.folder.model))
         self.emit(StateEvent(state=RunState.FINISHED, step=state.global_step))
         if self.control is not None:  # as a launched run ends: no control socket, no control.json left
             self.control.close()
 
-    def _boundary(self) -> Signal:
-        """The control boundary (commands run here, a pause holds here); what they ask of the loop."""
-        return self.control.at_boundary() if self.control is not None else NOTHING
+    def _boundary(self) -> bool:
+        """The control boundary: the queued commands run, a pause holds here. A command that moves
+        the loop comes back as a signal, carried out (and answered) by `_act` before the boundary
+        goes on. True when a rewind moved the data position."""
+        if self.control is None:
+            return False
+        moved, signal = False, self.control.at_boundary()
+        while signal is not None:
+            moved = self._act(signal) or moved
+            signal = self.control.go_on()
+        return moved
 
-    def _act(self, signal: Signal) -> None:
-        """Carry out what hooks and commands asked: the one place the loop's course changes."""
-        signal, self._pending = signal | self._pending, NOTHING
+    def _last_boundaries(self) -> None:
+        """The end's boundaries: everything queued is answered (a pause holds the finished
+        weights; a rewind or branch is refused), then the queue closes and what came in between
+        is answered too."""
+        if self.control is not None:
+            self.control.finish()
+            self._boundary()
+            self.control.close_commands()
+            self._boundary()
+
+    def _act(self, signal: Signal) -> bool:
+        """Carry out what hooks and commands asked -- the one place the loop's course changes --
+        then answer the command that asked. True when a rewind or branch moved the data position
+        (the loop starts its epoch again there)."""
         if signal.stop:
             self._stopping = True
-        if signal.rewind is not None:  # a hook's rewind (the guard); a command's ran at the boundary
-            signal = self._rewind_for_hook(signal)
-        if signal.pause and self.control is not None:
-            self.control.pause(signal.reason)
+        moved, pause = False, signal.pause
+        if signal.rewind is not None:
+            moved, refused = self._go_back(signal)
+            pause = pause or refused
+        if pause:
+            self._pause(signal.reason)
+        if signal.answer is not None and signal.rewind is None:  # a rewind's is answered by _go_back
+            signal.answer.done()
+        return moved
 
-    def _rewind_for_hook(self, signal: Signal) -> Signal:
+    def _go_back(self, signal: Signal) -> tuple[bool, bool]:
+        """Rewind or branch to the signal's target: (the data position moved, the run pauses
+        instead: a hook's rewind was refused). A command's is answered here."""
         try:
-            self.rewind(signal.rewind, reason=signal.reason)  # type: ignore[arg-type]
-        except CheckpointError as e:  # refused (or failed and undone): the guard's fallback is a pause
+            if signal.branch is not None:
+                result = self.branch(signal.rewind, signal.branch, signal.reason, signal.settings)  # type: ignore[arg-type]
+            else:
+                result = self.rewind(signal.rewind, reason=signal.reason)  # type: ignore[arg-type]
+        except (CheckpointError, ValueError, rewinding.StateLost) as e:
+            touched = getattr(e, "position_touched", False)  # undone: the epoch starts again there
+            if signal.answer is not None:  # a command's: refused or failed, answered so
+                signal.answer.failed(e)
+                if isinstance(e, rewinding.StateLost):
+                    raise
+                return touched, False
+            if not isinstance(e, CheckpointError):
+                raise
+            # refused (or failed and undone): the guard's fallback is a pause
             self.emit(WarningEvent(message=f"{signal.reason}: the rewind to {signal.rewind} was refused ({e}), "
                                            "so the run pauses"))
-            return Signal(pause=True, reason=signal.reason)
+            return touched, True
+        if signal.answer is not None:
+            signal.answer.done(result)
         if signal.then_lr_scale is not None and self.control is not None:
             self.control.scale_lr(signal.then_lr_scale, signal.reason)
-        return signal
+        return True, False
+
+    def _pause(self, reason: str) -> None:
+        if self.control is None:  # nothing could hold the run or resume it: said, not dropped
+            self.emit(WarningEvent(message=f"{reason}: a pause needs the control plane (control.enabled), "
+                                           "so the run goes on"))
+            return
+        self.control.pause(reason)
 
     def _done(self) -> bool:
         return self._stopping or self.state.global_step >= self.state.total_steps
@@ -201,24 +265,17 @@ class Trainer:
     # -- going back (engine.checkpoint.rewind) --------------------------------------------------
     def rewind(self, target: str, reason: str = "user") -> rewinding.RewindResult:
         """Load a checkpoint or snapshot of this run's present branch (`target`: a snapshot name,
-        `step-N` or N, or a checkpoint folder) into the running engines; training goes on from
-        there. Collective: every rank calls it at the same boundary. A refused or failed rewind
-        changes nothing (RewindError, the same on every rank)."""
-        return self._moving(lambda: rewinding.rewind_in_place(self, target, reason))
+        `step-N` or N, or a checkpoint folder) into the running engines. Collective: every rank
+        calls it at the same boundary. A refused or failed rewind changes nothing (RewindError,
+        the same on every rank). Outside `train()`; inside it, a hook returns
+        Signal(rewind=...) and the loop rewinds and starts its epoch again there."""
+        return rewinding.rewind_in_place(self, target, reason)
 
     def branch(self, target: str, name: str, reason: str = "user",
                settings: dict[str, Any] | None = None) -> rewinding.RewindResult:
-        """Rewind to `target` (any branch's) and go on as the new branch `name` of the run's tree."""
-        return self._moving(lambda: rewinding.branch_in_place(self, target, name, reason, settings))
-
-    def _moving(self, load: Callable[[], rewinding.RewindResult]) -> rewinding.RewindResult:
-        try:
-            result = load()
-        except CheckpointError as e:
-            self._restart = self._restart or getattr(e, "position_touched", False)  # undone: start the epoch again
-            raise
-        self._restart = True  # the loop starts its epoch again at the restored (epoch, batch)
-        return result
+        """Rewind to `target` (any branch's) and go on as the new branch `name` of the run's tree
+        (inside `train()`: Signal(rewind=target, branch=name))."""
+        return rewinding.branch_in_place(self, target, name, reason, settings)
 
     # -- one step's pieces --------------------------------------------------------------------
     def compute_loss(self, batch: dict, model: Callable | None = None,
@@ -274,9 +331,17 @@ class Trainer:
 
     # -- evaluation -----------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Run every evaluator (collective); training state, mode and RNG are left as they were."""
+        """Run every evaluator (collective); training state, mode and RNG are left as they were.
+        What the evaluation's hooks ask (early stopping's stop) is carried out at once."""
+        results, asked = self.evaluation()
+        self._act(asked)
+        return results
+
+    def evaluation(self) -> tuple[dict[str, float], Signal]:
+        """Run every evaluator (collective); the results, and what the `on_evaluate_end` hooks ask
+        of the loop (early stopping), for the caller to hand to the loop."""
         if self.eval_dataset is None:
-            return {}
+            return {}, NOTHING
         self.callbacks.fire("on_evaluate_begin", self)
         results: dict[str, float] = {}
         with preserved_rng(), torch.no_grad():
@@ -290,8 +355,7 @@ class Trainer:
         self.checkpoints.note_evaluation(self.state.global_step, results)
         self.emit(EvalEvent(step=self.state.global_step, epoch=self.state.epoch,
                             **{f"eval/{k}": v for k, v in results.items()}))
-        self._pending = self._pending | self.callbacks.fire("on_evaluate_end", self, results)  # early stopping
-        return results
+        return results, self.callbacks.fire("on_evaluate_end", self, results)  # early stopping
 
     def _evaluated(self, evaluator: Any) -> dict[str, float]:
         """One evaluator's results; one that raises is reported (a warning naming it and the

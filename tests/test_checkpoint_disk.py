@@ -77,7 +77,7 @@ def test_the_disk_filling_in_the_middle_of_a_save_fails_it_as_a_full_disk(small_
     events: list[dict] = []
     fill(small_disk, leave=6 * MiB)
     with pytest.raises(locations.DiskFullError) as caught:
-        save(ckpts / "step-2", 12 * MiB, emit=events.append)
+        save(ckpts / "step-2", 12 * MiB, emit=lambda e: events.append(e.record()))
     message = str(caught.value)
     assert message.startswith("disk full: saving ") and str(ckpts / "step-2") in message
     assert "needs about 2.0 MiB (the size of step-1)" in message   # needed, from the previous checkpoint
@@ -116,7 +116,7 @@ def test_a_save_that_cannot_fit_is_refused_before_it_starts_with_a_warning(small
     free = space.free_bytes(small_disk)
     events: list[dict] = []
     with pytest.raises(locations.DiskFullError) as caught:
-        save(ckpts / "step-2", 12 * MiB, emit=events.append)
+        save(ckpts / "step-2", 12 * MiB, emit=lambda e: events.append(e.record()))
     assert caught.value.foreseen and caught.value.needed == size and caught.value.free == free
     assert f"needs about {space.mb(size)} (the size of step-1)" in str(caught.value)
     assert f"has {space.mb(free)} free, so the save was not started" in str(caught.value)

@@ -23,13 +23,12 @@ SCRIPT = """
 import sys
 import time
 from engine import Trainer
-from engine.control import live_settings
 from contract.config.load import load_config
 cfg = load_config(overrides=sys.argv[2:])
 trainer = Trainer(config=cfg, run_dir=sys.argv[1], server=True)
 trainer.train()
 print("trained to step", trainer.state.global_step, flush=True)
-print("final save:", live_settings(trainer).save_at_end(trainer.config), flush=True)
+print("final save:", trainer.live_settings.save_at_end(trainer.config), flush=True)
 print("config save_at_end:", trainer.config.checkpoint.save_at_end, flush=True)
 time.sleep(4)  # the script goes on after training: its run still answers, and refuses clearly
 """

@@ -29,7 +29,7 @@ save, replies = json.loads(sys.argv[1]), []
 class StopAtTwo(Callback):
     def on_train_batch_end(self, trainer, loss):
         if trainer.state.global_step == 2:
-            trainer.control.commands.put("stop", Stop(save=save), Reply("stop", replies.append))
+            trainer.control.commands.put("stop", Stop(save=save), Reply("stop", replies.append, Stop.returns))
 
 trainer = Trainer(config=load_config(overrides=sys.argv[2:]), callbacks=[StopAtTwo()])
 trainer.train()

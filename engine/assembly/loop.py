@@ -2,9 +2,10 @@
 
 Built before the Trainer (engine.assembly.root calls these): the callbacks (the user's, then
 those the config asks for: early stopping, the spike guard), the monitors, the evaluators, the
-snapshots kept in host memory. Connected once the Trainer holds its parts (`start`, called by
-its constructor): the callbacks' set-up hooks, the setup event, the control plane (which
-drives the trainer, so it needs one), the resume.
+snapshots kept in host memory. Connected once the Trainer holds its parts, by its constructor,
+in this order: `announce_run` (the callbacks' set-up hooks, the setup event), `control_of` (the
+control plane, which drives the trainer, so it needs one; the Trainer declares what it returns),
+`start` (the callbacks' initialized hook, the resume).
 """
 
 from __future__ import annotations
@@ -55,14 +56,22 @@ def snapshots_of(cfg: RunConfig) -> SnapshotStore:
     return SnapshotStore(cfg.checkpoint.snapshots_keep, cfg.checkpoint.snapshots_max_mib)
 
 
-def start(trainer, chat_page: bool) -> None:
-    """Connect a Trainer that holds its parts, in this order: the callbacks' set-up hook, the
-    setup event, the control plane (when the config enables it, or `Trainer(server=True)` asks
-    for the chat page), the callbacks' initialized hook, the resume point. Collective."""
+def announce_run(trainer) -> None:
+    """The callbacks' set-up hook, then the setup event. Collective."""
     trainer.callbacks.fire("on_setup_parallel_model", trainer)
     announce(trainer.ctx, trainer.data, trainer.ds_setup)
+
+
+def control_of(trainer, chat_page: bool) -> Control | None:
+    """The run's control plane (rank 0's server, every rank's boundary) when the config enables
+    it, or `Trainer(server=True)` asks for the chat page; None otherwise. Collective."""
     if trainer.config.control.enabled or chat_page:
-        trainer.control = Control(trainer, chat_page=chat_page)  # rank 0's server, every rank's boundary
+        return Control(trainer, chat_page=chat_page)
+    return None
+
+
+def start(trainer) -> None:
+    """The callbacks' initialized hook, then the resume point. Collective."""
     trainer.callbacks.fire("on_after_trainer_initialized", trainer)
     resume = resume_point(trainer.ctx)
     if resume is not None:

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from contract.events import EventType
+from contract.events import CheckpointFailedEvent, Event, WarningEvent
 from engine.checkpoint import space as disk
 from engine.checkpoint.agreement import Comm
 from engine.checkpoint.locations import (FORMAT, MARKER, TMP_PREFIX, CheckpointError, DiskFullError, Location,
@@ -122,7 +122,7 @@ class FolderWriter:
 
 @contextlib.contextmanager
 def writing(url: str, kind: str, meta: dict | None = None, pointer: bool = False,
-            comm: Comm | None = None, emit: Callable[[dict], None] | None = None) -> Iterator[FolderWriter]:
+            comm: Comm | None = None, emit: Callable[[Event], None] | None = None) -> Iterator[FolderWriter]:
     """Write a folder at `url` atomically, together with every rank (see the module docstring).
 
     The body writes its files under `writer.local` on each rank; when it returns, the folder is
@@ -209,7 +209,7 @@ def space_for(target: Location, kind: str) -> disk.Space:
 
 
 def _finish(writer: FolderWriter, target: Location, tmp: Location, kind: str, meta: dict,
-            pointer: bool, space: disk.Space, emit: Callable[[dict], None] | None) -> None:
+            pointer: bool, space: disk.Space, emit: Callable[[Event], None] | None) -> None:
     comm = writer.comm
     files: dict[str, dict] = {}
     if writer.problem is None:
@@ -263,7 +263,7 @@ def _mark_complete(local: Path, manifest: dict[str, dict], target: Location, tmp
 
 # -- failures ---------------------------------------------------------------------------------------
 def _failed(target: Location, kind: str, problems: dict[int, dict], space: disk.Space,
-            emit: Callable[[dict], None] | None, comm: Comm, tmp: Location | None = None) -> CheckpointError:
+            emit: Callable[[Event], None] | None, comm: Comm, tmp: Location | None = None) -> CheckpointError:
     """The agreed error of a failed save (the same on every rank); rank 0 removes the partial
     folder and records the failure."""
     written = None
@@ -293,7 +293,7 @@ def _failed(target: Location, kind: str, problems: dict[int, dict], space: disk.
     return error
 
 
-def _full_foreseen(target: Location, kind: str, space: disk.Space, emit: Callable[[dict], None] | None,
+def _full_foreseen(target: Location, kind: str, space: disk.Space, emit: Callable[[Event], None] | None,
                    comm: Comm) -> DiskFullError:
     """The save cannot fit: warned about before anything is written, then refused alike on every rank."""
     message = (f"disk full: saving {target.url} needs about {disk.mb(space.needed)} (the size of "
@@ -303,21 +303,19 @@ def _full_foreseen(target: Location, kind: str, space: disk.Space, emit: Callabl
     if comm.rank == 0:
         print(f"warning: {message}", flush=True)
         if emit is not None:
-            emit({"type": EventType.WARNING.value, "message": message, "path": target.url,
-                  "needed_bytes": space.needed, "free_bytes": space.free})
+            emit(WarningEvent(message=message, path=target.url, needed_bytes=space.needed, free_bytes=space.free))
     error = DiskFullError(message, target.url, space.needed, space.free, foreseen=True)
     _record_failure(error, target, kind, emit, comm)
     return error
 
 
-def _record_failure(error: CheckpointError, target: Location, kind: str, emit: Callable[[dict], None] | None,
+def _record_failure(error: CheckpointError, target: Location, kind: str, emit: Callable[[Event], None] | None,
                     comm: Comm) -> None:
     if comm.rank != 0 or emit is None:
         return
-    event: dict[str, Any] = {"type": EventType.CHECKPOINT_FAILED.value, "path": target.url, "kind": kind, "error": str(error),
-                             "disk_full": isinstance(error, DiskFullError)}
-    if isinstance(error, DiskFullError):
-        event.update(needed_bytes=error.needed, free_bytes=error.free, foreseen=error.foreseen)
+    full = {"needed_bytes": error.needed, "free_bytes": error.free, "foreseen": error.foreseen} \
+        if isinstance(error, DiskFullError) else {}
     with contextlib.suppress(Exception):  # the event log may sit on the full disk itself
-        emit(event)
+        emit(CheckpointFailedEvent(path=target.url, kind=kind, error=str(error),
+                                   disk_full=isinstance(error, DiskFullError), **full))
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.branches import ROOT, BranchTree, checkpoints_dir
-from contract.events import EventType
+from contract.events import BranchEvent, RewindEvent, SnapshotEvent
 from engine.checkpoint import state as ckpt
 from engine.checkpoint import compatible
 from engine.checkpoint.locations import CheckpointError
@@ -91,10 +91,11 @@ class RewindResult:
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def event(self, kind: str = "rewind") -> dict[str, Any]:
+    def event(self, kind: str = "rewind") -> RewindEvent | BranchEvent:
+        """The `rewind` (or `branch`) event of what was done."""
         fields = asdict(self)
         extra = fields.pop("extra")
-        return {"type": kind, **fields, **extra}
+        return (BranchEvent if kind == "branch" else RewindEvent)(**fields, **extra)
 
 
 # -- the run's parts ----------------------------------------------------------------------------------
@@ -391,8 +392,8 @@ def take_snapshot(trainer, name: str | None = None) -> dict[str, Any]:
                                    trainer.batch_sampler())
     except SnapshotError as e:
         raise RewindError(str(e)) from None
-    event = {"type": EventType.SNAPSHOT, "name": name, "step": snap.step, "branch": snap.branch, "bytes": snap.bytes,
-             "total_bytes": store.total_bytes(), "kept": store.names(), "evicted": evicted,
-             "seconds": round(time.perf_counter() - started, 4)}
-    trainer.emit(dict(event))
-    return event
+    event = SnapshotEvent(name=name, step=snap.step, branch=snap.branch, bytes=snap.bytes,
+                          total_bytes=store.total_bytes(), kept=store.names(), evicted=evicted,
+                          seconds=round(time.perf_counter() - started, 4))
+    trainer.emit(event)
+    return event.record()

@@ -38,7 +38,7 @@ import math
 from typing import Any
 
 from contract.branches import BranchTree
-from contract.events import EventType, WarningEvent
+from contract.events import BestModelEvent, CheckpointDeletedEvent, WarningEvent
 from engine.checkpoint import publish, state
 from engine.checkpoint.agreement import Comm
 from engine.checkpoint import locations
@@ -168,8 +168,9 @@ class CheckpointSchedule:
             for name in doomed:
                 publish.remove(collection.child(name))
             if doomed:
-                trainer.emit({"type": EventType.CHECKPOINT_DELETED, "step": trainer.state.global_step, "names": doomed,
-                              "reason": "disk full: deleted before the save, as the keep rules would after it"})
+                trainer.emit(CheckpointDeletedEvent(
+                    step=trainer.state.global_step, names=doomed,
+                    reason="disk full: deleted before the save, as the keep rules would after it"))
         return bool(Comm.current().broadcast(bool(doomed)))
 
     def prune(self, trainer) -> list[str]:
@@ -182,7 +183,7 @@ class CheckpointSchedule:
         for name in doomed:
             publish.remove(locations.location(collection).child(name))
         if doomed:
-            trainer.emit({"type": EventType.CHECKPOINT_DELETED, "step": trainer.state.global_step, "names": doomed})
+            trainer.emit(CheckpointDeletedEvent(step=trainer.state.global_step, names=doomed))
         return doomed
 
 
@@ -200,5 +201,5 @@ def load_best(trainer) -> None:
                                   f"value of {c.monitor}; the final weights are kept"))
         return
     state.load_weights(trainer, best["url"])
-    trainer.emit({"type": EventType.BEST_MODEL, "path": best["url"], "step": best["step"],
-                  "monitor": c.monitor, "value": metric_of(best["metrics"], c.monitor)})
+    trainer.emit(BestModelEvent(path=best["url"], step=best["step"], monitor=c.monitor,
+                                value=metric_of(best["metrics"], c.monitor)))

@@ -11,20 +11,27 @@ memory is freed when its process group ends.
 
 from __future__ import annotations
 
-from contract.events import state_event
-from contract.protocol.states import RunState
+from typing import Any
+
+from contract.config.schema import RunConfig
 from engine import checkpoint
+from engine.callbacks import Signal
 
 
-def serve(trainer) -> None:
-    """Load `control.chat_load` when given, then answer commands until a stop (every rank)."""
+def hold(trainer) -> Signal:
+    """Load `control.chat_load` when given (every rank), and ask the loop to hold: a pause, in
+    which the boundary answers chat, evaluate, status ... until a stop (Trainer._act carries it
+    out; its `state` paused event names the model, `state_fields`)."""
     cfg = trainer.config
     if cfg.control.chat_load:
         checkpoint.load_model(trainer.ctx, cfg.control.chat_load)  # an adapter lands on the base model
     trainer.engine.eval()
-    trainer.control.paused = True  # the boundary holds (its own paused event below)
-    trainer.emit(state_event(RunState.PAUSED, step=trainer.state.global_step, chat_only=True,
-                             model=cfg.control.chat_load or cfg.resume or cfg.model.path or "default"))
-    trainer.control.at_boundary()  # holds while paused: chat, evaluate, status ... until stop
-    trainer.control.end_of_training()
-    trainer.emit(state_event(RunState.FINISHED, step=trainer.state.global_step, chat_only=True))
+    return Signal(pause=True, reason="chat only")
+
+
+def state_fields(cfg: RunConfig) -> dict[str, Any]:
+    """What a chat-only run's `state` paused event says besides the state: that it is one, and
+    the model it holds (nothing for a training run)."""
+    if not cfg.control.chat_only:
+        return {}
+    return {"chat_only": True, "model": cfg.control.chat_load or cfg.resume or cfg.model.path or "default"}

@@ -29,6 +29,8 @@ from contract.protocol.states import RunState
 from engine.checkpoint import rewind as rewinding
 from engine.checkpoint.locations import CheckpointError
 from engine.control import completions, data_commands
+from engine.callbacks import NOTHING, Signal
+from engine.control.moves import Move
 from engine.control.pending import Reply
 from engine.control.run import Plane
 from engine.control import live_fields
@@ -41,7 +43,7 @@ class CommandRefused(RuntimeError):
     """The command does not apply now (same on every rank); nothing was changed."""
 
 
-Handler = Callable[[Plane, Any, Reply], dict]
+Handler = Callable[[Plane, Any, Reply], Any]  # the answer (a dict), or a Move for the loop
 
 
 # -- generate -------------------------------------------------------------------------------------
@@ -96,12 +98,13 @@ def complete(control: Plane, cmd: Complete, reply: Reply) -> dict:
 
 
 # -- run state --------------------------------------------------------------------------------------
-def pause(control: Plane, cmd: Pause, reply: Reply) -> dict:
+def pause(control: Plane, cmd: Pause, reply: Reply) -> Move:
+    """Ask the loop to hold at this boundary (Trainer._act pauses the control plane)."""
     trainer = control.trainer
     if control.ended:
         raise CommandRefused("pause: training has ended; there is nothing left to pause")
-    control.pause()
-    return {"state": RunState.PAUSED.value, "step": trainer.state.global_step}
+    return Move(Signal(pause=True), lambda _: {"state": RunState.PAUSED.value, "step": trainer.state.global_step},
+                "pause")
 
 
 def resume(control: Plane, cmd: Resume, reply: Reply) -> dict:
@@ -113,7 +116,7 @@ def resume(control: Plane, cmd: Resume, reply: Reply) -> dict:
     return {"state": RunState.RUNNING.value, "step": trainer.state.global_step}
 
 
-def stop(control: Plane, cmd: Stop, reply: Reply) -> dict:
+def stop(control: Plane, cmd: Stop, reply: Reply) -> Move:
     """Stop after this boundary. `save` (default true, contract.protocol.Stop): a training
     checkpoint now and the final model when the run ends; false: nothing is written, neither
     these nor the schedule's end-of-training checkpoint (whatever checkpoint.save_at_end says). A save that fails (every rank alike, engine.checkpoint.atomic)
@@ -128,21 +131,26 @@ def stop(control: Plane, cmd: Stop, reply: Reply) -> dict:
             error = str(e)
     final = cmd.save and error is None and not trainer.config.control.chat_only
     control.settings.final_save = final
-    control.stop()
+    control.stop()  # the run says it is stopping, and a pause ends; the loop ends it (Trainer._act)
     result = {"state": RunState.STOPPING.value, "step": trainer.state.global_step, "checkpoint": path,
               "final_model": final}
-    return result if error is None else {**result, "save_error": error}
+    return Move(Signal(stop=True, reason="stop"),
+                lambda _: result if error is None else {**result, "save_error": error}, "stop")
 
 
 def save(control: Plane, cmd: Save, reply: Reply) -> dict:
     return {"checkpoint": control.save_checkpoint(), "step": control.trainer.state.global_step}
 
 
-def evaluate(control: Plane, cmd: Evaluate, reply: Reply) -> dict:
+def evaluate(control: Plane, cmd: Evaluate, reply: Reply) -> dict | Move:
+    """Evaluate now; what the evaluation's hooks ask of the loop (early stopping's stop) goes to
+    the loop like a command's move."""
     trainer = control.trainer
     if trainer.eval_dataset is None:
         raise CommandRefused("evaluate: this run has no evaluation data (data.eval is empty)")
-    return {"step": trainer.state.global_step, "metrics": trainer.evaluate()}
+    metrics, asked = trainer.evaluation()
+    result = {"step": trainer.state.global_step, "metrics": metrics}
+    return result if asked == NOTHING else Move(asked, lambda _: result, "evaluate")
 
 
 # -- live settings --------------------------------------------------------------------------------
@@ -218,33 +226,33 @@ def current_settings(control: Plane) -> dict:
 
 # -- rewind, branch, snapshot (engine.checkpoint.rewind) ------------------------------------------------
 def _not_ended(control: Plane, what: str) -> None:
-    if control.ended:
+    """Refused from the end's first boundary on: the final weights are the run's (the final
+    model is saved after these boundaries)."""
+    if control.finishing or control.ended:
         raise CommandRefused(f"{what}: training has ended; start a new run with resume= instead")
 
 
-def rewind(control: Plane, cmd: Rewind, reply: Reply) -> dict:
-    """Load the target into the running engines on every rank; training goes on from there."""
+def rewind(control: Plane, cmd: Rewind, reply: Reply) -> Move:
+    """Ask the loop to load the target into the running engines on every rank (Trainer._act);
+    training goes on from there. Refused there, alike on every rank, before anything changed."""
     _not_ended(control, "rewind")
-    try:
-        return control.trainer.rewind(cmd.target).event()
-    except CheckpointError as e:  # refused alike on every rank before anything changed
-        raise CommandRefused(f"rewind: {e}") from None
+    return Move(Signal(rewind=cmd.target), lambda result: result.event().record(), "rewind")
 
 
-def branch(control: Plane, cmd: Branch, reply: Reply) -> dict:
-    """Rewind, then go on as a new branch with the command's settings (applied as a `set`)."""
+def branch(control: Plane, cmd: Branch, reply: Reply) -> Move:
+    """Ask the loop to rewind and go on as a new branch; then the command's settings are applied
+    as a `set`."""
     _not_ended(control, "branch")
     changes = cmd.settings()
     if changes:  # checked before anything moves: a refused setting refuses the branch
         _check_settable(control, Set(**changes))
-    try:
-        result = control.trainer.branch(cmd.target, cmd.branch, settings=changes)
-    except (CheckpointError, ValueError) as e:
-        raise CommandRefused(f"branch: {e}") from None
-    out = result.event("branch")
-    if changes:
-        out["set"] = set_values(control, Set(**changes), reply)
-    return out
+
+    def answer(result: Any) -> dict:
+        out = result.event("branch").record()
+        if changes:
+            out["set"] = set_values(control, Set(**changes), reply)
+        return out
+    return Move(Signal(rewind=cmd.target, branch=cmd.branch, settings=changes), answer, "branch")
 
 
 def snapshot(control: Plane, cmd: Snapshot, reply: Reply) -> dict:

@@ -4,10 +4,14 @@
 queued commands from rank 0, executes them in order, and while the run is paused keeps
 exchanging (an empty batch at least every HEARTBEAT_S seconds), so the waiting ranks sit in a
 broadcast that completes long before any gloo / nccl timeout, and resume the moment rank 0 does.
+A command that moves the loop (pause, stop, rewind, branch: engine.control.moves) is not carried
+out here: its signal goes back to the loop (`Trainer._act`), which acts, answers it, and calls
+`go_on` for the rest of the boundary.
 
-At the end of training the queue is drained once more, so chats sent during the last step are
-answered; a pause that arrives then holds the finished weights in memory for chat until resumed
-or stopped. After that the run accepts no more commands: each gets an error saying training has
+At the end of training the queue is drained once more (`finish`, then `close_commands`, the loop
+running a boundary after each), so chats sent during the last step are answered; a pause that
+arrives then holds the finished weights in memory for chat until resumed or stopped, and a rewind
+or branch is refused. After that the run accepts no more commands: each gets an error saying training has
 ended (status and subscribe still answer until the process exits), so nothing queued is met by
 silence.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from dataclasses import replace
 from typing import Any
 
 from contract.events import ChatPageEvent, CommandEvent, CommandStatus, EventType, WarningEvent, state_event
@@ -24,6 +29,8 @@ from contract.protocol.commands import Set, Status
 from contract.protocol.completion_commands import Complete
 from contract.protocol.states import STATES, RunState
 from engine.callbacks import Signal
+from engine.control import chat_only
+from engine.control.moves import Deferred, Move
 from engine.checkpoint.rewind import StateLost
 from engine.control import completions, data_commands, handlers, live_fields
 from engine.control.boundary import Boundary
@@ -34,7 +41,6 @@ from engine.control.run import ControlledRun
 from engine.control.server import ControlServer
 from engine.control.serving import ServingBudget
 from engine.control.limits import PromptLimit
-from engine.control.settings import LiveSettings
 
 # while paused: the longest the other ranks wait in one broadcast (far below any gloo / nccl
 # timeout); tests shorten it to exercise many heartbeats
@@ -52,9 +58,9 @@ class Control:
         self.commands = commands
         self.boundary = Boundary(self.rank, self.world_size, env.device, commands)
         # the live settings `set` changed: recorded in every checkpoint, re-applied on resume;
-        # the loop reads its schedule from them (engine.control.settings.live_settings)
-        self.settings = LiveSettings()
-        trainer.live_settings = self.settings
+        # the loop reads its schedule from them (trainer.live_settings)
+        self.settings = trainer.ctx.settings  # built with the run's context (engine.assembly)
+        self._left: list[Pending] = []  # the boundary's commands not executed yet
         live_fields.remember(trainer, self.settings)  # the optimizer's own fields, before any load
         self.ended = False
         self.finishing = False  # the end of training's last boundaries: every request answered
@@ -88,22 +94,31 @@ class Control:
                 print(f"chat with the model being trained: {self.page.url}", flush=True)
 
     # -- the boundary ------------------------------------------------------------------------------
-    def at_boundary(self) -> Signal:
-        """Execute what was queued; hold here while paused (collective: every rank calls it).
-        What the commands ask of the loop is returned (a stop); a rewind or branch has already
-        moved the run (Trainer.rewind / branch, which the loop's epoch follows)."""
+    def at_boundary(self) -> Signal | None:
+        """A boundary: execute what was queued, and hold while paused (collective: every rank
+        calls it). A command that moves the loop (engine.control.moves) ends the run of commands
+        there: its signal is returned for the loop to carry out, and `go_on` continues with the
+        commands after it. None: the boundary is over."""
         self.serving.begin()
         data_commands.at_boundary(self)  # taught prompts asked again when their check is due
-        self._execute(self.boundary.exchange())
-        while self.paused and not self.stopping:
-            self._execute(self.boundary.exchange(wait_s=HEARTBEAT_S))
-        return Signal(stop=self.stopping, reason="stop")
+        self._left = self.boundary.exchange()
+        return self.go_on()
+
+    def go_on(self) -> Signal | None:
+        """The boundary after the loop acted on a command's signal: the commands left, then the
+        hold while paused (the same on every rank: each has the same batch)."""
+        while True:
+            signal = self._execute(self._left)
+            if signal is not None or not self.paused or self.stopping:
+                return signal
+            self._left = self.boundary.exchange(wait_s=HEARTBEAT_S)
 
     def pause(self, reason: str = "user") -> None:
-        """Hold at the boundary from now on (every rank alike), with a `state` paused event."""
+        """Hold at the boundary from now on (every rank alike), with a `state` paused event (a
+        chat-only run's names the model it holds). The loop calls it (`Trainer._act`)."""
         if not self.paused:
             self.paused = True
-            self.emit_state(RunState.PAUSED)
+            self.emit_state(RunState.PAUSED, **chat_only.state_fields(self.trainer.config))
 
     def resume(self) -> None:
         if self.paused:
@@ -123,32 +138,38 @@ class Control:
         except CommandRefused as e:
             self.trainer.emit(WarningEvent(message=f"{reason}: the learning rate was not scaled: {e}"))
 
-    def end_of_training(self) -> None:
-        """The last boundary: answer everything queued, then refuse what comes later."""
+    def finish(self) -> None:
+        """The end of training's boundaries begin: every request is answered, a pause holds the
+        finished weights, a rewind or branch is refused (the final weights are the run's)."""
         self.finishing = True
-        self.at_boundary()
+
+    def close_commands(self) -> None:
+        """After the end's first boundary: refuse what comes later (the loop then runs one more
+        boundary, so what arrived between the two is executed, not dropped)."""
         self.ended = True
         if self.commands is not None:
             self.commands.close(f"training has ended (step {self.trainer.state.global_step}); the run "
                                 "takes no more commands")
-        self.at_boundary()  # what arrived between the two: executed, not dropped
 
-    def _execute(self, items: list[Pending]) -> None:
-        """Execute in order; consecutive `complete` commands together (one batched generation)."""
-        at = 0
-        while at < len(items):
-            end = at
+    def _execute(self, items: list[Pending]) -> Signal | None:
+        """Execute in order, taking them from `items`; consecutive `complete` commands together
+        (one batched generation). Stops at a command that moves the loop: its signal."""
+        while items:
+            end = 0
             while end < len(items) and isinstance(items[end].command, Complete):
                 end += 1
-            started, charged = time.perf_counter(), end > at and self._charged()
-            if end - at > 1:
-                self._execute_completions(items[at:end])
-                at = end
+            started, charged = time.perf_counter(), end > 0 and self._charged()
+            signal = None
+            if end > 1:
+                self._execute_completions(items[:end])
+                del items[:end]
             else:
-                self._execute_one(items[at])
-                at += 1
+                signal = self._execute_one(items.pop(0))
             if charged:
                 self.serving.charge(time.perf_counter() - started)
+            if signal is not None:
+                return signal
+        return None
 
     def _charged(self) -> bool:
         """Whether serving now takes training's time (the serving budget): not while paused, not
@@ -171,39 +192,46 @@ class Control:
         except Exception as e:  # noqa: BLE001 - failed commands are answered; training goes on
             traceback.print_exc()
             for item in items:
-                self._answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
+                self.answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
             return
         seconds = round(time.perf_counter() - started, 4)
         for item, outcome in zip(items, outcomes):
             if isinstance(outcome, completions.CompletionRefused):
-                self._answer_error(item, str(outcome))
+                self.answer_error(item, str(outcome))
             else:
                 self._record(item, CommandStatus.DONE, result=outcome, seconds=seconds)
                 item.reply.done(outcome)
 
-    def _execute_one(self, item: Pending) -> None:
+    def _execute_one(self, item: Pending) -> Signal | None:
         started = time.perf_counter()
         try:
             result = HANDLERS[type(item.command)](self, item.command, item.reply)
         except CommandRefused as e:
-            self._answer_error(item, str(e))
+            self.answer_error(item, str(e))
         except StateLost as e:  # the run cannot go on (every rank alike): answered, then it ends
-            self._answer_error(item, f"{item.cmd} failed: {e}")
+            self.answer_error(item, f"{item.cmd} failed: {e}")
             raise
         except Exception as e:  # noqa: BLE001 - a failed command is answered; training goes on
             traceback.print_exc()  # to this rank's log; the answer names the error
-            self._answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
-        else:  # recorded first: whoever hears `done` finds the effect in the event log
-            self._record(item, CommandStatus.DONE, result=result, seconds=round(time.perf_counter() - started, 4))
-            item.reply.done(result)
+            self.answer_error(item, f"{item.cmd} failed: {type(e).__name__}: {e}")
+        else:
+            if isinstance(result, Move):  # the loop acts first, then answers (engine.control.moves)
+                return replace(result.signal, answer=Deferred(self, item, result, started))
+            self.answer_done(item, result, round(time.perf_counter() - started, 4))
+        return None
 
-    def _answer_error(self, item: Pending, message: str) -> None:
+    def answer_done(self, item: Pending, result: dict, seconds: float) -> None:
+        """Recorded first: whoever hears `done` finds the effect in the event log."""
+        self._record(item, CommandStatus.DONE, result=result, seconds=seconds)
+        item.reply.done(result)
+
+    def answer_error(self, item: Pending, message: str) -> None:
         self._record(item, CommandStatus.FAILED, error=message)
         item.reply.error(message)
 
     # -- events and status -------------------------------------------------------------------------
-    def emit_state(self, state: RunState) -> None:
-        self.trainer.emit(state_event(state, step=self.trainer.state.global_step))
+    def emit_state(self, state: RunState, **fields: Any) -> None:
+        self.trainer.emit(state_event(state, step=self.trainer.state.global_step, **fields))
 
     def _record(self, item: Pending, status: CommandStatus, **fields: Any) -> None:
         if isinstance(item.command, Status) or self.trainer.events is None:  # reads change nothing
@@ -266,7 +294,7 @@ class Control:
         reason = reason or f"the run has ended ({self.state.value}); the command was not executed"
         self.commands.close(reason)
         for item in self.commands.drain():
-            self._answer_error(item, reason)
+            self.answer_error(item, reason)
         if self.page is not None:
             self.page.close()
         if self.server is not None:

@@ -31,7 +31,7 @@ class ControlledRun(Protocol):
     method: Any                # engine.model.methods: the method object (`has_adapter`: a base model to compare)
     optimizer: Any             # the engine's optimizer, or the fused LOMO one (None: no optimizer)
     eval_dataset: Any          # None: the run has no evaluation data
-    live_settings: LiveSettings
+    live_settings: LiveSettings  # ctx.settings: what `set` changed
 
     def emit(self, event: Event) -> None:
         """Write an event to events.jsonl (rank 0)."""
@@ -48,14 +48,12 @@ class ControlledRun(Protocol):
     def evaluate(self) -> dict:
         """Run the evaluation now (collective); its metrics."""
 
+    def evaluation(self) -> tuple[dict, Any]:
+        """Run the evaluation now (collective); its metrics, and the Signal its hooks answered
+        (early stopping), for the loop to act on."""
+
     def save_checkpoint(self, path: str) -> Any:
         """Write a training checkpoint of the present step at `path` (collective)."""
-
-    def rewind(self, target: str, reason: str = "user") -> Any:
-        """Load a checkpoint / snapshot of the present branch in place (collective); its result."""
-
-    def branch(self, target: str, name: str, reason: str = "user", settings: dict | None = None) -> Any:
-        """Rewind to `target` and go on as the new branch `name` (collective); its result."""
 
 
 class Plane(Protocol):
@@ -64,6 +62,7 @@ class Plane(Protocol):
     settings: LiveSettings
     rank: int
     world_size: int
+    finishing: bool            # the end's boundaries: rewind and branch are refused
     ended: bool                # training has ended: pause has nothing left to hold
     paused: bool               # the boundary holds while true
 

@@ -43,7 +43,7 @@ def train(task: dict, out: Path, name: str, zero: int, extra: list[str], rewind:
         def on_train_batch_end(self, trainer, loss):
             seen.append([trainer.state.global_step, loss])
             if rewind and len(seen) == 4 and trainer.env.rank == 0:
-                trainer.control.commands.put("rewind", Rewind(target="2"), Reply("rewind", replies.append))
+                trainer.control.commands.put("rewind", Rewind(target="2"), Reply("rewind", replies.append, Rewind.returns))
 
     trainer = Trainer(config=cfg, callbacks=[Driver()])
     trainer.train()

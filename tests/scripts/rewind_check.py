@@ -130,7 +130,7 @@ def run_layout(name: str, task: dict, out: Path, other: str | None, via_client: 
                     threads.append(send_by_client(trainer.folder.root, req, cmd, replies))
                     _wait(lambda: len(trainer.control.commands) > queued)
                 else:
-                    trainer.control.commands.put(req, cmd, Reply(req, replies.append))
+                    trainer.control.commands.put(req, cmd, Reply(req, replies.append, cmd.returns))
 
     trainer = Trainer(config=cfg, callbacks=[Driver()])
     trainer.train()
@@ -178,8 +178,8 @@ def _short(reply: dict) -> dict:
         return {"id": reply["id"], "error": reply["message"][:240]}
     res = reply["result"]
     out = {"id": reply["id"], **{k: res[k] for k in ("step", "from_step", "abandoned", "branch", "parent", "bytes",
-                                                     "seconds", "current", "checkpoints", "snapshots") if k in res}}
-    if "set" in res:
+                                                     "seconds", "current", "checkpoints", "snapshots") if res.get(k) is not None}}
+    if res.get("set"):
         out["set"] = res["set"]["changes"]
     if "tree" in res:
         out["tree"] = {n: [b["parent"], b["fork_step"]] for n, b in res["tree"].items()}

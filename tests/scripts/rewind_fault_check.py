@@ -72,7 +72,7 @@ def run(name: str, task: dict, out: Path, faults: bool, lost: bool) -> dict:
             arm(trainer.engine.optimizer, mode)  # every rank: the command runs on every rank
             if trainer.env.rank == 0:
                 req = f"{step}-{cmd.name}"
-                trainer.control.commands.put(req, cmd, Reply(req, replies.append))
+                trainer.control.commands.put(req, cmd, Reply(req, replies.append, cmd.returns))
 
     trainer = Trainer(config=cfg, callbacks=[Driver()])
     ended = None
