@@ -67,6 +67,8 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 def test_lora_on_a_quantized_base(inputs, tmp_path, quantization):
     import bitsandbytes as bnb
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from engine.checkpoint.adapters import export_merged
     from engine.generation.generate import generate
     from engine.model.loading import build_model, quantization_config
     from engine.trainer import Trainer
@@ -87,6 +89,7 @@ def test_lora_on_a_quantized_base(inputs, tmp_path, quantization):
     trainer.engine.eval()
     live = _logits(trainer.engine.module, ids)
     trainer.save_peft(str(tmp_path / "adapter"))
+    export_merged(trainer.ctx, str(tmp_path / "merged"))
     folder = trainer.folder
     trainer.close()
 
@@ -96,6 +99,16 @@ def test_lora_on_a_quantized_base(inputs, tmp_path, quantization):
                             quantization=quantization_config(cfg.model, "fp32"))
     reloaded = PeftModel.from_pretrained(quantized, str(tmp_path / "adapter")).eval()
     assert torch.equal(_logits(reloaded, ids), live)
+
+    # the merged export: a plain fp32 model (dequantized base + LoRA) that answers as the run did
+    merged_folder = tmp_path / "merged"
+    assert "quantization_config" not in json.loads((merged_folder / "config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_folder)).eval()
+    assert all(t.dtype == torch.float32 for t in merged.state_dict().values())
+    gap = (_logits(merged, ids) - live).abs().max().item() / live.abs().max().item()
+    # relative to the logits' scale: bitsandbytes' CPU kernels do not compute in plain fp32 products
+    # of the dequantized weights, and 8-bit's int8 matmul also rounds the inputs
+    assert gap < (1e-2 if quantization == "4bit" else 5e-2), gap
 
     resumed_losses = Losses()  # exact resume: the same losses, bit for bit
     resumed = Trainer(config=cfg, run_dir=str(folder.root), callbacks=[resumed_losses])

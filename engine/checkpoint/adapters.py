@@ -268,17 +268,55 @@ def export_merged(run: RunContext, path: str, adapter_name: str | None = None,
     lora_of = {id(m.get_base_layer().weight): m for m in base.modules()
                if isinstance(m, LoraLayer) and (name in m.lora_A or name in getattr(m, "lora_embedding_A", {}))}
     targets, _ = base_tensors(module)
-    entries = [_merged_entry(k, t, lora_of.get(id(t)), name) for k, t in targets.items()]
+    quantized = _quantized_layers(base)
+    plain = _plain_dtype(base) if quantized else None
+    entries = [_merged_entry(k, t, lora_of.get(id(t)), name, quantized.get(id(t)), plain) for k, t in targets.items()]
     return models.save_hf(run, path, base, entries, max_shard_size, kind="model")
 
 
-def _merged_entry(key: str, weight: torch.Tensor, layer, adapter: str) -> models.Entry:
+def _quantized_layers(base) -> dict[int, torch.nn.Module]:
+    """A quantized base's bitsandbytes linear layers, by their weight's id (empty for a plain base)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # without bitsandbytes no base is quantized
+        return {}
+    return {id(m.weight): m for m in base.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+
+
+def _plain_dtype(base) -> torch.dtype:
+    """What a quantized base is exported in: its 4-bit layers' compute dtype, else (8-bit) the
+    dtype the model was loaded in."""
+    q = base.config.quantization_config
+    q = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    if q.get("load_in_4bit"):
+        dtype = q.get("bnb_4bit_compute_dtype", "float32")
+        return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
+    return base.config.dtype if isinstance(base.config.dtype, torch.dtype) else getattr(torch, str(base.config.dtype))
+
+
+def _merged_entry(key: str, weight: torch.Tensor, layer, adapter: str, quantized=None,
+                  plain: torch.dtype | None = None) -> models.Entry:
+    """One tensor of the merged export: base + LoRA delta where `layer` (a LoRA layer) wraps it;
+    a quantized base's weight (`quantized`: its bitsandbytes layer) dequantized first; every
+    floating tensor of a quantized base in `plain`, its compute dtype."""
     entry = models._tensor_entry(key, weight)
-    if layer is None:
+    if layer is None and plain is None:
         return entry
-    gathered = [p for p in layer.parameters() if models.is_partitioned(p)]
+    gathered = [p for p in layer.parameters() if models.is_partitioned(p)] if layer is not None else []
+    dtype = plain or entry.dtype
+    shape = tuple(quantized.weight.quant_state.shape) if hasattr(getattr(quantized, "weight", None), "quant_state") \
+        and quantized.weight.quant_state is not None else entry.shape
 
     def make() -> torch.Tensor:
-        return weight.detach() + layer.get_delta_weight(adapter).to(weight.dtype)
+        base = _dequantized(quantized) if quantized is not None else weight.detach()
+        if layer is not None:
+            base = base.to(dtype) + layer.get_delta_weight(adapter).to(dtype)
+        return base.to(dtype) if base.is_floating_point() else base
 
-    return models.Entry(key, gathered, make, entry.shape, entry.dtype)
+    return models.Entry(key, gathered, make, shape, dtype if entry.dtype.is_floating_point or quantized is not None else entry.dtype)
+
+
+def _dequantized(layer) -> torch.Tensor:
+    """A bitsandbytes layer's weight as a float tensor (peft's own dequantization, what its merge uses)."""
+    from peft.utils.integrations import dequantize_bnb_weight
+    return dequantize_bnb_weight(layer.weight, state=getattr(layer, "state", None)).detach()

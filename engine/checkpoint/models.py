@@ -164,6 +164,9 @@ def write_model_files(folder: Path, hf_model, tokenizer, dtype: torch.dtype) -> 
     """Config (saying the saved dtype), generation config and tokenizer: rank 0 only."""
     config = copy.deepcopy(hf_model.config)
     config.dtype = str(dtype).split(".")[1]
+    if getattr(config, "quantization_config", None) is not None:
+        # what is written here is never quantized (the merged export of a quantized base dequantizes)
+        del config.quantization_config
     config.save_pretrained(str(folder))
     generation = getattr(hf_model, "generation_config", None)
     if generation is not None:
