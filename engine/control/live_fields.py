@@ -74,7 +74,9 @@ def problem(trainer: Any, live: LiveSettings, cmd: Set) -> str | None:
 def apply(trainer: Any, live: LiveSettings, serving: Any) -> None:
     """Put the fields into the run's parts: the run's own values, the changed ones on top."""
     changed = live.optimizer
-    for group, own in zip(groups_of(trainer), live.configured_groups):
+    configured = live.configured_groups
+    for i, group in enumerate(groups_of(trainer)):
+        own = configured[i] if i < len(configured) else {}
         for key, value in {**own, **changed}.items():
             if key not in group:
                 continue
