@@ -97,3 +97,31 @@ def prepare(folder: RunFolder, decision: Decision, failure_rank: int | None, fai
     finally:
         log.close()
     return cfg
+
+
+def requeued(folder: RunFolder, restart_count: int) -> str:
+    """A Slurm job requeued (`--requeue`, SLURM_RESTART_COUNT = `restart_count` > 0): point the
+    run at its latest complete checkpoint and record the restart, before the ranks start again.
+    Returns what the job script prints; raises SystemExit when the run must not go on."""
+    cfg = load_config(folder.config)
+    if restart_count > cfg.fault.max_restarts:
+        raise SystemExit(f"requeued {restart_count} times, more than fault.max_restarts={cfg.fault.max_restarts}")
+    latest = latest_complete(folder)
+    if latest is None:  # nothing saved yet: the run starts over from its beginning
+        return "requeued before any complete checkpoint: the run starts from its beginning"
+    decision = Decision(True, attempt=restart_count, checkpoint=latest[0], step=latest[1])
+    prepare(folder, decision, None, "requeued", "the Slurm job was requeued (a node failed or was preempted)",
+            _last_step(folder))
+    return f"requeued (restart {restart_count}): resuming from {latest[0]}"
+
+
+def _last_step(folder: RunFolder) -> int:
+    steps = [e.get("step") for e in read_events(folder.events) if e.get("type") == EventType.TRAIN.value]
+    return max((s for s in steps if isinstance(s, int)), default=0)
+
+
+if __name__ == "__main__":  # the Slurm job script's line (supervisor.slurm.job_script)
+    import os
+    import sys
+
+    print(requeued(RunFolder(Path(sys.argv[1])), int(os.environ.get("SLURM_RESTART_COUNT", "0"))), flush=True)

@@ -102,6 +102,8 @@ def job_script(cfg: RunConfig, folder: RunFolder, opts: SlurmOptions, python: st
     run = shlex.quote(str(folder.root))
     sbatch = [f"--job-name=livetune-{folder.root.name}", f"--nodes={opts.nodes}", "--ntasks-per-node=1",
               f"--output={folder.logs}/slurm-%j.log"]
+    if cfg.fault.max_restarts > 0:  # a lost node requeues the job; the script resumes it (supervisor.restart)
+        sbatch.append("--requeue")
     sbatch += [f"--{name}={value}" for name, value in (
         ("gpus-per-node", opts.gpus_per_node), ("cpus-per-task", opts.cpus_per_task),
         ("partition", opts.partition), ("time", opts.time), ("account", opts.account)) if value]
@@ -120,6 +122,8 @@ def job_script(cfg: RunConfig, folder: RunFolder, opts: SlurmOptions, python: st
         f"PYTHONPATH={shlex.quote(str(repo))}${{PYTHONPATH:+:$PYTHONPATH}}",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ${SLURM_CPUS_ON_NODE:-1} / " + str(nproc) + " > 0 ? "
         "${SLURM_CPUS_ON_NODE:-1} / " + str(nproc) + " : 1 ))}",
+        *([f"if [ \"${{SLURM_RESTART_COUNT:-0}}\" -gt 0 ]; then {shlex.quote(python)} -m supervisor.restart \"$RUN\"; fi"]
+          if cfg.fault.max_restarts > 0 else []),
         launch_line(python, nproc),
         ""])
 

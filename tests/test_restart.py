@@ -17,7 +17,9 @@ from contract.config.load import load_config
 from contract.run_folder import read_events
 from control_runs import task_files
 from supervisor.manager import RunManager
-from supervisor.restart import decide
+from contract.run_folder import EventLog, RunFolder
+from supervisor.restart import decide, requeued
+from supervisor.slurm import SlurmOptions, job_script
 
 CKPT = (Path("/r/checkpoints/step-4"), 4)
 
@@ -31,6 +33,28 @@ def test_restart_decisions():
     assert not loop.restart and loop.why_not == "gave up after 2 restart(s), each time at step 7: a crash loop"
     assert decide(1, [{"step": 5}], 9, CKPT).why_not == "gave up after 1 restart(s)"
     assert "no complete checkpoint" in decide(1, [], 3, None).why_not
+
+
+def test_a_requeued_slurm_job_resumes_from_the_latest_complete_checkpoint(tmp_path):
+    cfg = load_config(overrides=["fault.max_restarts=2"])
+    folder = RunFolder(tmp_path / "r")
+    (folder.root / "checkpoints" / "step-4").mkdir(parents=True)
+    (folder.root / "checkpoints" / "step-8").mkdir()  # not complete: never resumed from
+    (folder.root / "checkpoints" / "step-4" / "COMPLETE.json").write_text("{}")
+    folder.config.write_text(cfg.to_yaml())
+    log = EventLog(folder.events)
+    log.emit({"type": "train", "step": 9, "loss": 1.0})
+    log.close()
+    script = job_script(cfg, folder, SlurmOptions())
+    assert "#SBATCH --requeue" in script and "SLURM_RESTART_COUNT" in script and "-m supervisor.restart" in script
+    assert "--requeue" not in job_script(load_config(), folder, SlurmOptions())  # off by default
+    assert "step-4" in requeued(folder, 1)
+    assert load_config(folder.config).resume == str(folder.root / "checkpoints" / "step-4")
+    events = list(read_events(folder.events))
+    assert [e["type"] for e in events[1:]] == ["rank_failed", "restart", "state"]
+    assert events[1]["step"] == 9 and events[2]["attempt"] == 1
+    with pytest.raises(SystemExit, match="more than fault.max_restarts=2"):
+        requeued(folder, 3)
 
 
 def _losses(events: list[dict]) -> list[tuple[int, float]]:
