@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from contract.config.preference_checks import sft_pair_loss
-from contract.config.schema import OBJECTIVE_FORMATS, REFERENCE_OBJECTIVES, PreferenceConfig, RunConfig
+from contract.config.schema import REFERENCE_OBJECTIVES, PreferenceConfig, RunConfig
+from contract.data_check import objective_problem
 from contract.data_rows import IGNORE, DataError
 
 Sums = dict[str, tuple[torch.Tensor, torch.Tensor]]  # metric -> (sum over rows, rows counted)
@@ -249,16 +250,10 @@ def sft_pair_objective(cfg: RunConfig) -> Objective:
 
 
 def rows_problem(cfg: RunConfig, fmt: str, source: str) -> str | None:
-    """Why rows of format `fmt` (from `source`) cannot train this run's objective, or None.
-    A micro-batch holds samples of one kind: pairs, judged answers or token sequences."""
-    objective = cfg.preference.objective
-    wanted = OBJECTIVE_FORMATS.get(objective)
-    if wanted is None and fmt in OBJECTIVE_FORMATS.values():
-        return (f"{source} holds {fmt} rows, which train a preference objective; set "
-                "preference.objective (dpo, orpo, simpo for pairs; kto for unpaired rows)")
-    if wanted is not None and fmt != wanted:
-        return f"preference.objective {objective} trains on {wanted} rows, but {source} holds {fmt} rows"
-    return None
+    """Why rows of format `fmt` (from `source`) cannot train this run's objective, or None: the
+    pre-flight check's own rule (contract.data_check.objective_problem), so what is refused
+    before launch and what a rank or a live data command refuses are one rule, in the same words."""
+    return objective_problem(cfg.preference.objective, fmt, source)
 
 
 def check_data(cfg: RunConfig, reports: dict) -> None:
