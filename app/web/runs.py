@@ -9,16 +9,18 @@ from pathlib import Path
 
 import gradio as gr
 import pandas as pd
+import yaml
 
 from app.session import SessionError
 from app.web.backend import Backend
 from app.web.backend.views import compare_series
 from app.web.plots import Plots, batch, live_plot, make_plots
 from app.web.widgets import TABLE_CLASS, duration, readable
+from contract.run_folder import RunFolder
 
 # each column's share of the table's width (as the Checkpoints tab's: given, not measured)
-COLUMNS = {"run": "14%", "state": "11%", "step": "8%", "loss": "7%", "eval metrics": "18%", "started": "11%",
-           "duration": "8%", "path": "23%"}
+COLUMNS = {"run": "12%", "objective": "7%", "state": "10%", "step": "7%", "loss": "6%", "eval metrics": "15%",
+           "started": "10%", "duration": "6%", "why it ended": "12%", "path": "15%"}
 
 
 def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
@@ -85,12 +87,29 @@ def _listing(backend: Backend, view: RunsView, path: str | None) -> dict:
         took = end - i.start_time if end and i.start_time else None
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(i.start_time)) if i.start_time else ""
         state = i.state + (" (stopped by user)" if i.stopped_by_user else "")
-        rows.append([i.name, state, f"{i.step} / {i.total_steps}" if i.total_steps else str(i.step),
-                     f"{loss:.4f}" if loss is not None else "", evals, started, duration(took), i.path])
+        rows.append([i.name, _objective(i.path), state, f"{i.step} / {i.total_steps}" if i.total_steps else str(i.step),
+                     f"{loss:.4f}" if loss is not None else "", evals, started, duration(took),
+                     _why(i.error or i.reason), i.path])
     choices = [(f"{i.name} ({i.state})", i.path) for i in infos]
     selected = path if path in {c[1] for c in choices} else (choices[0][1] if choices else None)
     return {view.table: pd.DataFrame(rows, columns=list(COLUMNS)),
             view.chosen: gr.update(choices=choices, value=selected)}
+
+
+def _objective(path: str) -> str:
+    """The run's objective (preference.objective of its config.yaml; sft when it names none)."""
+    try:
+        config = yaml.safe_load(RunFolder(Path(path)).config.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return ""
+    return str((config.get("preference") or {}).get("objective") or "sft")
+
+
+def _why(text: str | None, limit: int = 160) -> str:
+    """A failure's (or an early end's) reason, its first line cut to fit a cell; the run's summary
+    below the table shows it whole."""
+    line = (text or "").strip().splitlines()[0] if text and text.strip() else ""
+    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _open(backend: Backend, view: RunsView, path: str | None) -> dict:
