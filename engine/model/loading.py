@@ -11,6 +11,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
+import safetensors.torch
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -155,7 +156,10 @@ def _build_quantized(folder: Path, config, *, seed: int, precision: str, quantiz
         torch.manual_seed(seed)
         plain = AutoModelForCausalLM.from_config(config, dtype=DTYPES[precision], attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
-        plain.save_pretrained(tmp)
+        # written directly: save_pretrained writes only on rank 0 of a process group, and every
+        # rank quantizes its own copy
+        plain.config.save_pretrained(tmp)
+        safetensors.torch.save_model(plain, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         del plain
         return AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
 
