@@ -105,7 +105,7 @@ def test_a_seeded_sample_is_the_same_batched_with_waiting_requests_or_alone(serv
 
     before = len(list(read_events(run.folder.events)))
     for _ in range(3):  # until all of them wait at once behind a long generation (a loaded machine)
-        busy = client.stream(Complete(prompts=["x"], n=4, temperature=2.0, max_new_tokens=120))
+        busy = client.stream(Complete(prompts=["x"], n=2, temperature=2.0, max_new_tokens=64))
         while client.status()["queue"]:
             time.sleep(0.01)  # the long one is being generated
         with ThreadPoolExecutor(len(asks)) as pool:
@@ -130,7 +130,7 @@ def test_past_the_waiting_limit_a_request_gets_429_with_retry_after(served):
     server = ApiServer(run.folder.root.parent, max_in_flight=1).start()
     try:
         auth = {"Authorization": f"Bearer {key_of(run.folder.root)}"}
-        busy = client.stream(Complete(prompts=["x"], n=4, temperature=2.0, max_new_tokens=120))
+        busy = client.stream(Complete(prompts=["x"], n=2, temperature=2.0, max_new_tokens=64))
         while client.status()["queue"]:
             time.sleep(0.01)  # the long one is being generated
         with ThreadPoolExecutor(1) as pool:
