@@ -4,8 +4,12 @@ command's declaration). Not a test module."""
 
 from __future__ import annotations
 
-from contract.protocol.answers import Answer, GenerateAnswer, SetAnswer, StateAnswer, StopAnswer
+from contract.protocol.answers import (Answer, BranchesAnswer, CompleteAnswer, GenerateAnswer, InboxAnswer, SetAnswer, StateAnswer,
+                                       StopAnswer)
+from contract.protocol.branch_commands import Branches
 from contract.protocol.commands import Generate, Set, Stop
+from contract.protocol.completion_commands import Complete
+from contract.protocol.data_commands import Inbox
 from contract.protocol.states import RunState
 
 
@@ -25,4 +29,12 @@ def answer(item, step: int = 7, text: str = "hello") -> Answer:
         return GenerateAnswer(step=step, text=text)
     if isinstance(command, Stop):
         return StopAnswer(step=step, state=RunState.STOPPING, final_model=command.save)
+    if isinstance(command, Complete):  # one sample per prompt, cut at its length
+        return CompleteAnswer(step=step, seed=0, choices=[{"index": 0, "text": text, "finish_reason": "length",
+                                                           "logprobs": None}],
+                              usage={"prompt_tokens": 1, "completion_tokens": 2})
+    if isinstance(command, Branches):
+        return BranchesAnswer(step=step, current="main", tree={}, checkpoints={}, snapshots=[], snapshot_details=[])
+    if isinstance(command, Inbox):
+        return InboxAnswer(step=step, entries=[], sources=[])
     return StateAnswer(step=step, state=RunState.PAUSED)

@@ -14,6 +14,7 @@ from contract.protocol.branch_commands import Branches
 from contract.protocol.commands import COMMANDS, REQUESTS, Generate, Pause, Set, Status
 from contract.protocol.data_commands import Inbox
 from contract.protocol.roles import Role, refusal
+from contract.protocol.states import RunState
 from supervisor.client import CommandError, RunClient
 from test_control_server import Served
 
@@ -69,7 +70,7 @@ def test_run_client_as_viewer_reads_and_chats_and_is_refused_changes(served):
         assert viewer.key_role() is Role.VIEWER
         assert viewer.status()["step"] == 7
         assert "".join(viewer.generate("hi")) == "hello"
-        assert viewer.send(Branches())["cmd"] == "branches" and viewer.send(Inbox())["cmd"] == "inbox"
+        assert viewer.send(Branches()).current == "main" and viewer.send(Inbox()).entries == []
         for call, name in ((viewer.pause, "pause"), (lambda: viewer.set(lr=0.1), "set"),
                            (lambda: viewer.teach("a", "b"), "teach"), (viewer.stop, "stop")):
             with pytest.raises(CommandError) as refused:
@@ -81,7 +82,7 @@ def test_run_client_as_viewer_reads_and_chats_and_is_refused_changes(served):
         stream.close()
     with RunClient.connect(served.folder.root, timeout=5) as operator:  # control.json is readable here
         assert operator.key_role() is Role.OPERATOR
-        assert operator.send(Pause())["cmd"] == "pause"
+        assert operator.send(Pause()).state == RunState.PAUSED
     assert [cmd for _, cmd, _ in served.executed] == ["generate", "branches", "inbox", "pause"]
 
 
