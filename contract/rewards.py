@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 RewardFn = Callable[..., list]
+DEFAULT_REWARDS = ({"kind": "exact_match", "column": "answer"},)  # what an empty grpo.rewards means
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 COMMON_KEYS = ("kind", "function", "name", "weight")
@@ -243,7 +244,8 @@ def _import(name: str):
 
 
 def build_rewards(specs: Sequence[Any], max_completion_length: int = 256) -> list[Reward]:
-    """Every reward of `grpo.rewards`; the first problem raises RewardSpecError."""
+    """Every reward of `grpo.rewards` (empty: DEFAULT_REWARDS); the first problem raises RewardSpecError."""
+    specs = list(specs) or list(DEFAULT_REWARDS)
     rewards = [build_reward(s, f"grpo.rewards[{i}]", max_completion_length) for i, s in enumerate(specs)]
     names = [r.name for r in rewards]
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -255,9 +257,7 @@ def build_rewards(specs: Sequence[Any], max_completion_length: int = 256) -> lis
 
 def reward_problems(specs: Sequence[Any], max_completion_length: int = 256) -> list[tuple[str, str]]:
     """Every problem of the reward declarations, as (field, message) (the config check's form)."""
-    if not specs:
-        return [("grpo.rewards", "grpo learns from rewards: declare at least one (e.g. "
-                 "{kind: exact_match, column: answer})")]
+    specs = list(specs) or list(DEFAULT_REWARDS)
     problems = []
     for i, spec in enumerate(specs):
         try:

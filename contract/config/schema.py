@@ -193,10 +193,10 @@ class GrpoConfig(Section):
         "step's std (batch), or not divided (none).", label="Scale rewards")
     num_iterations: int = _f(1, "Optimizer steps per batch of samples (TRL's mu); only 1 so far.",
                              minimum=1, maximum=1, label="Iterations per sample batch")
-    rewards: list[dict] = _f([{"kind": "exact_match", "column": "answer"}],
-                             "Reward functions, each {kind, weight, ...} (built-in: exact_match, regex, "
+    rewards: list[dict] = _f([], "Reward functions, each {kind, weight, ...} (built-in: exact_match, regex, "
                              "format, numeric, length) or {function: module:function, weight}; the "
-                             "reward is their weighted sum (docs/rewards.md).", label="Rewards")
+                             "reward is their weighted sum (docs/rewards.md). Empty: exact match "
+                             "against the rows' `answer` column.", label="Rewards")
 
 
 class OptimConfig(Section):
@@ -319,6 +319,13 @@ class ControlConfig(Section):
                                label="API serving budget (share of time)")
 
 
+class FaultConfig(Section):
+    max_restarts: int = _f(0, "Times the run manager relaunches the whole group from the run's latest complete "
+                           "checkpoint after a rank dies (0: a failure ends the run). A laptop: 0; a "
+                           "cluster or rented GPUs: 3, with checkpoint.every_n_steps set (docs/faults.md).",
+                           minimum=0, maximum=100, label="Restarts after a failure")
+
+
 class GuardConfig(Section):
     """The spike guard (engine.guard.decisions): every step's loss and gradient norm are judged, and
     a non-finite value, a loss spike or a gradient norm above the bound triggers an action."""
@@ -373,6 +380,7 @@ class RunConfig(Section):
     guard: GuardConfig = Field(default_factory=GuardConfig)
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
     resume: str = _f("", "Continue from a training checkpoint folder, `latest` in the run folder (the "
                      "present branch's newest), or a branch's name (its newest checkpoint).",
                      label="Resume from checkpoint")
