@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.openai_api import ApiServer, key_of
+from contract.run_folder import key_of
+from supervisor.openai_api import ApiServer
 from supervisor.openai_models import ChatRequest, CompletionRequest
 
 openai = pytest.importorskip("openai")

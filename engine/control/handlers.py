@@ -212,7 +212,7 @@ def apply_settings(control: Plane) -> None:
         clip = trainer.ds_setup.config.get("gradient_clipping", trainer.config.optim.grad_clip)
     if trainer.method.grad_clip(trainer.ctx) != float(clip):  # the method knows who clips (LOMO: itself)
         trainer.method.set_grad_clip(trainer.ctx, float(clip))
-    live_fields.apply(trainer, control.settings, control.serving)
+    live_fields.apply(trainer, control.settings, getattr(control, "serving", None))
 
 
 def current_settings(control: Plane) -> dict:
