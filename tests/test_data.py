@@ -93,6 +93,9 @@ def test_auto_refuses_mixed_rows(tiny_tokenizer):
     ds, report = build_dataset(rows, tiny_tokenizer, format="text")  # explicit: row 3 is a bad row
     assert len(ds) == 3 and [p.row for p in report.problems] == [3]
     with pytest.raises(DataError, match="no row has the keys of any format"):
+        build_dataset([{"question": "x"}], tiny_tokenizer)
+    # a prompt-only row is GRPO's format: refused for supervised training, naming what it trains
+    with pytest.raises(DataError, match="prompt rows .* preference.objective grpo"):
         build_dataset([{"prompt": "x"}], tiny_tokenizer)
 
 

@@ -38,12 +38,15 @@ def test_the_web_form_takes_the_tasks_as_a_list_of_entries():
     assert form.check({**values, **tab.values({box: []})}, files=False).config.eval.lm_eval_tasks == []
 
 
-def test_the_notebook_form_takes_the_tasks_as_tags():
+def test_the_notebook_form_takes_the_tasks_as_tags(tmp_path):
     form = ConfigForm(preset="schema defaults", validate_live=False)
     tags = form.widgets["eval.lm_eval_tasks"]
     assert isinstance(tags, widgets.TagsInput) and tags.value == []
-    form.set("eval.lm_eval_tasks", TASKS)
-    assert tags.value == TASKS and form.config().eval.lm_eval_tasks == TASKS
+    yaml_task = tmp_path / "my_task.yaml"  # the notebook's config() checks that a local task YAML exists
+    yaml_task.write_text("task: my_task\n")
+    tasks = ["arc_easy", str(yaml_task)]
+    form.set("eval.lm_eval_tasks", tasks)
+    assert tags.value == tasks and form.config().eval.lm_eval_tasks == tasks
     form.update({"eval": {"lm_eval_tasks": ["hellaswag"]}})
     assert tags.value == ["hellaswag"] and form.config().eval.lm_eval_tasks == ["hellaswag"]
     assert "eval.lm_eval_tasks" in ENTRY_LISTS

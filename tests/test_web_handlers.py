@@ -122,7 +122,8 @@ def test_the_summary_shows_the_preflight_warnings_and_where_each_value_comes_fro
     form = backend.form
     rows = [{"input": f"reverse: {w}", "output": w[::-1]} for w in ("abc", "hello", "zorb", "qux")]
     rows += [{"question": "no such keys"}] + [{"input": "x" * 1500, "output": "y" * 1500}] * 3
-    data = _rows_file(tmp_path / "train.jsonl", rows)
+    rows += [{"input": f"reverse: {w}", "output": w[::-1]} for w in ("ab", "cd", "ef", "gh")]  # 11 usable rows:
+    data = _rows_file(tmp_path / "train.jsonl", rows)  # at least one global batch of the fitted size (8)
     values = _form_values(backend, **{"data.train": data, "data.format": "input_output"})
     # the embedded default's preset with the user's own data: its evaluation schedule is refused
     #; the page says where each value comes from and offers the terminal's fit

@@ -91,11 +91,11 @@ class RewindResult:
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def event(self, kind: str = "rewind") -> RewindEvent | BranchEvent:
+    def event(self, model: type[RewindEvent] | type[BranchEvent] = RewindEvent) -> RewindEvent | BranchEvent:
         """The `rewind` (or `branch`) event of what was done."""
         fields = asdict(self)
         extra = fields.pop("extra")
-        return (BranchEvent if kind == "branch" else RewindEvent)(**fields, **extra)
+        return model(**fields, **extra)
 
 
 # -- the run's parts ----------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def rewind_in_place(trainer, target: str, reason: str = "user", *, emit: bool = 
                           epoch=trainer.state.epoch, batch_in_epoch=trainer.state.batch_in_epoch, reason=reason,
                           seconds=round(time.perf_counter() - started, 4))
     if emit:
-        trainer.emit(result.event("rewind"))
+        trainer.emit(result.event(RewindEvent))
     return result
 
 
@@ -341,7 +341,7 @@ def branch_in_place(trainer, target: str, name: str, reason: str = "user",
     switch_branch(trainer, name)
     result.branch = name
     result.extra = {"parent": owner, "left": parent_now, "changes": dict(settings or {})}
-    trainer.emit(result.event("branch"))
+    trainer.emit(result.event(BranchEvent))
     return result
 
 

@@ -19,7 +19,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from contract.events import SetEvent
+from contract.events import BranchEvent, SetEvent
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import Command
@@ -248,7 +248,7 @@ def branch(control: Plane, cmd: Branch, reply: Reply) -> Move:
         _check_settable(control, Set(**changes))
 
     def answer(result: Any) -> dict:
-        out = result.event("branch").record()
+        out = result.event(BranchEvent).record()
         if changes:
             out["set"] = set_values(control, Set(**changes), reply)
         return out
