@@ -28,11 +28,12 @@ from types import FrameType
 from typing import Any, Callable, Iterator
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import Progress
 
 from app.cli_command import command
+from app.cli_live import Value, eval_values, live_progress, plain, train_values
 from app.cli_preview import preview
+from app.cli_summary import end_summary
 from contract.args import resolve_args
 from contract.config.schema import ConfigError, RunConfig, SHORTCUTS
 from contract.preflight import PreflightError, PreflightReport, preflight
@@ -228,6 +229,8 @@ def report(handle: RunHandle, reported: Failure | None = None) -> int:
     if info.state == RunState.FINISHED:
         by_user = " (stopped by the user)" if info.stopped_by_user else ""
         say(f"finished{by_user}: {handle.folder.root}", "green")
+        for line in end_summary(handle.folder):  # steps, final metrics, the model and checkpoints
+            say(line)
         return 0
     failure = reported or handle.failure()
     if failure is None:
@@ -251,10 +254,7 @@ def print_failure(failure: Failure) -> None:
 def _progress_bar() -> Iterator[Progress]:
     """A progress bar (plain lines when the output is no terminal) that survives its terminal
     going away (SIGHUP): the run is still stopped and reported properly."""
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[metrics]}", markup=False), TimeElapsedColumn(),
-               TimeRemainingColumn()]
-    progress = Progress(*columns, console=console, transient=False, disable=not console.is_terminal)
+    progress = live_progress(console)  # one labelled line that fits the terminal (app.cli_live)
     try:
         progress.start()
     except OSError:
@@ -290,7 +290,7 @@ class _Shown:
 
     def __init__(self, progress: Progress, task: Any):
         self.progress, self.task = progress, task
-        self.metrics: dict[str, str] = {}
+        self.metrics: dict[str, Value] = {}
         self.plain = not console.is_terminal
 
     def event(self, event: dict) -> None:
@@ -300,25 +300,21 @@ class _Shown:
             for w in event.get("warnings", []):
                 say(f"warning: {w}", "yellow")
         elif kind == EventType.TRAIN:
-            self.metrics.update(loss=f"loss {event.get('loss', float('nan')):.4f}",
-                                lr=f"lr {event.get('lr', float('nan')):.2e}",
-                                tps=f"{event.get('tokens_per_s', 0):.0f} tok/s")
+            self.metrics.update(train_values(event))
             p.update(self.task, completed=event.get("step", 0), total=event.get("total_steps"),
                      description=f"epoch {event.get('epoch', 0)}")
             if self.plain:
-                say(f"step {event.get('step')}/{event.get('total_steps')} {self.metrics['loss']}")
+                say(f"step {event.get('step')}/{event.get('total_steps')}  {plain(train_values(event).values())}")
         elif kind == EventType.EVAL:
-            shown = {k: v for k, v in event.items() if k.startswith("eval/")}
-            text = "  ".join(f"{k[5:]} {v:.4g}" for k, v in shown.items())
-            self.metrics["eval"] = text
-            say(f"step {event.get('step')} eval: {text}")
+            self.metrics.update(eval_values(event))
+            say(f"step {event.get('step')}: {plain(eval_values(event).values())}")
         elif kind == EventType.WARNING:
             say(f"warning: {event.get('message', '')}", "yellow")
         elif kind == EventType.CHECKPOINT_FAILED:
             say(f"checkpoint failed ({event.get('kind', 'save')}): {event.get('error', '')}", "red")
         elif kind == EventType.STATE and event.get("state") in (RunState.STOPPING, RunState.PAUSED):
             say(f"{event['state']} at step {event.get('step', '?')}", "yellow")
-        p.update(self.task, metrics="  ".join(self.metrics.values()))
+        p.update(self.task, values=dict(self.metrics))
 
 
 # -- runs started elsewhere ------------------------------------------------------------------
