@@ -376,13 +376,12 @@ class Session:
             return self._stop_errors.get(path)
 
     # -- chat -----------------------------------------------------------------------------------
-    def generate(self, ref: str | Path | None, request: Generate, connect_timeout: float = 60.0) -> Generation:
-        """Stream the live model's answer to a typed request: iterate for the pieces."""
-        self.require(request.name, request.role)
-        path = self.resolve(ref)
-        args = request.args()
-        prompt, messages = args.pop("prompt", None), args.pop("messages", None)
-        return self.client(path, connect_timeout).generate(prompt, messages=messages, **args)
+    def stream(self, ref: str | Path | None, command: Command, connect_timeout: float = 60.0,
+               timeout: float | None = None) -> Generation:
+        """Send a command whose answer streams (Generate(...)) to the run `ref` names: iterate
+        for the live model's pieces."""
+        self.require(command.name, command.role)
+        return self.client(self.resolve(ref), connect_timeout).stream(command, timeout)
 
     def chat(self, ref: str | Path | None, messages: list[dict], compare_base: bool = False,
              **params: Any) -> Iterator[ChatUpdate]:
@@ -397,13 +396,13 @@ class Session:
         except (ProtocolError, TypeError) as e:
             raise SessionError(str(e)) from None
         try:
-            yield from chat_updates(self.generate(path, request), compare_base)
+            yield from chat_updates(self.stream(path, request), compare_base)
         except CommandError as e:
             if "no chat template" not in str(e):
                 raise SessionError(f"the run could not answer: {e}") from None
             raw = Generate(prompt=messages[-1]["content"], compare_base=compare_base, **params)
             try:
-                yield from chat_updates(self.generate(path, raw), compare_base)
+                yield from chat_updates(self.stream(path, raw), compare_base)
             except CommandError as e2:
                 raise SessionError(f"the run could not answer: {e2}") from None
         except (RunGone, OSError) as e:

@@ -7,9 +7,11 @@
     for event in client.events(from_line=0):  # history from events.jsonl, then the live stream
         ...
 
-Commands are contract.protocol's pydantic models: each method builds one (so its defaults, e.g.
+Commands are contract.protocol's pydantic models: each verb builds one (so its defaults, e.g.
 `stop(save=True)`, and its validation are the contract's, and a bad argument is refused here
-with the server's message), `send(command)` sends one already built.
+with the server's message), `send(command)` sends one already built. The verbs are `Verbs`,
+shared by every front end: the web app's API and the notebook's `Run` call the same methods
+through their session (app.session_verbs.SessionVerbs).
 
 It speaks contract.protocol (newline-delimited JSON, the run's token from control.json) over one
 connection for commands and one per `events()` stream. Which key: `role=Role.OPERATOR` reads
@@ -41,7 +43,7 @@ from supervisor.connection import Answers, CommandError, Connection, RunGone, ne
 
 A = TypeVar("A", bound=Answer)
 C = TypeVar("C", bound=Command)
-__all__ = ["Chunk", "CommandError", "Generation", "RunClient", "RunGone"]
+__all__ = ["Chunk", "CommandError", "Generation", "RunClient", "RunGone", "Verbs"]
 
 
 class Chunk(str):
@@ -109,9 +111,148 @@ def parsed(returns: type[A], result: Any) -> A:
         raise CommandError(f"the run's answer does not fit {returns.__name__}: {e}") from None
 
 
-class RunClient:
-    """Drive one run: the verbs, each building a contract.protocol command and returning its
-    answer model. The socket, reader thread and reconnection are supervisor.connection's."""
+class Verbs:
+    """The verbs of a run, one set that every front end calls (RunClient over its own connection;
+    app.session.SessionVerbs through a front end's session, so the web app's API and the
+    notebook's `Run`): each builds its contract.protocol command, whose model holds the defaults
+    and the rules, so a bad argument gets the same words everywhere, raised as `Refused` before
+    anything is sent; `send` and `stream` are how a front end delivers it. Stop is not among them:
+    the client's `stop` sends the command, a session's also ends the run's processes."""
+
+    Refused: type[Exception] = CommandError  # what a refused argument is raised as
+
+    def send(self, command: Command, timeout: float | None = None) -> Any:
+        """Deliver `command` and return its answer model (`type(command).returns`)."""
+        raise NotImplementedError
+
+    def stream(self, command: Command, timeout: float | None = None) -> Generation[Any]:
+        """Deliver a command whose answer streams (`generate`, `complete`): its pieces, then `result`."""
+        raise NotImplementedError
+
+    def build(self, make: Callable[[], C]) -> C:
+        """`make()`'s command; a bad argument is refused (as `Refused`) like the run would refuse it."""
+        try:
+            return make()
+        except ProtocolError as e:
+            raise self.Refused(str(e)) from None
+
+    def command(self, cmd: str, timeout: float | None = None, **args: Any) -> Answer:
+        """Send the command named `cmd` with wire arguments `args` and wait for its answer (it
+        takes effect at the next step boundary)."""
+        return self.send(self.build(lambda: command_from_wire(cmd, args)), timeout)
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 timeout: float | None = None, **params: Any) -> Generation[GenerateAnswer]:
+        """Stream an answer of the live weights to `prompt` or to chat `messages` (the model's
+        chat template); params: max_new_tokens, temperature, top_p, top_k, repetition_penalty,
+        stop, seed, compare_base."""
+        args = dict(params)
+        if prompt is not None:
+            args["prompt"] = prompt
+        if messages is not None:
+            args["messages"] = messages
+        return self.stream(self.build(lambda: Generate(**args)), timeout)
+
+    def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, as_chat: bool = False,
+             **params: Any) -> str:
+        """The whole answer at once; with `as_chat`, a plain `prompt` is sent as one user turn."""
+        if as_chat and prompt is not None:
+            prompt, messages = None, [{"role": "user", "content": prompt}]
+        return self.generate(prompt, messages=messages, **params).text
+
+    def pause(self) -> StateAnswer:
+        """Pause at the next step boundary; the model stays in memory and still answers chats."""
+        return self.send(Pause())
+
+    def resume(self) -> StateAnswer:
+        return self.send(Resume())
+
+    def save(self) -> SaveAnswer:
+        """A training checkpoint of the present step, in the run's checkpoints/."""
+        return self.send(Save())
+
+    def evaluate(self) -> EvaluateAnswer:
+        return self.send(Evaluate())
+
+    def set(self, **changes: Any) -> SetAnswer:
+        """Live settings (contract.protocol.commands.Set's fields): lr, lr_scale, grad_clip,
+        eval_every_n_steps, save_every_n_steps, generation (a dict of generation defaults) ..."""
+        return self.send(self.build(lambda: Set(**changes)))
+
+    def rewind(self, target: str | int) -> RewindAnswer:
+        """Go back in place to a checkpoint ("step-40", 40) or snapshot (its name); the steps
+        after it are abandoned. Returns the `rewind` event's fields."""
+        return self.send(self.build(lambda: Rewind(target=str(target))))
+
+    def branch(self, target: str | int, name: str, **settings: Any) -> BranchAnswer:
+        """Rewind to `target` and go on as the new branch `name`, optionally with changed
+        settings (lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps)."""
+        return self.send(self.build(lambda: Branch(target=str(target), branch=name, **settings)))
+
+    def snapshot(self, name: str | None = None) -> SnapshotAnswer:
+        """Keep the training state in host memory (for an instant rewind); its size and the
+        snapshots kept."""
+        return self.send(self.build(lambda: Snapshot(snapshot=name)))
+
+    def branches(self) -> BranchesAnswer:
+        """The branch tree, the present branch, the checkpoints and snapshots one can go back to."""
+        return self.send(Branches())
+
+    # -- data: sources and the inbox of taught answers -------------------------------------
+    def add_source(self, path: str, weight: float | None = None, format: SourceFormat | None = None,
+                   name: str = "") -> AddSourceAnswer:
+        """Add a training source from the next step on (read and checked like data at start: the
+        reply's `report` names dropped rows; an unusable file is refused). `weight`, `format`:
+        AddSource's defaults when not given. Returns the source and all `sources`."""
+        given: dict[str, Any] = {k: v for k, v in (("weight", weight), ("format", format)) if v is not None}
+        return self.send(self.build(lambda: AddSource(path=str(path), source=name, **given)))
+
+    def set_weight(self, name: str, weight: float) -> SetWeightAnswer:
+        """Change a source's weight from the next step on; 0 pauses it."""
+        return self.send(self.build(lambda: SetWeight(source=name, weight=weight)))
+
+    def remove_source(self, name: str) -> SourcesAnswer:
+        """Stop drawing from a source from the next step on."""
+        return self.send(self.build(lambda: RemoveSource(source=name)))
+
+    def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None,
+              **rate: Any) -> TeachAnswer:
+        """Teach `answer` for `prompt` (as given to generate) or chat `messages`: appended to the
+        run's inbox durably, then mixed into the next batches. rate: per_step, steps,
+        check_after, weight (defaults: the run's teach.* settings). Returns the entry's `id`
+        and the model's greedy answer before (`old`)."""
+        where: dict[str, Any] = {"messages": messages} if messages is not None else {"prompt": prompt}
+        return self.send(self.build(lambda: Teach(answer=answer, **where, **rate)))
+
+    def prefer(self, prompt: str | None, chosen: str, rejected: str, *, messages: list[dict] | None = None,
+               **rate: Any) -> TeachAnswer:
+        """A preference from the chat: for `prompt` (as given to generate) or chat `messages`,
+        `chosen` is the better answer and `rejected` the worse (say the model's own answer, edited
+        into `chosen`). Into the inbox durably, as teach; the run trains on the pair from the next
+        step with its objective (kto: two judged answers; sft: the chosen answer plus the pair
+        loss of preference.sft_pairs). The answer holds the entry's `id` and `margin`: log
+        p(chosen) - log p(rejected) under the live weights. rate as for teach."""
+        return self.teach(prompt, chosen, messages=messages, rejected=rejected, **rate)
+
+    def inbox(self) -> InboxAnswer:
+        """The inbox: `entries` ({id, prompt, answer, removed, steps_left, and a preference's
+        rejected}) and the `sources`."""
+        return self.send(Inbox())
+
+    def forget(self, entry_id: str) -> ForgetAnswer:
+        """Stop training on inbox entry `entry_id` from the next step on."""
+        return self.send(self.build(lambda: Forget(id=entry_id)))
+
+    def status(self, ranks: bool = False) -> StatusAnswer:
+        """Step, epoch, state, last metrics, queue length and memory (rank 0's at once; with
+        `ranks`, every rank's, gathered at the next boundary)."""
+        return self.send(self.build(lambda: Status(ranks=ranks)))
+
+
+class RunClient(Verbs):
+    """Drive one run over its control socket: the verbs (Verbs), each building a contract.protocol
+    command and returning its answer model. The socket, reader thread and reconnection are
+    supervisor.connection's."""
 
     def __init__(self, run_dir: str | Path, connect_timeout: float = 60.0, role: Role | None = None,
                  address: str | Path | None = None):
@@ -136,12 +277,7 @@ class RunClient:
         """The role of the key this client sends (what the run will let it do)."""
         return self.connection.key_role()
 
-    # -- commands ----------------------------------------------------------------------------------
-    def command(self, cmd: str, timeout: float | None = None, **args: Any) -> Answer:
-        """Send the command named `cmd` with wire arguments `args` and wait for its answer (it
-        takes effect at the next step boundary)."""
-        return self.send(build(lambda: command_from_wire(cmd, args)), timeout)
-
+    # -- delivering commands ---------------------------------------------------------------------
     def send(self, command: Command, timeout: float | None = None) -> Any:
         """Send a contract.protocol command and wait for its answer (`type(command).returns`). A
         status read whose connection the server closed as it was sent (an idle connection's close
@@ -159,18 +295,6 @@ class RunClient:
                     raise CommandError(message["message"])
         raise AssertionError("unreachable: the second try returns or raises")
 
-    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                 timeout: float | None = None, **params: Any) -> Generation[GenerateAnswer]:
-        """Stream an answer of the live weights to `prompt` or to chat `messages` (the model's
-        chat template); params: max_new_tokens, temperature, top_p, top_k, repetition_penalty,
-        stop, seed, compare_base."""
-        args = dict(params)
-        if prompt is not None:
-            args["prompt"] = prompt
-        if messages is not None:
-            args["messages"] = messages
-        return self.stream(build(lambda: Generate(**args)), timeout)
-
     def stream(self, command: Command, timeout: float | None = None) -> Generation[Any]:
         """Send a command whose answer streams (`generate`, `complete`): its pieces, then `result`."""
         return Generation(self.connection.request(command), timeout, type(command).returns)
@@ -181,103 +305,10 @@ class RunClient:
         that moves it onto the loop: no thread of its own waits for the run)."""
         self.connection.request(command, answers)
 
-    def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> str:
-        """The whole answer at once."""
-        return self.generate(prompt, messages=messages, **params).text
-
-    def pause(self) -> StateAnswer:
-        return self.send(Pause())
-
-    def resume(self) -> StateAnswer:
-        return self.send(Resume())
-
     def stop(self, save: bool = Stop().save) -> StopAnswer:
         """Stop at the next boundary; `save` (contract.protocol.commands.Stop's default, true): a
         checkpoint now and the final model at the end."""
-        return self.send(build(lambda: Stop(save=save)))
-
-    def save(self) -> SaveAnswer:
-        return self.send(Save())
-
-    def evaluate(self) -> EvaluateAnswer:
-        return self.send(Evaluate())
-
-    def set(self, **changes: Any) -> SetAnswer:
-        """Live settings: lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps,
-        generation (a dict of generation defaults)."""
-        return self.send(build(lambda: Set(**changes)))
-
-    def rewind(self, target: str | int) -> RewindAnswer:
-        """Go back in place to a checkpoint ("step-40", 40) or snapshot (its name); the steps
-        after it are abandoned. Returns the `rewind` event's fields."""
-        return self.send(build(lambda: Rewind(target=str(target))))
-
-    def branch(self, target: str | int, name: str, **settings: Any) -> BranchAnswer:
-        """Rewind to `target` and go on as the new branch `name`, optionally with changed
-        settings (lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps)."""
-        return self.send(build(lambda: Branch(target=str(target), branch=name, **settings)))
-
-    def snapshot(self, name: str | None = None) -> SnapshotAnswer:
-        """Keep the training state in host memory (for an instant rewind); its size and the
-        snapshots kept."""
-        return self.send(build(lambda: Snapshot(snapshot=name)))
-
-    def branches(self) -> BranchesAnswer:
-        """The branch tree, the present branch, the checkpoints and snapshots one can go back to."""
-        return self.send(Branches())
-
-    # -- data: sources and the inbox of taught answers -------------------------------------
-    def add_source(self, path: str, weight: float = AddSource.model_fields["weight"].default,
-                   format: SourceFormat = AddSource.model_fields["format"].default,
-                   name: str = "") -> AddSourceAnswer:
-        """Add a training source from the next step on (read and checked like data at start: the
-        reply's `report` names dropped rows; an unusable file is refused). Returns the source and
-        all `sources`."""
-        return self.send(build(lambda: AddSource(path=str(path), weight=weight, format=format, source=name)))
-
-    def set_weight(self, name: str, weight: float) -> SetWeightAnswer:
-        """Change a source's weight from the next step on; 0 pauses it."""
-        return self.send(build(lambda: SetWeight(source=name, weight=weight)))
-
-    def remove_source(self, name: str) -> SourcesAnswer:
-        """Stop drawing from a source from the next step on."""
-        return self.send(build(lambda: RemoveSource(source=name)))
-
-    def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None,
-              **rate: Any) -> TeachAnswer:
-        """Teach `answer` for `prompt` (as given to generate) or chat `messages`: appended to the
-        run's inbox durably, then mixed into the next batches. rate: per_step, steps,
-        check_after, weight (defaults: the run's teach.* settings). Returns the entry's `id`
-        and the model's greedy answer before (`old`)."""
-        args: dict[str, Any] = {"answer": answer, **rate}
-        if messages is not None:
-            args["messages"] = messages
-        else:
-            args["prompt"] = prompt
-        return self.send(build(lambda: Teach(**args)))
-
-    def prefer(self, prompt: str | None, chosen: str, rejected: str, *, messages: list[dict] | None = None,
-               **rate: Any) -> TeachAnswer:
-        """A preference from the chat: for `prompt` (as given to generate) or chat `messages`,
-        `chosen` is the better answer and `rejected` the worse (say the model's own answer, edited
-        into `chosen`). Into the inbox durably, as teach; the run trains on the pair from the next
-        step with its objective (kto: two judged answers; sft: the chosen answer plus the pair
-        loss of preference.sft_pairs). rate as for teach."""
-        return self.teach(prompt, chosen, messages=messages, rejected=rejected, **rate)
-
-    def inbox(self) -> InboxAnswer:
-        """The inbox: `entries` ({id, prompt, answer, removed, steps_left, and a preference's
-        rejected}) and the `sources`."""
-        return self.send(Inbox())
-
-    def forget(self, entry_id: str) -> ForgetAnswer:
-        """Stop training on inbox entry `entry_id` from the next step on."""
-        return self.send(build(lambda: Forget(id=entry_id)))
-
-    def status(self, ranks: bool = False) -> StatusAnswer:
-        """Step, epoch, state, last metrics, queue length and memory (rank 0's at once; with
-        `ranks`, every rank's, gathered at the next boundary)."""
-        return self.send(build(lambda: Status(ranks=ranks)))
+        return self.send(self.build(lambda: Stop(save=save)))
 
     # -- events -------------------------------------------------------------------------------------
     def events(self, from_line: int = 0, follow: bool = True,
@@ -309,11 +340,3 @@ class RunClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def build(make: Callable[[], C]) -> C:
-    """`make()`'s command; a bad argument is refused like the run would refuse it."""
-    try:
-        return make()
-    except ProtocolError as e:
-        raise CommandError(str(e)) from None

@@ -5,6 +5,8 @@ argument is refused before anything is sent."""
 
 from __future__ import annotations
 
+import inspect
+
 import gradio as gr
 import pytest
 
@@ -12,12 +14,13 @@ from app.cli import main
 from app.lr_box import lr_from_box
 from app.notebook.api import Run
 from app.session import SessionError
+from app.session_verbs import SessionVerbs
 from app.web import api
 from app.web.backend import Backend
 from contract.protocol.base import ProtocolError
 from contract.protocol.commands import Set
 from contract.run_folder import RunFolder
-from supervisor.client import CommandError, RunClient
+from supervisor.client import CommandError, RunClient, Verbs
 
 
 def _run() -> Run:
@@ -61,10 +64,76 @@ def test_a_bad_learning_rate_gets_the_same_words_everywhere(tmp_path, capsys):
     assert str(box.value) == _words(-1.0)  # a box's text is read as a float
 
 
-def test_a_bad_source_weight_gets_the_same_words_from_client_and_notebook(tmp_path):
+def _endpoints(tmp_path) -> tuple[Backend, dict]:
+    """The web app's API endpoints by name (their functions, called as gradio_client's calls run them)."""
+    backend = Backend(tmp_path / "runs")
+    with gr.Blocks() as blocks:
+        api.register(backend)
+    return backend, {f.api_name: f.fn for f in blocks.fns.values() if f.api_name}
+
+
+def test_a_bad_source_weight_gets_the_same_words_everywhere(tmp_path, capsys):
     folder = RunFolder(tmp_path / "runs" / "r").create()
+    words = "add_source: argument 'weight' must be >= 0.0 and <= 1000000000.0, got -2"
     with pytest.raises(CommandError) as client:
         RunClient(folder.root).add_source("x.jsonl", weight=-2)
     with pytest.raises(SessionError) as notebook:
         _run().add_source("x.jsonl", weight=-2)
-    assert str(client.value) == str(notebook.value) == "add_source: argument 'weight' must be >= 0.0 and <= 1000000000.0, got -2"
+    backend, endpoints = _endpoints(tmp_path)
+    try:
+        with pytest.raises(gr.Error) as web:
+            endpoints["add_source"]("x.jsonl", run=str(folder.root), weight=-2)
+    finally:
+        backend.close()
+    with pytest.raises(SystemExit):
+        main(["command", str(folder.root), "add_source", "path=x.jsonl", "weight=-2"])
+    terminal = capsys.readouterr().err.strip()
+    assert [str(client.value), str(notebook.value), web.value.message, terminal] == [words] * 4
+
+
+def test_a_set_of_nothing_gets_the_same_words_everywhere(tmp_path, capsys):
+    """Set's own rule (name at least one field), not a message of each front end's."""
+    with pytest.raises(ProtocolError) as model:
+        Set()
+    folder = RunFolder(tmp_path / "runs" / "r").create()
+    with pytest.raises(CommandError) as client:
+        RunClient(folder.root).set()
+    with pytest.raises(SessionError) as notebook:
+        _run().set()
+    backend, endpoints = _endpoints(tmp_path)
+    try:
+        with pytest.raises(gr.Error) as web:
+            endpoints["set"](str(folder.root))
+    finally:
+        backend.close()
+    with pytest.raises(SystemExit):
+        main(["command", str(folder.root), "set"])
+    terminal = capsys.readouterr().err.strip()
+    assert str(model.value).startswith("set: name at least one of lr, ")
+    assert [str(client.value), str(notebook.value), web.value.message, terminal] == [str(model.value)] * 4
+
+
+def test_the_web_set_takes_the_fields_of_set(tmp_path):
+    """/set's parameters are Set's fields (a new live setting is an argument at once), gradio's
+    positional call reaches the verb as its keyword call does."""
+    backend, endpoints = _endpoints(tmp_path)
+    try:
+        endpoint = endpoints["set"]
+        assert list(inspect.signature(endpoint).parameters) == ["run", *Set.model_fields]
+        folder = RunFolder(tmp_path / "runs" / "r").create()
+        with pytest.raises(gr.Error) as positional:  # run, lr as gradio passes them: in order
+            endpoint(str(folder.root), 11.0)
+    finally:
+        backend.close()
+    assert positional.value.message == _words(11.0)
+
+
+def test_the_notebook_and_the_web_call_the_clients_verbs():
+    """One set of verbs: the notebook's Run and the web API's SessionVerbs inherit the client's
+    methods (the Run adds only what a notebook needs: stop ends the processes, inbox lists)."""
+    shared = [name for name, _ in inspect.getmembers(Verbs, inspect.isfunction) if not name.startswith("_")]
+    assert {"pause", "set", "add_source", "teach", "rewind", "generate"} <= set(shared)
+    for front in (RunClient, SessionVerbs, Run):
+        assert issubclass(front, Verbs)
+    own = {name for name in shared if name in vars(Run) or name in vars(SessionVerbs)}
+    assert own == {"send", "stream", "inbox"}

@@ -22,25 +22,19 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from app.form import make_config
 from app.series import RunHistory
 from app.session import Session, SessionError
+from app.session_verbs import SessionVerbs
 from contract.config.schema import RunConfig
 from contract.config.load import load_config
-from contract.protocol.answers import (AddSourceAnswer, BranchAnswer, BranchesAnswer, EvaluateAnswer, ForgetAnswer,
-                                       RewindAnswer, SaveAnswer, SetAnswer, SetWeightAnswer, SnapshotAnswer,
-                                       SourcesAnswer, StateAnswer, StatusAnswer, TeachAnswer)
-from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, SourceFormat, Teach
-from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
-from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status
-from contract.protocol.states import RunState
-from contract.protocol.base import ProtocolError
-from contract.run_folder import read_events
 from contract.protocol.commands import Stop
+from contract.protocol.states import RunState
+from contract.run_folder import read_events
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager
-from supervisor.client import Generation, RunClient
+from supervisor.client import RunClient
 
 _sessions: dict[Path, Session] = {}
 _sessions_lock = threading.Lock()
@@ -112,13 +106,17 @@ def runs(output_dir: str | Path | None = None) -> list[RunInfo]:
     return session().runs(output_dir or default_output_dir())
 
 
-class Run:
-    """One run, driven from Python through the kernel's session. Commands take effect at the
+class Run(SessionVerbs):
+    """One run, driven from Python through the kernel's session. Its commands are the client's
+    verbs (supervisor.client.Verbs: pause, resume, set, save, evaluate, status, generate, chat,
+    rewind, branch, snapshot, branches, add_source, set_weight, remove_source, teach, prefer,
+    forget), the very methods the web app's API and `RunClient` call: they take effect at the
     run's next step boundary and return its answer; they raise app.session.SessionError when the
-    run refuses them (or cannot be reached), with the reason."""
+    run refuses them (or cannot be reached), with the reason, and a bad argument with the command
+    model's words before anything is sent."""
 
     def __init__(self, path: str | Path, run_session: Session | None = None):
-        self.session = run_session or session()
+        super().__init__(run_session or session(), str(Path(path)), connect_timeout=300.0)
         self.path = Path(path)
         self.name = self.path.name
         self.handle: RunHandle = self.session.handle(self.path)
@@ -184,107 +182,20 @@ class Run:
                 raise TimeoutError(f"run {self.name}: still {info.state} at step {info.step} after {timeout} s")
             time.sleep(poll)
 
-    # -- commands -------------------------------------------------------------------------------
+    # -- what the notebook adds to the verbs ------------------------------------------------------
     @property
     def client(self) -> RunClient:
         """The run's control client (the session's), connected on first use (waits for a
         starting run's server)."""
         return self.session.client(str(self.path), timeout=300.0)
 
-    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                 **params: Any) -> Generation:
-        """Stream the live model's answer: iterate for the pieces as they come."""
-        request = _command(lambda: Generate(prompt=prompt, messages=messages, **params))
-        return self.session.generate(str(self.path), request, connect_timeout=300.0)
-
-    def chat(self, prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> str:
-        """The live model's whole answer to `prompt` (raw text) or to chat `messages`; a plain
-        string prompt is sent as one user turn when `as_chat=True`."""
-        if params.pop("as_chat", False) and prompt is not None:
-            prompt, messages = None, [{"role": "user", "content": prompt}]
-        return self.generate(prompt, messages=messages, **params).text
-
-    def _send(self, command: Any) -> Any:
-        return self.session.send(str(self.path), command, connect_timeout=300.0)
-
-    def pause(self) -> StateAnswer:
-        return self._send(Pause())
-
-    def resume(self) -> StateAnswer:
-        return self._send(Resume())
-
-    def save(self) -> SaveAnswer:
-        """A training checkpoint of the present step, in the run's checkpoints/."""
-        return self._send(Save())
-
-    def evaluate(self) -> EvaluateAnswer:
-        return self._send(Evaluate())
-
-    def set(self, **changes: Any) -> SetAnswer:
-        """Live settings: lr, lr_scale, grad_clip, eval_every_n_steps, save_every_n_steps, generation."""
-        return self._send(_command(lambda: Set(**changes)))
-
-    def status(self) -> StatusAnswer:
-        return self._send(Status())
-
-    # -- data: sources and the inbox; the client's methods, errors as SessionError ----------
-    def _data(self, build: Any) -> Any:
-        return self._send(_command(build))
-
-    def add_source(self, path: str | Path, weight: float = AddSource.model_fields["weight"].default,
-                   format: SourceFormat = AddSource.model_fields["format"].default, name: str = "") -> AddSourceAnswer:
-        """Add a training source from the next step on (checked like data at start)."""
-        return self._data(lambda: AddSource(path=str(path), weight=weight, format=format, source=name))
-
-    def set_weight(self, name: str, weight: float) -> SetWeightAnswer:
-        """Change a source's weight from the next step on; 0 pauses it."""
-        return self._data(lambda: SetWeight(source=name, weight=weight))
-
-    def remove_source(self, name: str) -> SourcesAnswer:
-        return self._data(lambda: RemoveSource(source=name))
-
-    def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None, **rate: Any) -> TeachAnswer:
-        """Teach `answer` for `prompt` (or chat `messages`); rate: per_step, steps, check_after, weight."""
-        where = {"messages": messages} if messages is not None else {"prompt": prompt}
-        return self._data(lambda: Teach(answer=answer, **where, **rate))
-
-    def prefer(self, prompt: str | None, chosen: str, rejected: str, *, messages: list[dict] | None = None,
-               **rate: Any) -> TeachAnswer:
-        """A preference: for `prompt` (raw text, as given to generate) or chat `messages`, `chosen`
-        is the better answer and `rejected` the worse (say the model's own answer, edited into
-        `chosen`). Into the inbox as teach; the run trains on the pair from the next step with its
-        objective (kto: two judged answers; sft: the chosen answer plus preference.sft_pairs' loss). The answer holds the entry's `id` and `margin`: log p(chosen) -
-        log p(rejected) under the live weights. rate as for teach."""
-        return self.teach(prompt, chosen, messages=messages, rejected=rejected, **rate)
-
-    def inbox(self) -> list[dict]:
+    def inbox(self) -> list[dict]:  # type: ignore[override]  # the notebook lists the entries
         """The inbox entries: id, prompt, answer, removed, steps_left (and a preference's rejected)."""
-        return self._data(Inbox).entries
-
-    def forget(self, entry_id: str) -> ForgetAnswer:
-        return self._data(lambda: Forget(id=entry_id))
+        return super().inbox().entries
 
     def sources(self) -> list[dict]:
         """The training sources now: name, path, format, weight, samples, seen (samples drawn)."""
-        return self._data(Inbox).sources
-
-    def rewind(self, target: str | int) -> RewindAnswer:
-        """Go back in place to a checkpoint ("step-40", 40) or a snapshot's name (README: Rewind,
-        branch, snapshot)."""
-        return self._send(_command(lambda: Rewind(target=str(target))))
-
-    def branch(self, target: str | int, name: str, **settings: Any) -> BranchAnswer:
-        """Rewind to `target` and go on as branch `name`, with optional lr, lr_scale, grad_clip,
-        eval_every_n_steps, save_every_n_steps."""
-        return self._send(_command(lambda: Branch(target=str(target), branch=name, **settings)))
-
-    def snapshot(self, name: str | None = None) -> SnapshotAnswer:
-        """Keep the training state in host memory for an instant rewind."""
-        return self._send(_command(lambda: Snapshot(snapshot=name)))
-
-    def branches(self) -> BranchesAnswer:
-        """The run's branch tree, the present branch, its checkpoints and the snapshots kept."""
-        return self._send(Branches())
+        return super().inbox().sources
 
     def stop(self, save: bool = Stop().save, timeout: float = 60.0) -> RunInfo:
         """Stop at the next step boundary (unless `save` is False: a checkpoint and the final
@@ -295,15 +206,6 @@ class Run:
     def close(self) -> None:
         """Drop the control connection (the run goes on)."""
         self.session.forget_client(str(self.path))
-
-
-def _command(make: Any) -> Any:
-    """The command `make()` builds, its refusal (a bad argument: the command model's words, as
-    every front end shows them) as SessionError."""
-    try:
-        return make()
-    except ProtocolError as e:
-        raise SessionError(str(e)) from None
 
 
 __all__ = ["Run", "RunFailed", "RunError", "start", "attach", "runs", "manager", "session",

@@ -16,18 +16,21 @@ the operator role; this login is a viewer's" (the session checks, app.web.access
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+import inspect
+import typing
+from typing import Any, Callable, Iterator
 
 import gradio as gr
+from pydantic import BaseModel
 
 from app.form import DEFAULT_PRESET, config_from_text
 from app.session import SessionError
+from app.session_verbs import SessionVerbs
 from app.web.backend import Backend
 from contract.config.schema import ConfigError
-from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
-from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
-from contract.protocol.commands import Evaluate, Pause, Resume, Save, Set, Stop
+from contract.protocol.answers import Answer
 from contract.protocol.base import ProtocolError
+from contract.protocol.commands import Set, Stop
 from supervisor import RunInfo
 
 
@@ -37,10 +40,11 @@ def _info(info: RunInfo) -> dict:
     return {"run": info.name, "folder": fields.pop("path"), **fields}
 
 
-def _answer(backend: Backend, run: str, make: Any) -> dict:
-    """Send the command `make()` builds (its arguments, defaults and checks are the command's) to
-    `run`; its answer model's JSON (contract.protocol.answers), "path" keys named "file"."""
-    return _no_paths(_call(lambda: backend.session.send(run, make())).wire())
+def _answer(verb: Callable[[], Answer]) -> dict:
+    """The run's answer to `verb()` (one of the client's verbs, supervisor.client.Verbs, through
+    the session: its arguments, defaults and checks are the command's) as its model's JSON
+    (contract.protocol.answers), "path" keys named "file"."""
+    return _no_paths(_call(verb).wire())
 
 
 def _call(fn, *args: Any, **kwargs: Any) -> Any:
@@ -65,33 +69,25 @@ def register(backend: Backend) -> None:
         final model); waits until every process of it has ended. Returns its final info."""
         return _info(_call(backend.session.stop, run, save=save, wait=True))
 
+    def verbs(run: str) -> SessionVerbs:
+        """The client's verbs for `run`, sent through the app's session (its role checks)."""
+        return SessionVerbs(backend.session, run)
+
     def pause(run: str = "") -> dict:
         """Pause at the next step boundary; the model stays in memory and still answers chats."""
-        return _answer(backend, run, Pause)
+        return _answer(lambda: verbs(run).pause())
 
     def resume(run: str = "") -> dict:
         """Resume a paused run."""
-        return _answer(backend, run, Resume)
-
-    def set_values(run: str = "", lr: float | None = None, lr_scale: float | None = None,
-                   grad_clip: float | None = None, eval_every_n_steps: int | None = None,
-                   save_every_n_steps: int | None = None) -> dict:
-        """Change live settings at the next step boundary (give at least one)."""
-        changes = {k: v for k, v in dict(lr=lr, lr_scale=lr_scale, grad_clip=grad_clip,
-                                         eval_every_n_steps=eval_every_n_steps,
-                                         save_every_n_steps=save_every_n_steps).items() if v is not None}
-        if not changes:
-            raise gr.Error("set: give at least one of lr, lr_scale, grad_clip, eval_every_n_steps, "
-                           "save_every_n_steps", print_exception=False)
-        return _answer(backend, run, lambda: Set(**changes))
+        return _answer(lambda: verbs(run).resume())
 
     def save(run: str = "") -> dict:
         """Save a training checkpoint now."""
-        return _answer(backend, run, Save)
+        return _answer(lambda: verbs(run).save())
 
     def evaluate(run: str = "") -> dict:
         """Evaluate now; returns the metrics."""
-        return _answer(backend, run, Evaluate)
+        return _answer(lambda: verbs(run).evaluate())
 
     def chat(message: str, run: str = "", max_new_tokens: int = 64, temperature: float = 0.0,
              compare_base: bool = False) -> Iterator[dict]:
@@ -117,68 +113,89 @@ def register(backend: Backend) -> None:
         return [_info(i) for i in backend.session.runs()]
 
     for fn, name in ((start, "start"), (stop, "stop"), (pause, "pause"), (resume, "resume"),
-                     (set_values, "set"), (save, "save"), (evaluate, "evaluate"), (chat, "chat"),
+                     (_set_endpoint(verbs), "set"), (save, "save"), (evaluate, "evaluate"), (chat, "chat"),
                      (status, "status"), (runs, "runs")):
         gr.api(fn, api_name=name, concurrency_limit=None)
-    for fn in _tree_and_data(backend):
+    for fn in _tree_and_data(verbs):
         gr.api(fn, api_name=fn.__name__, concurrency_limit=None)
 
 
-def _tree_and_data(backend: Backend) -> list:
-    """The branch and data endpoints: each builds the contract's command (its arguments, defaults
-    and checks are the command's own) and returns the run's answer."""
-    def send(run: str, make: Any) -> dict:
-        return _answer(backend, run, make)
+def _set_endpoint(verbs: Callable[[str], SessionVerbs]) -> Callable[..., dict]:
+    """/set: `run`, then one optional parameter per field of contract.protocol.commands.Set (its
+    fields, not a list of ours: a new live setting is an argument here at once)."""
+    fields = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                annotation=_api_type(field.annotation)) for name, field in Set.model_fields.items()]
+    signature = inspect.Signature([inspect.Parameter("run", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="",
+                                                     annotation=str), *fields], return_annotation=dict)
 
-    def given(**args: Any) -> dict[str, Any]:  # what the caller gave: the rest are the command's defaults
-        return {k: v for k, v in args.items() if v is not None}
+    def set_values(*given: Any, **named: Any) -> dict:
+        """Change live settings at the next step boundary (give at least one)."""
+        args = signature.bind(*given, **named).arguments
+        run = args.pop("run", "")
+        return _answer(lambda: verbs(run).set(**{k: v for k, v in args.items() if v is not None}))
 
+    # gradio reads the endpoint's parameters from its signature and type hints
+    set_values.__signature__ = signature  # type: ignore[attr-defined]
+    set_values.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()} | {"return": dict}
+    return set_values
+
+
+def _api_type(annotation: Any) -> Any:
+    """A Set field's type as the API declares it: a nested model (generation) is a JSON object."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    if any(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds):
+        return dict | None
+    return annotation
+
+
+def _tree_and_data(verbs: Callable[[str], SessionVerbs]) -> list:
+    """The branch and data endpoints: each calls the client's verb (its arguments, defaults and
+    checks are the command's own) and returns the run's answer."""
     def rewind(target: str, run: str = "") -> dict:
         """Go back in place to a checkpoint (step-40, 40, a checkpoint folder) or snapshot:NAME."""
-        return send(run, lambda: Rewind(target=target))
+        return _answer(lambda: verbs(run).rewind(target))
 
     def branch(target: str, branch: str, run: str = "", lr: float | None = None) -> dict:
         """Rewind to `target` and go on as the new branch `branch` (with `lr`, if given)."""
-        return send(run, lambda: Branch(**given(target=target, branch=branch, lr=lr)))
+        return _answer(lambda: verbs(run).branch(target, branch, **({} if lr is None else {"lr": lr})))
 
     def snapshot(run: str = "", name: str = "") -> dict:
         """Keep the complete training state in host memory now (default name snap-<step>)."""
-        return send(run, lambda: Snapshot(**given(snapshot=name or None)))
+        return _answer(lambda: verbs(run).snapshot(name or None))
 
     def branches(run: str = "") -> dict:
         """The branch tree, the present branch, its checkpoints and the snapshots kept."""
-        return send(run, Branches)
+        return _answer(lambda: verbs(run).branches())
 
     def add_source(path: str, run: str = "", weight: float | None = None, format: str | None = None,
                    name: str = "") -> dict:
         """Add a training source from the next step on (checked row by row first)."""
-        return send(run, lambda: AddSource(**given(path=path, weight=weight, format=format, source=name)))
+        return _answer(lambda: verbs(run).add_source(path, weight=weight, format=format, name=name))  # type: ignore[arg-type]
 
     def set_weight(source: str, weight: float, run: str = "") -> dict:
         """Change a source's weight from the next step on (0 pauses it)."""
-        return send(run, lambda: SetWeight(source=source, weight=weight))
+        return _answer(lambda: verbs(run).set_weight(source, weight))
 
     def remove_source(source: str, run: str = "") -> dict:
         """Stop drawing from a source."""
-        return send(run, lambda: RemoveSource(source=source))
+        return _answer(lambda: verbs(run).remove_source(source))
 
     def teach(prompt: str, answer: str, run: str = "") -> dict:
         """Teach `answer` for `prompt` (sent as a chat message through the chat template)."""
-        messages = [{"role": "user", "content": prompt}]
         try:
-            return send(run, lambda: Teach(messages=messages, answer=answer))
+            return _answer(lambda: verbs(run).teach(None, answer, messages=[{"role": "user", "content": prompt}]))
         except gr.Error as e:
             if "chat template" not in str(e):
                 raise
-            return send(run, lambda: Teach(prompt=prompt, answer=answer))
+            return _answer(lambda: verbs(run).teach(prompt, answer))
 
     def inbox(run: str = "") -> dict:
         """Every taught entry, removed ones marked."""
-        return send(run, Inbox)
+        return _answer(lambda: verbs(run).inbox())
 
     def forget(id: str, run: str = "") -> dict:
         """Stop training on an inbox entry (t1, t2 ...)."""
-        return send(run, lambda: Forget(id=id))
+        return _answer(lambda: verbs(run).forget(id))
 
     return [rewind, branch, snapshot, branches, add_source, set_weight, remove_source, teach, inbox, forget]
 
