@@ -23,9 +23,10 @@ from contract.events import StateEvent
 from contract.config.load import load_config
 from supervisor import procs, restart, stopping
 from supervisor.launch import spawn
-from supervisor.judgement import LOST_PEER, Facts, RankExit, Verdict, VerdictKind, exited, judge, last_exception, post_mortem
+from supervisor.exit_evidence import exit_evidence
+from supervisor.judgement import Facts, RankExit, Verdict, VerdictKind, exited, judge, post_mortem
 from supervisor.remote import RemoteLog
-from supervisor.records import (Failure, RunInfo, adopt_child, child_running, launcher_reported_failure, launcher_spawned,
+from supervisor.records import (Failure, RunInfo, adopt_child, child_running, launcher_spawned,
                                 launcher_reported_success, log_tail, mark_stopping, read_pid, reap,
                                 stop_in_progress)
 from supervisor.summary import RunSummary
@@ -233,7 +234,7 @@ class RunHandle:
             launcher_code=self._launcher_code, ranks_seen=len(self._ranks), exits=exits,
             clean_pids=frozenset(launcher_reported_success(self.folder)) if exits else frozenset(),
             last_progress=self._last_progress, hang_timeout=self.hang_timeout,
-            final_since=self._final_seen_at, remote=self._remote.multi_host, **self._exit_evidence(exits))
+            final_since=self._final_seen_at, remote=self._remote.multi_host, **exit_evidence(self.folder, exits, self.log_lines))
 
     def _unwatched_exits(self) -> tuple[RankExit, ...]:
         """The ranks of a failed run that ended before this process ever saw one of them (it was
@@ -243,21 +244,6 @@ class RunHandle:
         if self._ranks or self._alive or (self._summary.final and self._summary.state != RunState.FAILED):
             return ()
         return tuple(RankExit(rank, pid, None, 0.0) for rank, pid in launcher_spawned(self.folder).items())
-
-    def _exit_evidence(self, exits: tuple[RankExit, ...]) -> dict:
-        """What the launcher and the rank logs say of how the ranks seen gone ended (read only once
-        a rank is gone: a few log tails)."""
-        if not exits:
-            return {}
-        status, pid = launcher_reported_failure(self.folder)
-        raised, lost = set(), set()
-        for rank in {e.rank for e in exits}:
-            error = last_exception(log_tail(self.folder, rank, self.log_lines)[1])
-            if error is not None:
-                raised.add(rank)
-                if LOST_PEER.search(error):
-                    lost.add(rank)
-        return dict(launcher_status=status, launcher_pid=pid, raised=frozenset(raised), lost_peer=frozenset(lost))
 
     def _failure_of(self, verdict: Verdict) -> Failure:
         """The verdict as a report: worded with the last lines of the log it points at."""
