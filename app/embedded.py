@@ -33,6 +33,7 @@ class EmbeddedDefault:
     """A run of the embedded default: when it measures its held-out exact match."""
     every_n_steps: int         # eval.every_n_steps (0: only at the end or on Evaluate now)
     measures_exact_match: bool  # whether eval.evaluators has exact_match (or generation)
+    objective: str = "sft"     # preference.objective: what the chat's note promises depends on it
 
     def exact_match_text(self, points: list[tuple[int, float]]) -> str:
         """The latest held-out exact match (`points`: the run's (step, value) series), or when
@@ -58,7 +59,7 @@ def embedded_default(run: RunConfig | str | Path) -> EmbeddedDefault | None:
     if run.model.path or run.data.train or run.data.sources:
         return None
     measured = bool({"exact_match", "generation"} & set(run.eval.evaluators))
-    return EmbeddedDefault(run.eval.every_n_steps, measured)
+    return EmbeddedDefault(run.eval.every_n_steps, measured, run.preference.objective)
 
 
 def expected_answer(question: str) -> str | None:
@@ -67,9 +68,36 @@ def expected_answer(question: str) -> str | None:
     return next((answer for asked, answer in EXAMPLES if asked == wanted), None)
 
 
-def early_note() -> str:
-    """What to expect from the embedded default's answers, with the example answers."""
+# What each objective is expected to do on the embedded default from scratch (docs/preferences.md,
+# docs/rewards.md): only SFT (and ORPO's SFT term) teaches the answers themselves.
+RANKS_ONLY = ("DPO alone learns to rank the right answer above the wrong one, not to write it: watch the "
+              "reward accuracy and margin rise on the Train tab; its answers stay empty or garbage and the "
+              "exact match stays near 0 (docs/preferences.md). Train with SFT first (`model.path`) for a model "
+              "that writes them.")
+OBJECTIVE_NOTES: dict[str, str] = {
+    "dpo": RANKS_ONLY,
+    "simpo": RANKS_ONLY.replace("DPO", "SimPO"),
+    "kto": ("KTO learns which answers are desirable and which are not, one by one, not to write them: watch "
+            "its rewards and KL on the Train tab; its answers stay empty or garbage and the exact match stays "
+            "near 0 (docs/preferences.md)."),
+    "orpo": ("ORPO's likelihood term trains the chosen answer as SFT does, beside the preference: its answers "
+             "start empty or garbage and slowly come to the right ones ({examples}), while the reward accuracy "
+             "and margin rise on the Train tab."),
+    "grpo": ("GRPO samples groups of answers and rewards them (exact match against the answer by default): from "
+             "random weights a right answer is rarely sampled, so the mean reward stays near 0 for a long time and "
+             "the answers stay empty or garbage (docs/rewards.md); start it from a model that answers sometimes "
+             "(`model.path`)."),
+}
+
+
+def early_note(objective: str = "sft") -> str:
+    """What to expect from the embedded default's answers under `objective` (preference.objective):
+    SFT learns the example answers; the preference objectives rank answers (ORPO also writes
+    them); GRPO needs right answers to be sampled before it can reward them."""
     examples = " · ".join(f"`{q}` → `{a}`" for q, a in EXAMPLES)
+    if objective in OBJECTIVE_NOTES:
+        return (f"**This run trains the embedded default with {objective}** from scratch. "
+                + OBJECTIVE_NOTES[objective].format(examples=examples))
     return (f"**This run trains the embedded default** from scratch: for its first ~{EARLY_STEPS} steps "
             "its answers are expected to be empty or garbage (the end-of-answer token is the most frequent "
             "answer token, and the model has not yet learned where it goes); sampling (temperature 1) "

@@ -8,7 +8,8 @@ Torch-free, Gradio-free, ipywidgets-free.
     view.sources     # [{"name", "path", "format", "weight", "seen"}, ...] as of the last change
     view.seen        # {source: [(step, samples drawn so far), ...]}
     view.inbox       # [{"id", "prompt", "answer", "step", "removed", "old", "new", "learned"}, ...]
-                     # a preference also "rejected", "margin_before", "margin_after", "prefers"
+                     # a preference also "rejected", "margin_before", "margin_after", "prefers";
+                     # its "learned": the model prefers the chosen answer at the check (margin > 0)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
+
+import re
 
 import yaml
 
@@ -25,6 +28,9 @@ from contract.events import EventType
 
 Point = tuple[int, float]
 DEFAULT_SOURCE = "train"  # the one-source shorthand's name (data.train, or the embedded task)
+# the special tokens a prompt holds as the model saw it: <s> </s> <pad> <unk> <bos> <eos>, and
+# <|...|> markers (<|user|>, <|assistant|>, <|begin_of_text|>, <|im_start|> ...)
+SPECIAL_TOKEN = re.compile(r"</?s>|<(?:pad|unk|bos|eos)>|<\|[^|<>\s]{1,40}\|>")
 
 
 @dataclass
@@ -76,8 +82,11 @@ def data_view(folder: RunFolder, events: Iterable[dict] | None = None,
     inbox = []
     for entry in read_inbox(inbox_path(folder.root)):
         check = checks.get(entry.id, {})
+        learned = check.get("learned")
+        if entry.rejected is not None and _real(check.get("margin_after")):
+            learned = check["margin_after"] > 0  # a pair is learned when the model prefers its chosen answer
         inbox.append({**entry.to_dict(), "old": check.get("old"), "new": check.get("new"),
-                      "learned": check.get("learned"), "checked_at": check.get("step"),
+                      "learned": learned, "checked_at": check.get("step"),
                       "margin_before": check.get("margin_before", margins.get(entry.id)),
                       "margin_after": check.get("margin_after"), "prefers": check.get("prefers")})
     return DataView(sources, seen, inbox)
@@ -114,6 +123,12 @@ def margin_text(entry: dict) -> str:
     if not _real(after):
         return f"{before:+.3f} → (not checked yet)"
     return f"{before:+.3f} → {after:+.3f} (prefers {entry.get('prefers') or '?'})"
+
+
+def readable_prompt(prompt: str) -> str:
+    """A prompt as the model saw it, for reading: its special tokens (BOS, the chat template's
+    role markers) left out, its whitespace on one line."""
+    return " ".join(SPECIAL_TOKEN.sub(" ", str(prompt)).split())
 
 
 def _real(value: Any) -> bool:

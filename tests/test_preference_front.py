@@ -179,12 +179,13 @@ def test_the_inbox_lists_a_preference_with_its_rejected_answer_and_margins(tmp_p
         shown = web_data.show(backend, panel, str(folder.root))
         frame = shown[panel.inbox].set_index("id")
         assert list(frame.columns) == web_data.INBOX_COLUMNS[1:]
-        assert frame.loc["t2", "wanted answer"] == "cba" and frame.loc["t2", "rejected answer"] == "abc"
-        assert frame.loc["t2", "margin before → after"] == "-0.500 → +1.250 (prefers chosen)"
-        assert frame.loc["t2", "learned"] == "yes" and frame.loc["t1", "rejected answer"] == ""
+        assert frame.loc["t2", "answer (chosen)"] == "cba" and frame.loc["t2", "rejected"] == "abc"
+        assert frame.loc["t2", "margin"] == "-0.500 → +1.250 (prefers chosen)"
+        assert frame.loc["t2", "learned"] == "yes" and frame.loc["t1", "rejected"] == ""
         assert frame.loc["t3", "removed"] == "yes"
-        assert shown[panel.entry]["choices"] == [("t1: <s>reverse: ab → ba", "t1"),
-                                                 ("t2: <|user|>reverse: abc<|assistant|> → cba over abc", "t2")]
+        assert frame.loc["t1", "prompt"] == "reverse: ab" and frame.loc["t2", "prompt"] == "reverse: abc"
+        assert shown[panel.entry]["choices"] == [("t1: reverse: ab → ba", "t1"),
+                                                 ("t2: reverse: abc → cba over abc", "t2")]
 
         # the notebook's data fold
         run = Run(folder.root, backend.session)

@@ -36,7 +36,8 @@ SETTINGS = (8, 0.0, 1.0, 0, 1.0)  # max_new, temperature (greedy: the samples ar
 
 def _view() -> chat_prefer.PairView:
     with gr.Blocks():
-        return chat_prefer.PairView(gr.Textbox(), gr.Textbox(), gr.Textbox(), gr.Markdown(), gr.State())
+        return chat_prefer.PairView(gr.Textbox(), gr.Textbox(), gr.Textbox(), gr.Markdown(), gr.State(), gr.Button(),
+                                    gr.Button())
 
 
 def _inputs(tmp_path) -> None:
@@ -154,6 +155,27 @@ def test_two_answers_then_this_one_is_better_and_edit_and_prefer_on_a_live_dpo_r
         controls.forget().result(timeout=120)
     assert edited not in [v for _, v in controls.entry.options]
     assert next(e for e in run.inbox() if e["id"] == edited)["removed"]
+
+
+@pytest.mark.slow  # the module's single-rank launch
+def test_long_answers_are_kept_within_what_a_pair_may_hold(live):
+    """The chat asks for 64 new tokens where the run's data.max_length is 48: the page says before
+    generating that the answers are kept shorter, and the pair chosen is trained, not refused."""
+    backend, path = live
+    view = _view()
+    for _ in range(3):  # two samples that agree (or an empty one) are possible: ask again
+        shown = {}
+        for update in chat_prefer.two_answers(backend, view, path, "reverse: abcdef", chat_prefer.SAMPLE,
+                                              None, 64, 1.0, 1.0, 0, 1.0):
+            shown.update(update)
+        pair = shown[view.pair]
+        if chat_prefer.choosable(pair["a"], pair["b"]):
+            break
+    note = shown[view.result]
+    assert note.startswith("Answers are kept to ") and "(not 64)" in note and "data.max_length=48" in note, note
+    assert shown[view.a_better]["interactive"] is True, pair
+    said = chat_prefer.pick(backend, view, path, pair, "a")[view.result]
+    assert said.startswith("**Preferred t"), said  # the engine took the pair: it fits data.max_length
 
 
 @pytest.mark.slow  # a browser on the module's run

@@ -152,8 +152,9 @@ def about_text(backend: Backend, path: str | None, with_note: bool = True) -> st
     except SessionError as e:
         return str(e)
     text = header(backend, snap)
-    if with_note and backend.watch.embedded(snap.path) is not None:
-        text += "\n\n" + early_note()
+    default = backend.watch.embedded(snap.path)
+    if with_note and default is not None:
+        text += "\n\n" + early_note(default.objective)
     return text
 
 

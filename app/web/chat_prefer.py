@@ -4,12 +4,20 @@ better" on either (the other is the rejected answer), or "edit and prefer" (the 
 chosen answer, the live model's answer the rejected one). The pair goes into the run's inbox as
 Teach's answers do (the contract's Teach command with `rejected`; RunClient.prefer is the same
 command), and the page shows the entry's id and the model's log-probability margin of chosen over
-rejected when it came in; the check some steps later is in the inbox on the Train tab."""
+rejected when it came in; the check some steps later is in the inbox on the Train tab.
+
+A pair the user chooses can always be trained: before generating, the run says how many tokens
+the question takes (the `complete` command scoring the prompt alone), and the answers are kept to
+what is left of `data.max_length` after the question and the end token (the run's inbox refuses a
+longer pair); the page says so when that cuts the chat's setting. The choice buttons stay off
+until two different, non-empty answers are there. A viewer's press is refused naming the action
+(prefer), before anything is sent."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -17,13 +25,16 @@ import gradio as gr
 from app.session import SessionError
 from app.web.backend import Backend
 from app.web.widgets import readable
+from contract.config.load import load_config
 from contract.protocol.answers import TeachAnswer
+from contract.protocol.completion_commands import Complete
 from contract.protocol.data_commands import Teach
 
 SAMPLE = "Another sample of the live model"
 COMPARED = "The Compare column (another run or a checkpoint)"
 MARKUP = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~])")
 SAMPLE_TEMPERATURE = 1.0  # two greedy answers are the same answer: samples at least this warm
+PREFER = "prefer (choosing the better answer)"  # the action a viewer's refusal names
 
 
 def build(backend: Backend, run_state: gr.State, copy: gr.State, settings: list) -> None:
@@ -40,23 +51,24 @@ def build(backend: Backend, run_state: gr.State, copy: gr.State, settings: list)
             with gr.Column():
                 first_text = gr.Textbox(label="A: the live model", interactive=False, lines=2,
                                         elem_id="chat-prefer-a")
-                first_better = gr.Button("A is better", elem_id="chat-prefer-a-better")
+                first_better = gr.Button("A is better", interactive=False, elem_id="chat-prefer-a-better")
             with gr.Column():
                 second_text = gr.Textbox(label="B", interactive=False, lines=2, elem_id="chat-prefer-b")
-                second_better = gr.Button("B is better", elem_id="chat-prefer-b-better")
+                second_better = gr.Button("B is better", interactive=False, elem_id="chat-prefer-b-better")
         with gr.Row(equal_height=True):
             edited = gr.Textbox(label="Answer A, edited into the answer you wanted", max_lines=4, scale=4,
                                 elem_id="chat-prefer-edit")
             edit_prefer = gr.Button("Edit and prefer", scale=1, elem_id="chat-prefer-edit-send")
         result = gr.Markdown("", elem_id="chat-prefer-result")
     pair = gr.State(None)  # {"question", "a", "b"}: the two answers shown
-    view = PairView(first_text, second_text, edited, result, pair)
+    view = PairView(first_text, second_text, edited, result, pair, first_better, second_better)
 
     def asked(path: str | None, text: str, which: str, copied: dict | None, *opts: Any):
         yield from two_answers(backend, view, path, text, which, copied, *opts)
 
     ask.click(readable(asked), inputs=[run_state, question, second, copy, *settings],
-              outputs=[first_text, second_text, edited, result, pair], concurrency_limit=None,
+              outputs=[first_text, second_text, edited, result, pair, first_better, second_better],
+              concurrency_limit=None,
               show_progress="hidden", api_visibility="private")
     first_better.click(readable(lambda path, shown: pick(backend, view, path, shown, "a")),
                        inputs=[run_state, pair], outputs=[result], api_visibility="private", concurrency_limit=None)
@@ -75,6 +87,53 @@ class PairView:
     edited: gr.Textbox
     result: gr.Markdown
     pair: gr.State
+    a_better: gr.Button  # "A is better" and "B is better": on only for two different answers
+    b_better: gr.Button
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long an answer may be for its pair to be trained: the prompt and either answer with
+    its end token must fit the run's data.max_length (engine.data.inbox.encode_pair)."""
+    max_length: int
+    prompt_tokens: int
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.max_length - self.prompt_tokens - 1  # the end token follows each answer
+
+    def note(self, asked: int) -> str:
+        """The page's words when the budget cuts the `asked` tokens (empty when it does not)."""
+        if self.answer_tokens >= asked:
+            return ""
+        return (f"Answers are kept to {self.answer_tokens} tokens (not {asked}): the question takes "
+                f"{self.prompt_tokens} of the run's data.max_length={self.max_length}, and a chosen pair "
+                "(question, answer and end token) must fit it to be trained.")
+
+
+def pair_budget(backend: Backend, path: str | None, question: str) -> Budget:
+    """The run's data.max_length and the tokens `question` takes as the chat sends it (its chat
+    template, or the raw prompt for a model without one), asked of the run (`complete` with no new
+    tokens only tokenizes). SessionError when no answer fits."""
+    root = backend.session.resolve(path)
+    max_length = load_config(Path(root) / "config.yaml").data.max_length
+    chat = [{"role": "user", "content": question}]
+    try:
+        found = backend.session.send(root, Complete(messages=chat, max_new_tokens=0, echo=True))
+    except SessionError as e:
+        if "chat template" not in str(e):
+            raise
+        found = backend.session.send(root, Complete(prompts=[question], max_new_tokens=0, echo=True))
+    budget = Budget(max_length, int(found.usage["prompt_tokens"]))
+    if budget.answer_tokens < 1:
+        raise SessionError(f"the question takes {budget.prompt_tokens} tokens of the run's data.max_length="
+                           f"{max_length}: no room for an answer and its end token; shorten the question")
+    return budget
+
+
+def choosable(first: str, second: str) -> bool:
+    """Whether two answers make a pair to choose from: both non-empty, and different."""
+    return bool(first.strip()) and bool(second.strip()) and first != second
 
 
 def answer(backend: Backend, path: str | None, question: str, params: dict) -> str:
@@ -103,22 +162,35 @@ def two_answers(backend: Backend, view: PairView, path: str | None, question: st
     params = sampling(*opts)
     if which == SAMPLE:
         params["temperature"] = max(params["temperature"], SAMPLE_TEMPERATURE)
+    off = gr.update(interactive=False)
     waiting = "… waiting for the next step boundary"
-    yield {view.first: waiting, view.second: "…", view.edited: "", view.result: "", view.pair: None}
+    yield {view.first: waiting, view.second: "…", view.edited: "", view.result: "", view.pair: None,
+           view.a_better: off, view.b_better: off}
+    budget = pair_budget(backend, path, question)  # said before generating, not refused after choosing
+    note = budget.note(params["max_new_tokens"])
+    params["max_new_tokens"] = min(params["max_new_tokens"], budget.answer_tokens)
+    yield {view.result: note}
     first = answer(backend, path, question, params)
     yield {view.first: first, view.edited: first}
     if copied and which == COMPARED:
         second, label = answer(backend, copied["path"], question, params), f"B: {copied['label']}"
     else:
         second, label = answer(backend, path, question, params), "B: another sample of the live model"
-    yield {view.second: gr.update(value=second, label=label),
-           view.pair: {"question": question, "a": first, "b": second}}
+    ok = gr.update(interactive=choosable(first, second))
+    why = "" if choosable(first, second) else (
+        " The two answers are the same, or one is empty: nothing to choose between. Ask again, or edit A "
+        "into the answer you wanted (Edit and prefer).")
+    yield {view.second: gr.update(value=second, label=label), view.a_better: ok, view.b_better: ok,
+           view.pair: {"question": question, "a": first, "b": second}, view.result: (note + why).strip()}
 
 
 def pick(backend: Backend, view: PairView, path: str | None, shown: dict | None, better: str) -> dict:
     """"A is better" (`better` "a") or "B is better": the other answer is the rejected one."""
     if not shown:
         raise SessionError("press Two answers first")
+    if not choosable(shown["a"], shown["b"]):
+        raise SessionError("the two answers are the same, or one is empty: press Two answers again, or use "
+                           "Edit and prefer")
     worse = "b" if better == "a" else "a"
     return {view.result: prefer(backend, path, shown["question"], shown[better], shown[worse])}
 
@@ -143,6 +215,7 @@ def prefer(backend: Backend, path: str | None, question: str, chosen: str, rejec
     """Send the pair into the run's inbox (a model without a chat template gets the raw prompt,
     as the chat sent it) and say what the run answered: the entry's id, the step, the margin."""
     command = pair_command(question, chosen, rejected)  # refused here, before the run is asked
+    backend.session.require(PREFER, Teach.role)  # a viewer's refusal names what was pressed
     try:
         result = backend.session.send(path, command)
     except SessionError as e:

@@ -59,5 +59,5 @@ def build(backend: Backend, run_state: gr.State) -> SidePanel:
 def note_update(backend: Backend, path: str) -> dict:
     """The side panel's note for the run at `path`: the embedded default's (app.embedded), shown
     for such a run only."""
-    shown = backend.watch.embedded(path) is not None
-    return gr.update(value=early_note() if shown else "", visible=shown)
+    default = backend.watch.embedded(path)
+    return gr.update(value=early_note(default.objective) if default is not None else "", visible=default is not None)

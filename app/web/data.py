@@ -17,16 +17,24 @@ import gradio as gr
 import pandas as pd
 
 from app.session import SessionError, allowed
-from app.sources import DataView, data_view, margin_text, number
+from app.sources import DataView, data_view, margin_text, number, readable_prompt
 from app.web.backend import Backend
 from app.web.plots import batch, live_plot
+from app.web.widgets import TABLE_CLASS
 from contract.run_folder import RunFolder
 from contract.protocol.states import RunState
 from contract.protocol.data_commands import AddSource, Forget, RemoveSource, SetWeight
 
 SOURCE_COLUMNS = ["source", "weight", "samples drawn", "format", "path"]
-INBOX_COLUMNS = ["id", "prompt", "wanted answer", "rejected answer", "taught at step", "answer before",
-                 "answer after", "learned", "margin before → after", "removed"]
+# each inbox column's share of the table's width (short headers that never break inside a word:
+# TABLE_CLASS); a taught answer fills "answer (chosen)", a preference also "rejected"
+INBOX_WIDTHS = {"id": "4%", "prompt": "15%", "answer (chosen)": "13%", "rejected": "11%", "step": "5%",
+                "before": "11%", "after": "11%", "learned": "7%", "margin": "16%", "removed": "7%"}
+INBOX_COLUMNS = list(INBOX_WIDTHS)
+INBOX_LABEL = ("Inbox: answers taught and preferences given from the Chat tab. step: when it was taught; "
+               "before / after: the model's answer then and at the check; learned: for an answer, the answer "
+               "after is the taught one; for a pair, the model prefers the chosen answer at the check (its margin "
+               "log p(chosen) − log p(rejected) is above 0); margin: before → after")
 FORMATS = ["auto", "text", "input_output", "chat", "tokenized"]
 
 
@@ -73,7 +81,8 @@ def build(backend: Backend, run_state: gr.State) -> DataPanel:
             add = gr.Button("Add source", interactive=False, scale=1, elem_id="data-add")
         seen = live_plot("seen", "data-plot-seen")
         inbox = gr.Dataframe(pd.DataFrame(columns=INBOX_COLUMNS), interactive=False, elem_id="data-inbox",
-                             wrap=True, max_height=260, label="Inbox: answers taught and preferences given from the Chat tab")
+                             wrap=True, max_height=260, label=INBOX_LABEL, column_widths=list(INBOX_WIDTHS.values()),
+                             elem_classes=[TABLE_CLASS])
         with gr.Row(equal_height=True):
             entry = gr.Dropdown([], label="Inbox entry", scale=3, elem_id="data-entry")
             forget = gr.Button("Remove from the inbox", interactive=False, scale=1, elem_id="data-forget")
@@ -148,7 +157,7 @@ def _sources_frame(view: DataView) -> pd.DataFrame:
 
 
 def _inbox_frame(view: DataView) -> pd.DataFrame:
-    rows = [[e["id"], e["prompt"], e["answer"], e.get("rejected") or "", e["step"], e.get("old") or "",
+    rows = [[e["id"], readable_prompt(e["prompt"]), e["answer"], e.get("rejected") or "", e["step"], e.get("old") or "",
              e.get("new") or "", "" if e.get("learned") is None else ("yes" if e["learned"] else "not yet"),
              margin_text(e), "yes" if e.get("removed") else ""] for e in view.inbox]
     return pd.DataFrame(rows, columns=INBOX_COLUMNS)
@@ -156,7 +165,7 @@ def _inbox_frame(view: DataView) -> pd.DataFrame:
 
 def entry_label(entry: dict) -> str:
     """An inbox entry as the picker lists it: a taught answer, or a preference's pair."""
-    label = f"{entry['id']}: {_short(entry['prompt'])} → {_short(entry['answer'])}"
+    label = f"{entry['id']}: {_short(readable_prompt(entry['prompt']))} → {_short(entry['answer'])}"
     return label + (f" over {_short(entry['rejected'])}" if entry.get("rejected") is not None else "")
 
 
