@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from contract.config.schema import OBJECTIVE_FORMATS
+from contract.data_files import read_rows
 from contract.data_rows import (CHECKS, FORMAT_KEYS, MAX_EXAMPLES, DataError, PreferenceRow, RowIssue,
-                                UnreadableRow, detect_rows_format, read_rows)
+                                UnreadableRow, detect_rows_format)
 
 SAMPLE_ROWS = 256              # rows tokenized to measure the characters per token
 DEFAULT_CHARS_PER_TOKEN = 4.0  # English text with a BPE tokenizer, roughly; used without tokenizer.json

@@ -106,7 +106,7 @@ def _parameter_count(folder: Path) -> int:
 
 
 def _rows(path: str) -> list:
-    from contract.data_rows import read_rows
+    from contract.data_files import read_rows
     return read_rows(path)[1]
 
 

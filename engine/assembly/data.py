@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from contract.config.checks import source_name
 from contract.config.schema import RunConfig
-from contract.data_rows import load_rows
+from contract.data_files import load_rows
 from engine.context import RunContext
 from engine.data.dataset import build_dataset
 from engine.data.inbox import InboxDataset

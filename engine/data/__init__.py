@@ -16,7 +16,7 @@ from engine.data.dataset import TokenizedDataset, build_dataset
 from contract.data_rows import detect_rows_format
 from contract.data_rows import FORMATS, IGNORE, detect_format
 from engine.data.loader import build_dataloader
-from contract.data_rows import load_rows, read_rows
+from contract.data_files import load_rows, read_rows
 from engine.data.packing import PackedDataset, pack_lengths
 from contract.data_rows import DataError
 from engine.data.report import DataReport, RowProblem

@@ -11,7 +11,8 @@ from contract.data_rows import PREFERENCE_FORMATS, detect_rows_format
 from engine.data import preference
 from contract.data_rows import CHECKS, FORMATS, IGNORE, RowIssue
 from engine.data.formats import ENCODERS
-from contract.data_rows import NumberedRows, UnreadableRow, read_rows
+from contract.data_files import read_rows
+from contract.data_rows import NumberedRows, UnreadableRow
 from contract.data_rows import DataError, MAX_EXAMPLES
 from engine.data.report import DataReport
 

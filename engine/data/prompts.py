@@ -19,8 +19,9 @@ from typing import Any, Iterable
 import torch
 from torch.utils.data import Dataset
 
+from contract.data_files import read_rows
 from contract.data_rows import (CHECKS, MAX_EXAMPLES, DataError, PromptRow, RowIssue, UnreadableRow,
-                                detect_rows_format, read_rows)
+                                detect_rows_format)
 from engine.data.report import DataReport
 from engine.generation.generate import pad_ids
 
