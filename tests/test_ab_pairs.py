@@ -22,6 +22,7 @@ from app.web.backend import Backend
 from app.web.widgets import TABLE_CLASS
 from contract.config.load import config_from_dict
 from contract.inbox import add_entry, inbox_path
+from contract.protocol.answers import TeachAnswer
 from contract.protocol.roles import Role
 from contract.run_folder import EventLog, RunFolder
 
@@ -31,7 +32,7 @@ SETTINGS = (64, 1.0, 1.0, 0, 1.0)  # the chat's max_new, temperature, top_p, top
 def _view() -> chat_prefer.PairView:
     with gr.Blocks():
         return chat_prefer.PairView(gr.Textbox(), gr.Textbox(), gr.Textbox(), gr.Markdown(), gr.State(),
-                                    gr.Button(), gr.Button())
+                                    gr.Button(), gr.Button(), gr.Chatbot())
 
 
 def _run(root, name: str, config: dict, events: list[dict]) -> RunFolder:
@@ -57,6 +58,15 @@ def test_the_choice_needs_two_different_answers_and_fits_the_pair(tmp_path):
     assert budget.answer_tokens == 20
     assert budget.note(64).startswith("Answers are kept to 20 tokens (not 64)") and "data.max_length=32" in budget.note(64)
     assert budget.note(8) == ""
+
+    # the pair taken is recorded in the chat history: the question, the chosen answer, what it beat
+    taken = TeachAnswer(step=7, id="t4", prompt="<s>q", answer="cba", rejected="a*c", old="", per_step=1, steps=1,
+                        check_at_step=None, applies_from_step=8, sources=[], margin=-0.5)
+    page = chat_prefer.preferred(view, [{"role": "user", "content": "hi"}], "reverse: abc", taken)
+    assert "**Preferred t4** at step 7" in page[view.result]
+    assert page[view.history][0] == {"role": "user", "content": "hi"}
+    assert page[view.history][1:] == [{"role": "user", "content": "reverse: abc"},
+                                      {"role": "assistant", "content": "cba\n\n*preferred (t4, step 7) over:* a\\*c"}]
 
     backend = Backend(tmp_path / "runs")
     try:

@@ -176,6 +176,10 @@ def test_long_answers_are_kept_within_what_a_pair_may_hold(live):
     assert shown[view.a_better]["interactive"] is True, pair
     said = chat_prefer.pick(backend, view, path, pair, "a")[view.result]
     assert said.startswith("**Preferred t"), said  # the engine took the pair: it fits data.max_length
+    with gr.Blocks():
+        view.history = gr.Chatbot()
+    recorded = chat_prefer.prefer_edit(backend, view, path, pair, "fedcba", [])[view.history]
+    assert recorded[0] == {"role": "user", "content": "reverse: abcdef"} and recorded[1]["content"].startswith("fedcba")
 
 
 @pytest.mark.slow  # a browser on the module's run

@@ -87,7 +87,7 @@ def build(backend: Backend, run_state: gr.State) -> dict:
             wanted = gr.Textbox(label="The answer you wanted", max_lines=4, scale=3, elem_id="chat-teach-answer")
             teach = gr.Button("Teach", variant="primary", scale=1, elem_id="chat-teach")
         taught = gr.Markdown("", elem_id="chat-teach-result")
-    chat_prefer.build(backend, run_state, copy, [max_new, temperature, top_p, top_k, repetition])
+    chat_prefer.build(backend, run_state, copy, [max_new, temperature, top_p, top_k, repetition], live)
     settings = [max_new, temperature, top_p, top_k, repetition, history, compare]
 
     view = ChatView(message, live, base, about, other)

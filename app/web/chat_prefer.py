@@ -37,9 +37,10 @@ SAMPLE_TEMPERATURE = 1.0  # two greedy answers are the same answer: samples at l
 PREFER = "prefer (choosing the better answer)"  # the action a viewer's refusal names
 
 
-def build(backend: Backend, run_state: gr.State, copy: gr.State, settings: list) -> None:
+def build(backend: Backend, run_state: gr.State, copy: gr.State, settings: list, history: gr.Chatbot) -> None:
     """The fold under the chat; `copy` is the Compare column's target ({"path", "label"} or None),
-    `settings` the chat's generation settings (max_new, temperature, top_p, top_k, repetition)."""
+    `settings` the chat's generation settings (max_new, temperature, top_p, top_k, repetition),
+    `history` the chat the chosen pairs are recorded in."""
     with gr.Accordion("Which answer is better? One question answered twice: pick the better answer, or "
                       "edit one into the answer you wanted", open=False, elem_id="chat-prefer-fold"):
         with gr.Row(equal_height=True):
@@ -61,7 +62,7 @@ def build(backend: Backend, run_state: gr.State, copy: gr.State, settings: list)
             edit_prefer = gr.Button("Edit and prefer", scale=1, elem_id="chat-prefer-edit-send")
         result = gr.Markdown("", elem_id="chat-prefer-result")
     pair = gr.State(None)  # {"question", "a", "b"}: the two answers shown
-    view = PairView(first_text, second_text, edited, result, pair, first_better, second_better)
+    view = PairView(first_text, second_text, edited, result, pair, first_better, second_better, history)
 
     def asked(path: str | None, text: str, which: str, copied: dict | None, *opts: Any):
         yield from two_answers(backend, view, path, text, which, copied, *opts)
@@ -70,13 +71,13 @@ def build(backend: Backend, run_state: gr.State, copy: gr.State, settings: list)
               outputs=[first_text, second_text, edited, result, pair, first_better, second_better],
               concurrency_limit=None,
               show_progress="hidden", api_visibility="private")
-    first_better.click(readable(lambda path, shown: pick(backend, view, path, shown, "a")),
-                       inputs=[run_state, pair], outputs=[result], api_visibility="private", concurrency_limit=None)
-    second_better.click(readable(lambda path, shown: pick(backend, view, path, shown, "b")),
-                        inputs=[run_state, pair], outputs=[result], api_visibility="private", concurrency_limit=None)
-    edit_prefer.click(readable(lambda path, shown, text: prefer_edit(backend, view, path, shown, text)),
-                      inputs=[run_state, pair, edited], outputs=[result], api_visibility="private",
-                      concurrency_limit=None)
+    chosen: dict[str, Any] = dict(outputs=[result, history], api_visibility="private", concurrency_limit=None)
+    first_better.click(readable(lambda path, shown, chat: pick(backend, view, path, shown, "a", chat)),
+                       inputs=[run_state, pair, history], **chosen)
+    second_better.click(readable(lambda path, shown, chat: pick(backend, view, path, shown, "b", chat)),
+                        inputs=[run_state, pair, history], **chosen)
+    edit_prefer.click(readable(lambda path, shown, text, chat: prefer_edit(backend, view, path, shown, text, chat)),
+                      inputs=[run_state, pair, edited, history], **chosen)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class PairView:
     pair: gr.State
     a_better: gr.Button  # "A is better" and "B is better": on only for two different answers
     b_better: gr.Button
+    history: gr.Chatbot | None = None  # the chat a chosen pair is recorded in
 
 
 @dataclass(frozen=True)
@@ -184,22 +186,37 @@ def two_answers(backend: Backend, view: PairView, path: str | None, question: st
            view.pair: {"question": question, "a": first, "b": second}, view.result: (note + why).strip()}
 
 
-def pick(backend: Backend, view: PairView, path: str | None, shown: dict | None, better: str) -> dict:
-    """"A is better" (`better` "a") or "B is better": the other answer is the rejected one."""
+def pick(backend: Backend, view: PairView, path: str | None, shown: dict | None, better: str,
+         chat: list | None = None) -> dict:
+    """"A is better" (`better` "a") or "B is better": the other answer is the rejected one; the
+    pair is recorded in `chat` (the chat history shown)."""
     if not shown:
         raise SessionError("press Two answers first")
     if not choosable(shown["a"], shown["b"]):
         raise SessionError("the two answers are the same, or one is empty: press Two answers again, or use "
                            "Edit and prefer")
     worse = "b" if better == "a" else "a"
-    return {view.result: prefer(backend, path, shown["question"], shown[better], shown[worse])}
+    taken = prefer(backend, path, shown["question"], shown[better], shown[worse])
+    return preferred(view, chat, shown["question"], taken)
 
 
-def prefer_edit(backend: Backend, view: PairView, path: str | None, shown: dict | None, edited: str) -> dict:
+def prefer_edit(backend: Backend, view: PairView, path: str | None, shown: dict | None, edited: str,
+                chat: list | None = None) -> dict:
     """"Edit and prefer": the edited text is chosen over the live model's answer (A)."""
     if not shown:
         raise SessionError("press Two answers first")
-    return {view.result: prefer(backend, path, shown["question"], edited, shown["a"])}
+    return preferred(view, chat, shown["question"], prefer(backend, path, shown["question"], edited, shown["a"]))
+
+
+def preferred(view: PairView, chat: list | None, question: str, taken: TeachAnswer) -> dict:
+    """The page after a pair was taken: the run's words, and the pair in the chat history (the
+    question, then the chosen answer marked as preferred over the rejected one)."""
+    out: dict = {view.result: said(taken)}
+    if view.history is not None:
+        note = f"*preferred ({taken.id}, step {taken.step}) over:* {_plain(taken.rejected or '')}"
+        out[view.history] = list(chat or []) + [{"role": "user", "content": question},
+                                                {"role": "assistant", "content": f"{taken.answer}\n\n{note}"}]
+    return out
 
 
 def pair_command(question: str, chosen: str, rejected: str, chat: bool = True) -> Teach:
@@ -211,9 +228,9 @@ def pair_command(question: str, chosen: str, rejected: str, chat: bool = True) -
     return Teach(prompt=question, answer=chosen, rejected=rejected)
 
 
-def prefer(backend: Backend, path: str | None, question: str, chosen: str, rejected: str) -> str:
+def prefer(backend: Backend, path: str | None, question: str, chosen: str, rejected: str) -> TeachAnswer:
     """Send the pair into the run's inbox (a model without a chat template gets the raw prompt,
-    as the chat sent it) and say what the run answered: the entry's id, the step, the margin."""
+    as the chat sent it); the run's answer: the entry's id, the step, the margin."""
     command = pair_command(question, chosen, rejected)  # refused here, before the run is asked
     backend.session.require(PREFER, Teach.role)  # a viewer's refusal names what was pressed
     try:
@@ -222,7 +239,7 @@ def prefer(backend: Backend, path: str | None, question: str, chosen: str, rejec
         if "chat template" not in str(e):
             raise
         result = backend.session.send(path, pair_command(question, chosen, rejected, chat=False))
-    return said(result)
+    return result
 
 
 def said(result: TeachAnswer) -> str:
