@@ -27,24 +27,23 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Iterator
 
-from rich.console import Console
 from rich.progress import Progress
 
 from app.cli_command import command
+from app.cli_submit import submit
 from app.cli_live import Value, eval_values, live_progress, plain, train_values
 from app.cli_preview import preview
 from app.cli_summary import end_summary
+from app.cli_text import console, say, show_preflight
 from contract.args import resolve_args
 from contract.config.schema import ConfigError, RunConfig, SHORTCUTS
-from contract.preflight import PreflightError, PreflightReport, preflight
+from contract.preflight import PreflightReport, preflight
 from contract.protocol.commands import Stop
 from contract.protocol.states import RunState
 from contract.run_folder import EventTail
 from contract.events import EventType
 from supervisor import Failure, RunError, RunHandle, RunManager, RunRefused, remote_stop
 from supervisor.procs import signal_group
-
-console = Console(stderr=True)
 
 # How long a stop asked for by a signal may take before the group is ended without its save.
 STOP_TIMEOUT_S = 120.0
@@ -78,15 +77,6 @@ class Signals:
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.received.append(signum)
-
-
-def say(text: str, style: str | None = None) -> None:
-    """Print run text as text (never markup). A terminal that is gone (SIGHUP) is not an error:
-    the run is still stopped properly."""
-    try:
-        console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
-    except OSError:
-        pass
 
 
 # -- train -----------------------------------------------------------------------------------
@@ -151,18 +141,6 @@ def _stop_on_signal(handle: RunHandle, signum: int) -> int:
     say(f"stopped at step {info.step}")
     report(handle)
     return 128 + signum
-
-
-def show_preflight(report: PreflightReport) -> None:
-    """The pre-flight findings: facts dim, warnings yellow, the loud ones bold, problems red."""
-    for key, message in report.notes:
-        say(f"{key}: {message}", "dim")
-    for key, message in report.loud:
-        say(f"WARNING {key}: {message}", "bold yellow")
-    for key, message in report.warnings:
-        say(f"warning {key}: {message}", "yellow")
-    if report.problems:
-        say(str(PreflightError(report.problems)), "red")
 
 
 def _start(manager: RunManager, cfg: RunConfig, checked: PreflightReport | None,
@@ -356,71 +334,6 @@ def stop(argv: list[str]) -> int:
     why = info.error or info.reason
     say(f"{info.name}: {info.state} at step {info.step}" + (f" ({why})" if why else ""))
     return 0 if info.state == RunState.FINISHED else 1
-
-
-# -- submit to Slurm ---------------------------------------------------------------------------
-
-SUBMIT_HELP = """usage: ./launch.sh submit [CONFIG.yaml] --slurm [--nodes N] [--procs-per-node N]
-           [--gpus-per-node N] [--cpus-per-task N] [--partition P] [--time T] [--account A] [key=value ...]
-
-Submit the run to Slurm (sbatch) instead of starting it here: the run folder gets the job script
-(job.sbatch) and the job id (slurm_job.json); the run is listed as queued, then as it runs. Watch
-or stop it like any run: the web app's run list, `./launch.sh watch RUN_FOLDER`,
-`./launch.sh stop RUN_FOLDER` (which scancels the job once the run stopped, or at once)."""
-
-
-def submit(argv: list[str]) -> int:
-    """`submit [CONFIG.yaml] --slurm [options] [key=value ...]`; returns the exit code."""
-    import argparse
-
-    from app.session import Session, SessionError
-    from supervisor.slurm import SlurmOptions
-    if any(a in ("-h", "--help") for a in argv):
-        print(SUBMIT_HELP)
-        return 0
-    parser = argparse.ArgumentParser(prog="./launch.sh submit", add_help=False)
-    parser.add_argument("--slurm", action="store_true")
-    for name in ("nodes", "procs-per-node", "gpus-per-node", "cpus-per-task"):
-        parser.add_argument(f"--{name}", type=int, default=1 if name == "nodes" else 0)
-    for name in ("partition", "time", "account"):
-        parser.add_argument(f"--{name}", default="")
-    try:
-        known, rest = parser.parse_known_args(argv)
-    except SystemExit:
-        return 2
-    unknown = [a for a in rest if a.startswith("--")]
-    if unknown or not known.slurm:
-        say(f"unknown option {unknown[0]}" if unknown else "submit needs --slurm (the only scheduler)", "red")
-        say(SUBMIT_HELP)
-        return 2
-    opts = SlurmOptions(nodes=known.nodes, procs_per_node=known.procs_per_node,
-                        gpus_per_node=known.gpus_per_node, cpus_per_task=known.cpus_per_task,
-                        partition=known.partition, time=known.time, account=known.account)
-    try:
-        opts.check()
-        resolved = resolve_args(rest)
-    except (ConfigError, ValueError) as e:
-        say(str(e), "red")
-        return 2
-    cfg = resolved.config
-    if opts.procs_per_node:
-        cfg.parallel.nproc = opts.procs_per_node
-    checked = preflight(cfg)
-    show_preflight(checked)
-    if not checked.ok:
-        return 2
-    session = Session(cfg.logging.output_dir)  # the web app's "Submit to Slurm" goes the same way
-    try:
-        root = Path(session.submit(cfg, opts, checked=checked).path)
-    except SessionError as e:
-        say(str(e), "red")
-        return 2 if e.problems else 1
-    finally:
-        session.close()
-    job = (root / "slurm_job.json").read_text()
-    say(f"run folder: {root}\nsubmitted: {job}\nwatch it with `./launch.sh watch {root}`, "
-        f"stop it with `./launch.sh stop {root}`, or in the web app's run list.")
-    return 0
 
 
 COMMANDS = {"train": train, "watch": watch, "stop": stop, "submit": submit, "preview": preview,
