@@ -16,7 +16,7 @@ import pytest
 from app.embedded import early_note, embedded_default
 from app.session import SessionError
 from app.sources import data_view
-from app.web import chat, chat_prefer
+from app.web import chat, chat_prefer, chat_side
 from app.web import data as web_data
 from app.web.backend import Backend
 from app.web.widgets import TABLE_CLASS
@@ -75,8 +75,14 @@ def test_the_choice_needs_two_different_answers_and_fits_the_pair(tmp_path):
         assert first[view.a_better]["interactive"] is False and first[view.b_better]["interactive"] is False
         with pytest.raises(SessionError, match="no run yet"):  # the room is asked of the run before generating
             next(steps)
-        with gr.Blocks():  # the buttons start off
+        with gr.Blocks() as page:  # the buttons start off, in the Chat tab and beside the plots
             chat.build(backend, gr.State(None))
+            chat_side.build(backend, gr.State(None))
+        ids = {b.elem_id: b for b in page.blocks.values() if getattr(b, "elem_id", None)}
+        for prefix in ("chat-prefer", "side-prefer"):
+            assert ids[f"{prefix}-a-better"].interactive is False and ids[f"{prefix}-b-better"].interactive is False
+            assert ids[f"{prefix}-ask"].value == "Two answers"
+        assert ids["side-prefer-second"].visible is False  # beside the plots, B is another sample
         # a viewer's press names what was pressed, before anything is sent
         backend.session.holder, backend.session.role_of = "login", lambda: Role.VIEWER
         with pytest.raises(SessionError, match=r"refused: prefer \(choosing the better answer\) needs the operator "

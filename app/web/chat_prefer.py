@@ -37,30 +37,34 @@ SAMPLE_TEMPERATURE = 1.0  # two greedy answers are the same answer: samples at l
 PREFER = "prefer (choosing the better answer)"  # the action a viewer's refusal names
 
 
-def build(backend: Backend, run_state: gr.State, copy: gr.State, settings: list, history: gr.Chatbot) -> None:
-    """The fold under the chat; `copy` is the Compare column's target ({"path", "label"} or None),
-    `settings` the chat's generation settings (max_new, temperature, top_p, top_k, repetition),
-    `history` the chat the chosen pairs are recorded in."""
+def build(backend: Backend, run_state: gr.State, copy: gr.State | None, settings: list, history: gr.Chatbot,
+          prefix: str = "chat-prefer") -> None:
+    """The fold under a chat; `copy` is the Compare column's target ({"path", "label"} or None;
+    None: no Compare column, B is always another sample), `settings` the chat's generation
+    settings (max_new, temperature, top_p, top_k, repetition), `history` the chat the chosen pairs
+    are recorded in, `prefix` its components' element ids (the Chat tab's, or the side chat's)."""
+    compared = copy is not None
+    copy = copy if copy is not None else gr.State(None)
     with gr.Accordion("Which answer is better? One question answered twice: pick the better answer, or "
-                      "edit one into the answer you wanted", open=False, elem_id="chat-prefer-fold"):
+                      "edit one into the answer you wanted", open=False, elem_id=f"{prefix}-fold"):
         with gr.Row(equal_height=True):
-            question = gr.Textbox(label="The question", max_lines=4, scale=4, elem_id="chat-prefer-question")
+            question = gr.Textbox(label="The question", max_lines=4, scale=4, elem_id=f"{prefix}-question")
             second = gr.Radio([SAMPLE, COMPARED], value=SAMPLE, label="The second answer", scale=2,
-                              elem_id="chat-prefer-second")
-            ask = gr.Button("Two answers", variant="primary", scale=1, elem_id="chat-prefer-ask")
+                              elem_id=f"{prefix}-second", visible=compared)
+            ask = gr.Button("Two answers", variant="primary", scale=1, elem_id=f"{prefix}-ask")
         with gr.Row(equal_height=True):
             with gr.Column():
                 first_text = gr.Textbox(label="A: the live model", interactive=False, lines=2,
-                                        elem_id="chat-prefer-a")
-                first_better = gr.Button("A is better", interactive=False, elem_id="chat-prefer-a-better")
+                                        elem_id=f"{prefix}-a")
+                first_better = gr.Button("A is better", interactive=False, elem_id=f"{prefix}-a-better")
             with gr.Column():
-                second_text = gr.Textbox(label="B", interactive=False, lines=2, elem_id="chat-prefer-b")
-                second_better = gr.Button("B is better", interactive=False, elem_id="chat-prefer-b-better")
+                second_text = gr.Textbox(label="B", interactive=False, lines=2, elem_id=f"{prefix}-b")
+                second_better = gr.Button("B is better", interactive=False, elem_id=f"{prefix}-b-better")
         with gr.Row(equal_height=True):
             edited = gr.Textbox(label="Answer A, edited into the answer you wanted", max_lines=4, scale=4,
-                                elem_id="chat-prefer-edit")
-            edit_prefer = gr.Button("Edit and prefer", scale=1, elem_id="chat-prefer-edit-send")
-        result = gr.Markdown("", elem_id="chat-prefer-result")
+                                elem_id=f"{prefix}-edit")
+            edit_prefer = gr.Button("Edit and prefer", scale=1, elem_id=f"{prefix}-edit-send")
+        result = gr.Markdown("", elem_id=f"{prefix}-result")
     pair = gr.State(None)  # {"question", "a", "b"}: the two answers shown
     view = PairView(first_text, second_text, edited, result, pair, first_better, second_better, history)
 

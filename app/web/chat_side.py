@@ -3,7 +3,8 @@ the run trains. It is the Chat tab's chat, smaller: the same handler (`chat._res
 the shared session's streaming chat), the same header (`chat.header`), which the page's live
 feed keeps current ("running, step N"; feed.py: nothing else is polled for it), and, for
 the embedded default, the note on its early answers with the answers it should come to give
-(app.embedded). Settings, comparing and Teach stay in the Chat tab."""
+(app.embedded), and the A/B fold ("Which answer is better?", app.web.chat_prefer: B is another
+sample, the chosen pair recorded in this chat). Settings, comparing and Teach stay in the Chat tab."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from app.embedded import early_note
-from app.web import chat
+from app.web import chat, chat_prefer
 from app.web.backend import Backend
 from app.web.widgets import CHAT_CLASS
 
@@ -43,6 +44,9 @@ def build(backend: Backend, run_state: gr.State) -> SidePanel:
             send = gr.Button("Send", variant="primary", scale=1, min_width=70, elem_id="side-chat-send")
         sample = gr.Checkbox(False, label="Sample (temperature 1) instead of the most likely answer",
                              elem_id="side-chat-sample")
+        # the side chat's own settings for its A/B (samples at temperature 1 whatever these say)
+        fixed = [gr.Number(value, visible=False) for value in (MAX_NEW_TOKENS, 1.0, 1.0, 0, 1.0)]
+        chat_prefer.build(backend, run_state, None, fixed, live, prefix="side-prefer")
     view = chat.ChatView(message, live, None, header, note_default=False)
 
     def respond(text: str, history: list, path: str | None, sampled: bool):
