@@ -91,7 +91,7 @@ def test_branch_rewind_snapshot_data_and_teach_from_the_web_handlers(tmp_path):
         out = web_chat.teach_answer(backend, path, "capital: zorb", "qux", taught, wanted)
         assert out[taught].startswith("**Taught t1** at step") and out[wanted] == ""
         inbox = web_data.show(backend, panel, path)
-        assert list(inbox[panel.inbox]["wanted answer"]) == ["qux"] and inbox[panel.entry]["value"] == "t1"
+        assert list(inbox[panel.inbox]["answer (chosen)"]) == ["qux"] and inbox[panel.entry]["value"] == "t1"
         forgot = web_data.do_forget(backend, panel, path, "t1")
         assert list(forgot[panel.inbox]["removed"]) == ["yes"] and forgot[panel.entry]["choices"] == []
 
