@@ -26,10 +26,11 @@ import os
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from app.chat_updates import ChatUpdate, chat_updates
+from app.stops import BackgroundStops
 from contract.config.schema import RunConfig
 from contract.preflight import PreflightReport, fingerprint, preflight
 from contract.protocol.base import Command, ProtocolError
@@ -52,19 +53,6 @@ class SessionError(RuntimeError):
     def __init__(self, message: str, problems: list[tuple[str, str]] | None = None):
         super().__init__(message)
         self.problems = list(problems or [])
-
-
-@dataclass(frozen=True)
-class ChatUpdate:
-    """A streamed answer so far; `step` is set once it is complete (the step it came from)."""
-    text: str
-    base: str | None
-    step: int | None
-    note: str | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.step is not None
 
 
 def allowed(state: str | None, role: Role = Role.OPERATOR) -> frozenset[str]:
@@ -90,8 +78,7 @@ class Session:
         self._managers: dict[Path, RunManager] = {}
         self._clients: dict[str, RunClient] = {}
         self._infos: dict[str, tuple[float, RunInfo]] = {}
-        self._stops: dict[str, threading.Thread] = {}
-        self._stop_errors: dict[str, str] = {}
+        self._stops = BackgroundStops()
         self._current: str | None = None
         # which run key the clients use (None: the operator's when readable, else the viewer's;
         # RunClient), the role of whoever is asking now, and what they hold ("key", "login")
@@ -330,21 +317,13 @@ class Session:
         info = self.info(path, fresh=True)
         if not info.alive:
             raise SessionError(f"run {info.name} is {info.state}; there is nothing to stop")
-        with self._lock:
-            earlier = self._stops.get(path)
-            again = earlier is not None and earlier.is_alive()
-            running = earlier if earlier is not None and again else threading.Thread(
-                target=self._stop, args=(path, save, timeout), daemon=True, name=f"stop-{info.name}")
-            if not again:
-                self._stops[path] = running
-                running.start()
+        running, again = self._stops.begin(path, info.name, lambda: self._stop(path, save, timeout))
         if again:
             handle = self.handle(path)
             stopping.end_group(handle.pid, handle.folder.root, grace_s=5.0)
         if wait:
             running.join()
-            with self._lock:
-                error = self._stop_errors.pop(path, None)
+            error = self._stops.error(path, take=True)
             if error:
                 raise SessionError(error)
             return self._settled(path)
@@ -362,18 +341,14 @@ class Session:
 
     def _stop(self, path: str, save: bool, timeout: float) -> None:
         folder = Path(path)
-        try:
+        try:  # a failure is kept by self._stops for the page
             self.manager(folder.parent).stop(folder.name, save=save, timeout=timeout)
-        except Exception as e:  # noqa: BLE001 - kept for the page, which shows it
-            with self._lock:
-                self._stop_errors[path] = f"stopping {folder.name} failed: {e}"
         finally:
             self.forget_client(path)
 
     def stop_error(self, path: str) -> str | None:
         """Why the last stop of the run failed, if it did."""
-        with self._lock:
-            return self._stop_errors.get(path)
+        return self._stops.error(path)
 
     # -- chat -----------------------------------------------------------------------------------
     def stream(self, ref: str | Path | None, command: Command, connect_timeout: float = 60.0,
@@ -408,17 +383,3 @@ class Session:
         except (RunGone, OSError) as e:
             self.forget_client(path)
             raise SessionError(f"the run is not reachable ({e})") from None
-
-
-def chat_updates(generation: Generation, compare_base: bool = False) -> Iterator[ChatUpdate]:
-    """A streamed answer as the text so far, chunk by chunk; the last update is `done` and
-    carries the step the answer came from."""
-    text, base = "", ""
-    for chunk in generation:
-        if chunk.model == "base":
-            base += chunk
-        else:
-            text += chunk
-        yield ChatUpdate(text, base if compare_base else None, None)
-    answer = generation.wait()  # contract.protocol.answers.GenerateAnswer
-    yield ChatUpdate(answer.text, answer.base if compare_base else None, answer.step, answer.note)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import ipywidgets as widgets
 
 from app.notebook.api import Run
-from app.session import ChatUpdate, chat_updates
+from app.chat_updates import ChatUpdate, chat_updates
 
 
 class ChatBox:
