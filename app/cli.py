@@ -33,7 +33,7 @@ from app.cli_command import command
 from app.cli_submit import submit
 from app.cli_live import Value, eval_values, live_progress, plain, train_values
 from app.cli_preview import preview
-from app.cli_summary import end_summary
+from app.cli_summary import end_summary, since_last_start
 from app.cli_text import console, say, show_preflight
 from contract.args import resolve_args
 from contract.config.schema import ConfigError, RunConfig, SHORTCUTS
@@ -256,9 +256,7 @@ def _current_run_events(tail: EventTail) -> Callable[[], Iterator[dict]]:
         batch = tail.poll()
         if first:
             first = False
-            starts = [i for i, e in enumerate(batch)
-                      if e.get("type") == EventType.STATE and e.get("state") == RunState.STARTING]
-            batch = batch[starts[-1]:] if starts else batch
+            batch = since_last_start(batch)
         return iter(batch)
     return poll
 

@@ -20,11 +20,10 @@ from app.web import chat, chat_prefer, chat_side
 from app.web import data as web_data
 from app.web.backend import Backend
 from app.web.widgets import TABLE_CLASS
-from contract.config.load import config_from_dict
 from contract.inbox import add_entry, inbox_path
 from contract.protocol.answers import TeachAnswer
 from contract.protocol.roles import Role
-from contract.run_folder import EventLog, RunFolder
+from test_web_split_chat import _run  # a run folder with a config and an event log
 
 SETTINGS = (64, 1.0, 1.0, 0, 1.0)  # the chat's max_new, temperature, top_p, top_k, repetition
 
@@ -33,16 +32,6 @@ def _view() -> chat_prefer.PairView:
     with gr.Blocks():
         return chat_prefer.PairView(gr.Textbox(), gr.Textbox(), gr.Textbox(), gr.Markdown(), gr.State(),
                                     gr.Button(), gr.Button(), gr.Chatbot())
-
-
-def _run(root, name: str, config: dict, events: list[dict]) -> RunFolder:
-    folder = RunFolder(root / name).create()
-    folder.config.write_text(config_from_dict(config).to_yaml())
-    log = EventLog(folder.events)
-    for e in events:
-        log.emit(dict(e))
-    log.close()
-    return folder
 
 
 def test_the_choice_needs_two_different_answers_and_fits_the_pair(tmp_path):
