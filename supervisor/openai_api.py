@@ -285,7 +285,7 @@ async def _answer(runs: Runs, request: Request, body: ChatRequest | CompletionRe
             await _first(answers, whole=True)
         finally:
             slot.release()
-        return JSONResponse(made.response(answers.result or {}))
+        return JSONResponse(made.response(answers.answer()))
     return StreamingResponse(_released(made.stream(answers, first, command, body.include_usage), slot),
                              media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 

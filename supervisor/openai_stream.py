@@ -16,7 +16,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from contract.protocol.answers import CompleteAnswer
 from contract.protocol.completion_commands import Complete
+from supervisor.client import CommandError, parsed
 
 
 class RunFailed(RuntimeError):
@@ -26,14 +28,16 @@ class RunFailed(RuntimeError):
 class LoopAnswers:
     """The messages answering one request, put by the run client's reader thread
     (RunClient.submit) and read on the event loop: iterate for the streamed texts; afterwards
-    `result` holds the run's reply. Raises RunFailed, or TimeoutError when no message comes for
-    `timeout` seconds."""
+    `result` holds the run's reply, parsed into its answer model (CompleteAnswer, as the client
+    parses every answer). Raises RunFailed, or TimeoutError when no message comes for `timeout`
+    seconds."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float):
         self._loop, self._timeout = loop, timeout
         self._queue: asyncio.Queue[dict] = asyncio.Queue()
-        self.result: dict | None = None
-        self.answered_by: dict = {}  # {step, seed} of the weights and sample, from the first piece on
+        self.result: CompleteAnswer | None = None
+        self.answered_by: tuple[int | None, int | None] = (None, None)  # (step, seed) of the weights
+        # and sample, from the first piece on
 
     def put(self, message: dict) -> None:
         """From any thread: hand `message` to the loop (gone with its server: nobody waits)."""
@@ -51,13 +55,22 @@ class LoopAnswers:
             kind = message.get("type")
             if kind == "token":
                 if "step" in message:
-                    self.answered_by = {"step": message["step"], "seed": message.get("seed")}
+                    self.answered_by = (message["step"], message.get("seed"))
                 yield str(message["text"])
             elif kind == "done":
-                self.result = message["result"]
-                self.answered_by = {"step": self.result.get("step"), "seed": self.result.get("seed")}
+                try:
+                    self.result = parsed(CompleteAnswer, message["result"])
+                except CommandError as e:  # a run of another version
+                    raise RunFailed(str(e)) from None
+                self.answered_by = (self.result.step, self.result.seed)
             elif kind == "error":
                 raise RunFailed(str(message.get("message")))
+
+    def answer(self) -> CompleteAnswer:
+        """The run's answer, once `texts()` has ended."""
+        if self.result is None:
+            raise RunFailed("the run has not answered yet")
+        return self.result
 
     async def first(self) -> list[str]:
         """The first streamed text (none when the answer came whole), so that a refusal is answered
@@ -128,12 +141,12 @@ class Made:
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
         return head if fingerprint is None else {**head, "system_fingerprint": fingerprint}
 
-    def response(self, result: dict) -> dict:
-        choices = [self._choice(c) for c in result.get("choices", [])]
-        usage = result.get("usage", {})
-        usage = {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)}
+    def response(self, result: CompleteAnswer) -> dict:
+        choices = [self._choice(c) for c in result.choices]
+        usage = {**result.usage, "total_tokens": result.usage.get("prompt_tokens", 0)
+                 + result.usage.get("completion_tokens", 0)}
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(kind, _fingerprint(result)), "choices": choices, "usage": usage}
+        return {**self._head(kind, _fingerprint(result.step, result.seed)), "choices": choices, "usage": usage}
 
     def _choice(self, c: dict) -> dict:
         if self.chat:
@@ -153,7 +166,7 @@ class Made:
         piece, which has come before the stream starts)."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         stops, sent = StopFilter(command.stop), ""
-        head = self._head(kind, _fingerprint(answers.answered_by))
+        head = self._head(kind, _fingerprint(*answers.answered_by))
         if self.chat:
             yield sse({**head, "choices": [chat_chunk(0, {"role": "assistant", "content": ""})]})
         try:
@@ -171,8 +184,8 @@ class Made:
             yield sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": None}})
             yield sse("[DONE]")
             return
-        result = answers.result or {}
-        head = self._head(kind, _fingerprint(result))
+        result = answers.answer()
+        head = self._head(kind, _fingerprint(result.step, result.seed))
         for c in self.response(result)["choices"]:
             whole = c["message"]["content"] if self.chat else c["text"]
             rest = whole[len(sent):] if c["index"] == 0 and whole.startswith(sent) else whole
@@ -191,9 +204,9 @@ class Made:
         return {"index": index, "text": text or "", "logprobs": None, "finish_reason": None}
 
 
-def _fingerprint(result: dict) -> str | None:
+def _fingerprint(step: int | None, seed: int | None) -> str | None:
     """Which weights answered: the training step (and the seed a sample can be repeated with);
     None before the run has named them."""
-    if result.get("step") is None:
+    if step is None:
         return None
-    return f"step-{result.get('step')}-seed-{result.get('seed')}"
+    return f"step-{step}-seed-{seed}"

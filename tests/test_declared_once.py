@@ -97,13 +97,8 @@ def _is_text(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, str)
 
 
-# the OpenAI-compatible API's stream reads the raw `done` message its own sink receives
-# (supervisor.openai_stream.LoopAnswers); it is to parse it into CompleteAnswer as the client does
-NOT_YET = ("supervisor/openai_stream.py:",)
-
-
 def test_no_answer_read_by_string_key_in_app_or_supervisor():
-    assert [read for read in answers_read_by_key() if not read.startswith(NOT_YET)] == []
+    assert answers_read_by_key() == []
 
 
 def test_the_check_finds_an_answer_read_by_key():
