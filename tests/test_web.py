@@ -1,6 +1,7 @@
 """The web app served by its real entry point (`python -m app`) on a free loopback port, with real
 runs of the embedded default behind it: driven by a real browser (Debian's Chromium through
-playwright) and by `gradio_client` against the documented endpoints."""
+playwright) and by `gradio_client` against the documented endpoints. The app, the browser and
+the page helpers: tests/web_page.py."""
 
 from __future__ import annotations
 
@@ -8,84 +9,20 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from supervisor.procs import group_alive
+from web_page import (SLOW, app, ask, browser, chat_header_step, loss_points, open_section,  # noqa: F401
+                      open_tab, set_number, state, step, wait_until)  # (app, browser: the module's fixtures)
 
 pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
 
-REPO = Path(__file__).resolve().parent.parent
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 # long enough to be stopped by the test, never to finish by itself; no evaluation in the way
 RUN_STEPS = 100_000  # on any CPU, however fast
-SLOW = 240_000  # ms: this machine is shared, a run's start can take minutes under load
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def end_runs(runs: Path) -> None:
-    """Leave nothing behind: end the process group of every run the app started."""
-    for pid_file in runs.glob("*/launcher.pid"):
-        pgid = int(pid_file.read_text())
-        if group_alive(pgid, pid_file.parent):  # still the run's (a pid outlives its group: reuse)
-            os.killpg(pgid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    """The app on a free port; yields (url, runs folder)."""
-    root = tmp_path_factory.mktemp("web")
-    runs, port = root / "runs", free_port()
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", LIVETUNE_HEARTBEAT_S="0.5",
-               PYTHONPATH=str(REPO))
-    log = open(root / "app.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--output-dir", str(runs)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=5)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("the app did not come up:\n" + (root / "app.log").read_text()[-3000:])
-            time.sleep(1)
-    yield url, runs
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-    end_runs(runs)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright = pytest.importorskip("playwright.sync_api")
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (./launch.sh test installs it)")
-    with playwright.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def schedule_factors(cfg: dict, n: int) -> list[float]:
@@ -104,66 +41,6 @@ def schedule_factors(cfg: dict, n: int) -> list[float]:
         opt.step()
         sched.step()
     return factors
-
-
-# -- page helpers ---------------------------------------------------------------------------------
-
-def loss_points(page) -> int:
-    """Points of the longest line drawn in the Train tab's loss plot (the raw loss)."""
-    return page.evaluate("""() => Math.max(0, ...Array.from(
-        document.querySelectorAll('#train-plot-loss svg path')).map(
-        p => ((p.getAttribute('d') || '').match(/[ML]/g) || []).length))""")
-
-
-def state(page) -> str:
-    return page.locator("#run-state").inner_text(timeout=SLOW)
-
-
-def step(page) -> int:
-    return int(re.search(r"step (\d+)", page.locator("#run-step").inner_text()).group(1))
-
-
-def chat_header_step(page) -> int | None:
-    """The step the Chat tab's header says the run is at ("Talking to run X -- running, step N")."""
-    found = re.search(r"running, step (\d+)", page.locator("#chat-about").inner_text())
-    return int(found.group(1)) if found else None
-
-
-def wait_until(predicate, timeout_s: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def set_number(page, elem_id: str, value: str) -> None:
-    box = page.locator(f"#{elem_id} input").first
-    box.fill(value)
-    box.press("Tab")
-
-
-def open_tab(page, name: str) -> None:
-    """A top-level tab (the first tab button of that name: section tabs come later in the page)."""
-    page.get_by_role("tab", name=name, exact=True).first.click()
-
-
-def open_section(page, name: str) -> None:
-    page.locator("#cfg-sections").get_by_role("tab", name=name, exact=True).click()
-
-
-def ask(page, text: str) -> str:
-    """Send a chat message; return the answer once it is tagged with its step."""
-    before = page.locator("#chat-live .bot").count()
-    page.locator("#chat-input textarea").fill(text)
-    page.locator("#chat-send").click()
-    wait_until(lambda: page.locator("#chat-live .bot").count() > before, 60, "the answer bubble")
-    answer = page.locator("#chat-live .bot").last
-    wait_until(lambda: re.search(r"step \d+ · live weights|⚠", answer.inner_text()), SLOW / 1000,
-               "an answer tagged with its step")
-    return answer.inner_text()
 
 
 # -- the browser --------------------------------------------------------------------------------

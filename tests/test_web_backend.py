@@ -12,7 +12,7 @@ from app.form import config_from_text
 from app.session import SessionError
 from app.web.backend import Backend
 from contract.run_folder import read_events
-from test_web import end_runs
+from web_page import end_runs
 
 QUIET = "eval: {every_n_steps: 0, at_end: false}\nlogging: {tensorboard: false}\n"
 

@@ -18,7 +18,7 @@ from contract.presets import DEFAULT
 from contract.protocol.states import RunState
 from contract.run_folder import EventLog, RunFolder
 import pytest
-from test_web import SLOW, app, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
+from web_page import SLOW, app, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
 
 pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
 

@@ -21,7 +21,7 @@ from app.web import data as web_data
 from app.web.backend import Backend
 from app.web.plots import live_plot
 from contract.protocol.commands import Pause, Resume, Save
-from test_web import end_runs
+from web_page import end_runs
 from test_web_backend import QUIET, wait_state, wait_step
 
 

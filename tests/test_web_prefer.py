@@ -29,7 +29,8 @@ from contract.config.load import load_config
 from contract.protocol.data_commands import Inbox, Teach
 from contract.protocol.commands import Pause, Resume
 from engine.data import default_task
-from test_web import SLOW, browser, free_port, open_tab, set_number, state, wait_until  # noqa: F401 - browser: the fixture
+from dist_utils import free_port
+from web_page import SLOW, browser, open_tab, set_number, state, wait_until  # noqa: F401 - browser: the fixture
 
 SETTINGS = (8, 0.0, 1.0, 0, 1.0)  # max_new, temperature (greedy: the samples are warmed), top_p, top_k, repetition
 

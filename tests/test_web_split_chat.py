@@ -17,7 +17,7 @@ import pytest
 from contract.config.load import config_from_dict
 from contract.presets import DEFAULT
 from contract.run_folder import EventLog, RunFolder
-from test_web import SLOW, app, ask, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
+from web_page import SLOW, app, ask, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
 
 # long enough never to end by itself while the test looks; the app fixture ends both runs
 RUN = {"train": {"max_steps": 5000, "micro_batch_size": 8}, "eval": {"every_n_steps": 0},
