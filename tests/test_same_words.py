@@ -37,7 +37,7 @@ def _words(lr: float = -1) -> str:
 
 def test_a_bad_learning_rate_gets_the_same_words_everywhere(tmp_path, capsys):
     words = _words()
-    assert words == "set: argument 'lr' must be >= 0.0 and <= 10.0, got -1"
+    assert words == "set: argument 'lr': must be at least 0.0 and at most 10.0, got -1"
     folder = RunFolder(tmp_path / "runs" / "r").create()
 
     with pytest.raises(CommandError) as client:  # Python
@@ -74,7 +74,7 @@ def _endpoints(tmp_path) -> tuple[Backend, dict]:
 
 def test_a_bad_source_weight_gets_the_same_words_everywhere(tmp_path, capsys):
     folder = RunFolder(tmp_path / "runs" / "r").create()
-    words = "add_source: argument 'weight' must be >= 0.0 and <= 1000000000.0, got -2"
+    words = "add_source: argument 'weight': must be at least 0.0 and at most 1000000000.0, got -2"
     with pytest.raises(CommandError) as client:
         RunClient(folder.root).add_source("x.jsonl", weight=-2)
     with pytest.raises(SessionError) as notebook:
@@ -137,3 +137,18 @@ def test_the_notebook_and_the_web_call_the_clients_verbs():
         assert issubclass(front, Verbs)
     own = {name for name in shared if name in vars(Run) or name in vars(SessionVerbs)}
     assert own == {"send", "stream", "inbox"}
+
+
+def test_the_notebook_and_the_web_api_build_no_command_of_their_own():
+    """Their commands are built by the verbs alone: they import no command class but Set (whose
+    fields /set takes) and Stop (whose default `save` they show)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for module in ("app/notebook/api.py", "app/web/api.py"):
+        tree = ast.parse((root / module).read_text())
+        commands = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and (node.module or "").startswith("contract.protocol.") and node.module.endswith("commands")
+                    for alias in node.names}
+        assert commands <= {"Set", "Stop"}, (module, commands)
