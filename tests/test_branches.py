@@ -37,7 +37,7 @@ def test_commands_validate_and_round_trip():
         Branch(target="4", branch="a/b")
     with pytest.raises(ProtocolError, match="rewind: argument 'target' must name"):
         Rewind(target=" ")
-    with pytest.raises(ProtocolError, match="'lr' must be >= 0.0"):
+    with pytest.raises(ProtocolError, match="'lr' must be at least 0.0"):
         Branch(target="4", branch="x", lr=-1.0)
     with pytest.raises(ProtocolError, match="unknown argument 'name'"):
         command_from_wire("snapshot", {"name": "x"})
@@ -151,5 +151,5 @@ def test_client_and_notebook_refuse_bad_arguments_before_sending(tmp_path):
     run = Run(folder.root, Session(tmp_path))
     with pytest.raises(SessionError, match="snapshot: snapshot name '../x' is not allowed"):
         run.snapshot("../x")
-    with pytest.raises(SessionError, match="branch: argument 'lr_scale' must be > 0.0"):
+    with pytest.raises(SessionError, match="branch: argument 'lr_scale' must be above 0.0"):
         run.branch(4, "b", lr_scale=0)

@@ -22,8 +22,8 @@ CHANGES = Set(weight_decay=0.25, betas=[0.8, 0.95], eps=1e-6, serving_budget=0.5
 
 def test_the_contract_names_the_field_and_its_rule():
     for args, words in (({"betas": [0.9, 1.0]}, "betas' must be two numbers each in [0, 1)"),
-                        ({"eps": 0}, "'eps' must be > 0.0"), ({"weight_decay": -1}, "'weight_decay' must be >= 0"),
-                        ({"serving_budget": 2}, "'serving_budget' must be >= 0.0 and <= 1.0")):
+                        ({"eps": 0}, "'eps' must be above 0.0"), ({"weight_decay": -1}, "'weight_decay' must be at least 0"),
+                        ({"serving_budget": 2}, "'serving_budget' must be at least 0.0 and at most 1.0")):
         with pytest.raises(ProtocolError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             command_from_wire("set", args)
 

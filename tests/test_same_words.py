@@ -37,7 +37,7 @@ def _words(lr: float = -1) -> str:
 
 def test_a_bad_learning_rate_gets_the_same_words_everywhere(tmp_path, capsys):
     words = _words()
-    assert words == "set: argument 'lr': must be at least 0.0 and at most 10.0, got -1"
+    assert words == "set: argument 'lr' must be at least 0.0 and at most 10.0, got -1"
     folder = RunFolder(tmp_path / "runs" / "r").create()
 
     with pytest.raises(CommandError) as client:  # Python
@@ -74,7 +74,7 @@ def _endpoints(tmp_path) -> tuple[Backend, dict]:
 
 def test_a_bad_source_weight_gets_the_same_words_everywhere(tmp_path, capsys):
     folder = RunFolder(tmp_path / "runs" / "r").create()
-    words = "add_source: argument 'weight': must be at least 0.0 and at most 1000000000.0, got -2"
+    words = "add_source: argument 'weight' must be at least 0.0 and at most 1000000000.0, got -2"
     with pytest.raises(CommandError) as client:
         RunClient(folder.root).add_source("x.jsonl", weight=-2)
     with pytest.raises(SessionError) as notebook:

@@ -154,7 +154,7 @@ def test_guard_config_refuses_what_cannot_work():
     assert "guard.on_spike: rewind and pause act through the control plane" in str(e.value)
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["guard.on_grad_norm=skip"])
-    assert "guard.on_grad_norm: expected one of 'rewind', 'pause'" in str(e.value)
+    assert "guard.on_grad_norm: must be one of 'rewind', 'pause'" in str(e.value)
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["guard.enabled=true", "guard.snapshot_every_n_steps=2", "checkpoint.snapshots_keep=0"])
     assert "guard.snapshot_every_n_steps: snapshots are off" in str(e.value)

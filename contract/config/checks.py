@@ -4,16 +4,18 @@ parallel layout, data sources, the spike guard)."""
 
 from __future__ import annotations
 
-import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from contract import validation_words
 
 from contract.branches import names_branch, resume_problem
 from contract import capabilities
 from contract.capabilities import Feature, Layout, Method
-from contract.config.schema import EVALUATORS, FUSED_METHODS, DataConfig, RunConfig, Section
+from contract.config.schema import EVALUATORS, FUSED_METHODS, DataConfig, RunConfig
 from contract.hub import is_hub_id
 
 
@@ -246,7 +248,7 @@ def build(raw: Any) -> tuple[RunConfig, list[tuple[str, str]]]:
         try:
             return RunConfig.model_validate(raw), problems
         except ValidationError as e:
-            found = [_in_words(err, raw) for err in e.errors()]
+            found = [_in_words(err) for err in e.errors()]
             problems += [p for p in found if p not in problems]
             for err in e.errors():
                 _drop(raw, err["loc"])
@@ -259,7 +261,7 @@ def schema_problems(c: RunConfig) -> list[tuple[str, str]]:
     try:
         RunConfig.model_validate(raw)
     except ValidationError as e:
-        return [_in_words(err, raw) for err in e.errors()]
+        return [_in_words(err) for err in e.errors()]
     return []
 
 
@@ -276,56 +278,10 @@ def _drop(raw: dict, loc: tuple) -> None:
         node.pop(loc[-1], None)
 
 
-def _in_words(err: Any, raw: dict) -> tuple[str, str]:
-    """A pydantic error as (dotted field, message), as this project has always worded them."""
-    loc = list(err["loc"])
-    field_path = [str(x) for x in loc if isinstance(x, str)]
-    key = ".".join(field_path[:2]) if len(field_path) >= 2 else (field_path[0] if field_path else "config")
-    kind, given = err["type"], err.get("input")
-    model, name = _owner(field_path[:2])
-    if kind == "extra_forbidden":
-        known = list(model.model_fields) if model is not None else []
-        close = [k for k in known if k.startswith(str(loc[-1])[:3])]
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; allowed: {', '.join(known)}"
-        return key, f"unknown key{hint}"
-    if kind == "finite_number":
-        return key, f"got {given}, which is not a number (nan and inf are refused)"
-    if kind == "bool_for_number":
-        return key, f"expected {_type_name(model.model_fields[name].annotation) if model else 'a number'}, got {given!r} (true / false is not a number)"
-    if kind == "greater_than_equal":
-        return key, f"must be at least {err['ctx']['ge']}, got {given}"
-    if kind == "less_than_equal":
-        return key, f"must be at most {err['ctx']['le']}, got {given}"
-    annotation = model.model_fields[name].annotation if model is not None and name in model.model_fields else None
-    if len(field_path) == 1 and isinstance(annotation, type) and issubclass(annotation, Section):
-        return key, f"expected a mapping, got {given!r}"
-    given = _value_at(raw, field_path[:2]) if any(isinstance(x, int) for x in loc) else given
-    return key, f"expected {_type_name(annotation)}, got {given!r}"  # a list: the whole list named
-
-
-def _owner(path: list[str]) -> tuple[type[BaseModel] | None, str]:
-    """The model that declares the field at `path` ([section, field] or [field]), and its name."""
-    if not path:
-        return None, ""
-    if len(path) == 1:
-        return RunConfig, path[0]
-    section = RunConfig.model_fields.get(path[0])
-    owner = section.annotation if section is not None else None
-    return (owner if isinstance(owner, type) and issubclass(owner, BaseModel) else None), path[1]
-
-
-def _value_at(raw: dict, path: list[str]) -> Any:
-    node: Any = raw
-    for part in path:
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-            dict: "a mapping"}.get(tp, str(tp))
+def _in_words(err: ErrorDetails) -> tuple[str, str]:
+    """A pydantic error as (config key, message): the one translator (contract.validation_words);
+    the key is the section and field (`optim.lr`; an item of a list is its field's)."""
+    found = validation_words.problem(err, RunConfig)
+    field = found.name.replace("[", ".").split(".")[0]
+    key = ".".join([*found.within, field] if field else found.within) or "config"
+    return key, f"unknown key; {found.words}" if found.kind == "unknown" else found.words

@@ -4,11 +4,12 @@ with a human label. A field added to contract.config.schema shows up in every fo
 from __future__ import annotations
 
 import typing
-from typing import Any, Literal
+from typing import Any
 
 from pydantic.fields import FieldInfo
 
 from contract.config.schema import RunConfig, Section
+from contract.validation_words import choices
 
 
 def schema() -> list[dict]:
@@ -29,13 +30,14 @@ def schema() -> list[dict]:
 def _entry(key: str, group: str, f: FieldInfo) -> dict:
     tp: Any = f.annotation
     origin = typing.get_origin(tp)
-    kind = ("choice" if origin is Literal else "list" if origin is list else
+    allowed = choices(tp)  # a Literal's or an Enum's values (method.name: contract.capabilities.Method)
+    kind = ("choice" if allowed is not None else "list" if origin is list else
             {bool: "bool", int: "int", float: "float", str: "str", dict: "dict"}.get(tp, "str"))
     extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
     bounds = {type(m).__name__: m for m in f.metadata}
     return {"key": key, "group": group, "kind": kind, "default": f.get_default(call_default_factory=True),
             "label": extra.get("label") or field_label(key), "help": f.description or "",
-            "choices": list(typing.get_args(tp)) if origin is Literal else None,
+            "choices": allowed,
             "minimum": getattr(bounds.get("Ge"), "ge", None), "maximum": getattr(bounds.get("Le"), "le", None)}
 
 

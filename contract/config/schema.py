@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from contract.capabilities import Method
+
 
 def _f(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
        **meta: Any) -> Any:
@@ -47,8 +49,9 @@ class Section(BaseModel):
         return value
 
 
-FUSED_METHODS = ("lomo", "adalomo")  # the update happens inside backward
-PEFT_METHODS = ("lora", "prompt_tuning", "p_tuning")
+# the methods are contract.capabilities.Method (declared once, there)
+FUSED_METHODS = tuple(m.value for m in Method if m.fused)  # the update happens inside backward
+PEFT_METHODS = tuple(m.value for m in Method if m.peft)
 # eval.evaluators values (engine.evaluation.evaluators builds them; kept here so that validation stays torch-free)
 EVALUATORS = ("perplexity", "choice", "exact_match", "generation")
 
@@ -118,7 +121,10 @@ class TeachConfig(Section):
 
 
 class MethodConfig(Section):
-    name: Literal["full", "lora", "prompt_tuning", "p_tuning", "lomo", "adalomo"] = _f(
+    # the name is kept as its text ("lora"), so the config reads, prints and saves as written
+    model_config = ConfigDict(use_enum_values=True)
+
+    name: Method = _f(
         "full", "Fine-tuning method: all parameters with an optimizer, a PEFT adapter, or the "
         "fused low-memory LOMO / AdaLomo update.", label="Method")
     lora_r: int = _f(8, "LoRA rank.", minimum=1)

@@ -7,14 +7,13 @@ branch_commands, data_commands and completion_commands."""
 
 from __future__ import annotations
 
-import math
-import typing
 from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from contract.protocol.answers import Answer
+from contract.validation_words import Problem, problems
 from contract.protocol.roles import Role
 
 _ROLES = ("system", "user", "assistant")
@@ -85,62 +84,20 @@ def _label_of(model: type[Arguments]) -> str:
 
 
 # -- pydantic's errors in this project's words ---------------------------------------------------
-_EXPECTED = {"bool_type": "true or false", "int_type": "an integer", "float_type": "a number",
-             "string_type": "a string", "list_type": "a list", "dict_type": "an object",
-             "model_type": "an object", "model_attributes_type": "an object"}
-_BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
-
-
 def in_words(errors: list[ErrorDetails], model: type[Arguments]) -> str:
-    """Every problem pydantic found in `model`'s arguments, one a line, each naming the command,
-    the argument and what is allowed."""
-    return "\n".join(dict.fromkeys(_problem(err, model, _label_of(model)) for err in errors))
+    """Every problem pydantic found in `model`'s arguments, one a line, each naming the command
+    (and the nested object: `set generation`), the argument and what is allowed, in the words of
+    the one translator (contract.validation_words) the config uses too."""
+    return "\n".join(dict.fromkeys(_said(found, _label_of(model)) for found in problems(errors, model)))
 
 
-def _problem(err: ErrorDetails, model: type[BaseModel], label: str) -> str:
-    loc, kind, given = list(err["loc"]), err["type"], err.get("input")
-    while loc and isinstance(loc[0], str) and (inner := _nested(model, loc[0])) is not None and \
-            (len(loc) > 1 or kind == "value_error"):  # an argument of a nested object (set generation)
-        label, model, loc = f"{label} {loc[0]}", inner, loc[1:]
-    name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    field = model.model_fields.get(loc[0]) if loc and isinstance(loc[0], str) else None
-    if kind == "value_error":  # a rule of ours (a validator's ValueError): its own words
-        return f"{label}: {err.get('ctx', {}).get('error', err['msg'])}"
-    if kind == "extra_forbidden":
-        return f"{label}: unknown argument {name!r}; allowed: {', '.join(model.model_fields) or 'none'}"
-    if kind == "missing":
-        return f"{label}: argument {name!r} is required: {field.description if field else ''}"
-    if kind == "null_given":
-        return f"{label}: argument {name!r} has the wrong type (NoneType); {err['msg']}"
-    big = kind == "float_type" and isinstance(given, int) and not isinstance(given, bool)
-    if field is not None and (kind in _BOUNDS or big):  # a 400-digit integer: no float holds it
-        return f"{label}: argument {name!r} must be {_bounds(field.metadata)}, got {_shown(given)}"
-    if kind == "literal_error":
-        return f"{label}: argument {name!r} must be one of {err.get('ctx', {}).get('expected')}, got {given!r}"
-    expected = _EXPECTED.get(kind, err["msg"].lower())
-    return f"{label}: argument {name!r} has the wrong type ({type(given).__name__}); expected {expected}"
-
-
-def _nested(model: type[BaseModel], name: str) -> type[BaseModel] | None:
-    """The model an argument holds (`Set.generation`), if it holds one."""
-    field = model.model_fields.get(name)
-    annotation = field.annotation if field is not None else None
-    for kind in typing.get_args(annotation) or (annotation,):
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
-            return kind
-    return None
-
-
-def _bounds(metadata: list[Any]) -> str:
-    """A field's bounds in words (`> 0.0 and <= 1.0`), from its `gt` / `ge` / `le` (annotated_types)."""
-    signs = {"gt": ">", "ge": ">=", "le": "<="}
-    return " and ".join(f"{sign} {getattr(m, key)}" for key, sign in signs.items() for m in metadata if hasattr(m, key))
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, int) and abs(value) >= 10**18:
-        return f"a {int(math.log10(abs(value))) + 1}-digit number"
-    return str(value)
+def _said(found: Problem, label: str) -> str:
+    label = " ".join([label, *found.within])
+    if found.kind == "unknown":
+        return f"{label}: unknown argument {found.name!r}; {found.words}"
+    if found.kind == "rule" or not found.name:  # a rule of ours: its own words
+        return f"{label}: {found.words}"
+    return f"{label}: argument {found.name!r} {found.words}"
 
 
 # -- the commands ------------------------------------------------------------------------------
