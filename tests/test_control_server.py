@@ -87,7 +87,7 @@ def test_bad_messages_are_refused_and_change_nothing(served):
         json.dumps({**good, "token": "wrong"}).encode() + b"\n": "token",
         json.dumps({k: v for k, v in good.items() if k != "token"}).encode() + b"\n": "token",
         json.dumps({**good, "cmd": "rm -rf"}).encode() + b"\n": "unknown command",
-        json.dumps({**good, "cmd": "stop", "args": {"save": "yes"}}).encode() + b"\n": "wrong type",
+        json.dumps({**good, "cmd": "stop", "args": {"save": "yes"}}).encode() + b"\n": "must be true or false",
         json.dumps({**good, "cmd": "set", "args": {"lr": -1}}).encode() + b"\n": "must be",
         json.dumps({**good, "cmd": "set", "args": {"momentum": 1}}).encode() + b"\n": "unknown argument",
         json.dumps({**good, "cmd": "generate", "args": {}}).encode() + b"\n": "exactly one",
