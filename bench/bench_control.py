@@ -90,7 +90,7 @@ def live_run(tmp: Path, task: dict, zero: int, steps: int, chats: int) -> dict:
     client = RunClient.connect(run.folder.root, timeout=300)  # connected, then idle
     client.status()
     reach_step(run, steps)
-    boundary = client.status()["boundary"]  # rank 0's own clock of the idle exchanges
+    boundary = client.status().boundary  # rank 0's own clock of the idle exchanges
     tps = throughput(run, WINDOW_SKIP, steps)
     step_s = step_time(run, WINDOW_SKIP, steps)
     mid = []

@@ -68,7 +68,7 @@ def cpu_s(proc: psutil.Process) -> float:
 
 def server_cpu_s(client: RunClient) -> float:
     """CPU seconds rank 0's control-server thread has used (its own account, in status)."""
-    return client.status()["control"]["cpu_s"]
+    return client.status().control["cpu_s"]
 
 
 def stuck_viewer(address: dict) -> socket.socket:
@@ -134,7 +134,7 @@ def main() -> None:
                     stuck.append(steps_s)
                     cpu_stuck.append(per_step[0])
                     srv_stuck.append(per_step[1])
-                    buffered.append(client.status()["control"]["buffered_bytes"])
+                    buffered.append(client.status().control["buffered_bytes"])
                 else:
                     clean.append(steps_s)
                     cpu_clean.append(per_step[0])
@@ -148,7 +148,7 @@ def main() -> None:
             with RunClient.connect(run.folder.root, timeout=60) as one:
                 one.status()
         clients_s = time.perf_counter() - started
-        while client.status()["control"]["connections"] > 1:
+        while client.status().control["connections"] > 1:
             time.sleep(0.1)
         threads1, rss1 = rank0.num_threads(), rank0.memory_info().rss
 

@@ -87,7 +87,7 @@ def feed_inbox(run, steps: int, sent: list[tuple[float, str]]) -> None:
                 answer = client.teach(f"capital: zo{word}rb\n", f"q{word}x")
             except Exception:  # noqa: BLE001 - the run ended in between
                 return
-            sent.append((started, answer["id"]))
+            sent.append((started, answer.id))
         time.sleep(0.05)
 
 

@@ -132,7 +132,7 @@ def served_run(tmp: Path, task: dict, window: int, pairs: int, clients: int = 1,
     streams, spans = 0, []
     for i in range(2 * pairs):
         served = i % 4 in (1, 2)
-        first = int(client.status()["step"])
+        first = int(client.status().step)
         if served:
             started = time.time()
             streams += streaming_window(run, through_api, first + window, clients)
@@ -142,9 +142,9 @@ def served_run(tmp: Path, task: dict, window: int, pairs: int, clients: int = 1,
         tokens, seconds = _totals(run, first, first + window)
         sums[served][0] += tokens
         sums[served][1] += seconds
-    serving = client.status()["serving"]
+    serving = client.status().serving
     worst = max(worst_window_share(run, start, end) for start, end in spans)
-    first = int(client.status()["step"])
+    first = int(client.status().step)
     client_streams = streaming_window(run, through_client, first + window)
     client_tps = throughput(run, first, first + window)
     client.pause()

@@ -64,7 +64,7 @@ def feed(run, steps: int, sent: list[tuple[float, str]]) -> None:
                 answer = client.prefer(f"capital: zo{n}rb\n", chosen=f"q{n}x", rejected=f"zo{n}rb")
             except Exception:  # noqa: BLE001 - the run ended in between
                 return
-            sent.append((started, answer["id"]))
+            sent.append((started, answer.id))
         time.sleep(0.05)
 
 

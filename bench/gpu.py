@@ -227,7 +227,7 @@ def one_chat(a, client) -> tuple[float, float, int]:
         first = first or time.perf_counter()
     end = time.perf_counter()
     first = first or end
-    return first - sent, end - first, len(gen.result["text"].split())
+    return first - sent, end - first, len(gen.result.text.split())
 
 
 def chat_row(case: str, chats: list, delay: float | None, step_s: float) -> dict:

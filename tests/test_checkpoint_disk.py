@@ -187,20 +187,20 @@ def test_save_now_on_a_full_disk_is_answered_and_training_goes_on(tmp_path):
                     client.save()
                 assert "written before the disk filled" in str(full.value) and str(ckpts) in str(full.value)
                 assert [p.name for p in ckpts.iterdir()] == ["filler"]  # the partial folder is gone
-                step = client.status()["step"]
+                step = client.status().step
                 wait_for_step(run, step + 3)           # training goes on
                 filler.unlink()
                 first = client.save()                  # room again: it succeeds
-                size = space.manifest_bytes(reading.complete_marker(first["checkpoint"]))
+                size = space.manifest_bytes(reading.complete_marker(first.checkpoint))
                 filler = fill(ckpts, leave=size // 2)
                 with pytest.raises(CommandError, match="so the save was not started") as foreseen:
                     client.save()
                 assert f"needs about {space.mb(size)}" in str(foreseen.value)
-                step = client.status()["step"]
+                step = client.status().step
                 wait_for_step(run, step + 3)
                 filler.unlink()
                 second = client.save()
-                assert second["step"] > first["step"]
+                assert second.step > first.step
                 fill(ckpts, leave=size // 2)
                 stopped = client.stop(save=True)       # a stop stops, even when its save fails
                 assert stopped["checkpoint"] is None and not stopped["final_model"]

@@ -99,7 +99,7 @@ def test_a_hundred_clients_leave_no_thread_behind(served):
     baseline = me.num_threads()
     for _ in range(100):
         with RunClient.connect(served.folder.root, timeout=10) as client:
-            assert client.status()["step"] == 7
+            assert client.status().step == 7
     wait_until(lambda: served.server.stats()["connections"] == 0)
     wait_until(lambda: me.num_threads() <= baseline)  # the clients' reader threads end too
     assert served.server.stats()["accepted"] == 100
@@ -139,9 +139,9 @@ def test_idle_connections_close_and_the_client_reconnects(tmp_path):
         sock = s.connect()
         assert "idle for 2 s" in answers(sock)[0]["message"]
         client = RunClient(s.folder.root)
-        assert client.status()["step"] == 7  # connects and asks in one call
+        assert client.status().step == 7  # connects and asks in one call
         wait_until(lambda: s.server.stats()["connections"] == 0)  # closed for idling
-        assert client.status()["step"] == 7  # a fresh connection, transparently
+        assert client.status().step == 7  # a fresh connection, transparently
         client.close()
     finally:
         s.close()
@@ -252,7 +252,7 @@ def test_subscribers_that_never_read_cost_a_bounded_buffer_are_dropped_and_do_no
         sock.sendall(s.line("subscribe", req_id=f"late-{i}", from_line=0))
         more.append(sock)
     client = RunClient.connect(s.folder.root, timeout=10)
-    assert len(client.status()["control"]["dropped"]) == 4
+    assert len(client.status().control["dropped"]) == 4
     wait_until(lambda: s.server.stats()["connections"] == 49)
     started = time.monotonic()
     s.close()
@@ -322,5 +322,5 @@ def test_a_long_backlog_reaches_a_reader_whole_and_in_order(served):
         if event["step"] == 2999:
             break
     assert lines == list(range(3000))
-    assert client.status()["control"]["dropped"] == []
+    assert client.status().control["dropped"] == []
     client.close()

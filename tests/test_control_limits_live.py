@@ -70,11 +70,11 @@ def test_live_run_under_hostile_clients(tmp_path, task):
     threads_before = rank0.num_threads()
     for _ in range(100):
         with RunClient.connect(run.folder.root, timeout=60) as one:
-            assert one.status()["state"] == "running"
+            assert one.status().state == "running"
     deadline = time.monotonic() + 60
-    while client.status()["control"]["connections"] > 1 and time.monotonic() < deadline:
+    while client.status().control["connections"] > 1 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert client.status()["control"]["connections"] == 1
+    assert client.status().control["connections"] == 1
     # (+2: room for a thread torch may start late; a thread per client would be +100)
     assert rank0.num_threads() <= threads_before + 2, (threads_before, rank0.num_threads())
 
@@ -93,9 +93,9 @@ def test_live_run_under_hostile_clients(tmp_path, task):
     step = wait_for_step(run, 3)
     wait_for_step(run, step + 5)
     deadline = time.monotonic() + 60
-    while client.status()["control"]["connections"] < 5 and time.monotonic() < deadline:
+    while client.status().control["connections"] < 5 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert client.status()["control"]["connections"] == 5  # the viewers are still connected
+    assert client.status().control["connections"] == 5  # the viewers are still connected
     stopped = client.stop(save=False)
     # the stuck viewers hold nothing up: the server closes and the run exits (a hang would run
     # into wait_exit's timeout; how fast is bench/bench_control_limits.py's business)

@@ -58,11 +58,11 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
     with pytest.raises(CommandError, match="lr"):
         client.set(lr="fast")
     before = wait_for_step(run, 3)
-    assert wait_for_step(run, before + 2) > before and client.status()["state"] == "running"
+    assert wait_for_step(run, before + 2) > before and client.status().state == "running"
 
     changed = client.set(lr=1e-4, grad_clip=0.5, generation={"max_new_tokens": 5})
-    at = changed["step"]
-    assert changed["changes"]["grad_clip"] == 0.5
+    at = changed.step
+    assert changed.changes["grad_clip"] == 0.5
 
     # 50 chats sent at once, each answered with its own reply (the default max_new_tokens just set: 5)
     prompts = [f"reverse: w{i:02d}ab\n" for i in range(50)]
@@ -106,11 +106,11 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
     assert again.folder.root == run.folder.root
     with RunClient.connect(again.folder.root, timeout=CONNECT_S) as client:
         held = client.pause()  # taken before the first resumed step, or soon after
-        settings = client.status()["settings"]
+        settings = client.status().settings
         assert settings["grad_clip"] == 0.5 and settings["generation"]["max_new_tokens"] == 5
         assert len(client.chat("sort: dcba\n")) <= 5
         client.resume()
-        wait_for_step(again, held["step"] + 2)
+        wait_for_step(again, held.step + 2)
         client.stop(save=False)
     assert wait_exit(again) == 0, logs_of(again)
     resumed = [e for e in events(again) if e["type"] == "train" and e["time"] > train[-1]["time"]]

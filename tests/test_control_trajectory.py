@@ -53,7 +53,7 @@ def interrupt(client: RunClient, run) -> dict:
         if pieces:
             break
     paused = client.pause()
-    seen["paused_at"] = paused["step"]
+    seen["paused_at"] = paused.step
     seen["chats"] = [ask(client, seen["sent"], request) for request in CHATS]
     seen["evaluation"] = client.evaluate()
     seen["checkpoint"] = client.save()

@@ -70,7 +70,7 @@ def _openai(served, key: str | None = None):
 @pytest.mark.slow
 def test_the_openai_client_chats_and_completes_while_the_run_trains(served):
     resumed = served.client.resume()
-    wait_for_step(served.run, resumed["step"] + 1)
+    wait_for_step(served.run, resumed.step + 1)
     try:
         _chat_and_complete(served)
     finally:
@@ -116,11 +116,11 @@ def _chat_and_complete(served) -> None:
 def test_unseeded_samples_differ_and_report_the_seed_that_repeats_them(served):
     first = served.client.generate("reverse: kernel\n", temperature=1.0, max_new_tokens=12).wait()
     second = served.client.generate("reverse: kernel\n", temperature=1.0, max_new_tokens=12).wait()
-    assert first["seed"] != second["seed"] and first["text"] != second["text"]
+    assert first.seed != second.seed and first.text != second.text
     # the run is paused (its weights stay): the reported seed gives the same sample again
     a = served.client.generate("sort: kernel\n", temperature=1.0, max_new_tokens=12).wait()
-    b = served.client.generate("sort: kernel\n", temperature=1.0, max_new_tokens=12, seed=a["seed"]).wait()
-    assert a["text"] == b["text"] and b["seed"] == a["seed"]
+    b = served.client.generate("sort: kernel\n", temperature=1.0, max_new_tokens=12, seed=a.seed).wait()
+    assert a.text == b.text and b.seed == a.seed
     api = _openai(served)  # the same through the API: a seed repeats its samples, n of them at once
     asked = dict(model="api", prompt="reverse: hello\n", max_tokens=6, n=2, temperature=1.0, seed=11)
     assert [c.text for c in api.completions.create(**asked).choices] == \
@@ -164,11 +164,11 @@ def test_requests_waiting_together_share_a_generation_and_answer_as_alone(served
     before = len(list(read_events(served.run.folder.events)))
     for _ in range(3):  # until all four wait at once behind a long generation (a loaded machine)
         busy = served.client.stream(Complete(prompts=["x"], n=16, temperature=5.0, max_new_tokens=240))
-        while served.client.status()["queue"]:
+        while served.client.status().queue:
             time.sleep(0.01)  # the long one is being generated
         with ThreadPoolExecutor(len(asks)) as pool:
             answers = [pool.submit(ask, kwargs) for kwargs in asks]
-            while served.client.status()["queue"] < len(asks) and not all(a.done() for a in answers):
+            while served.client.status().queue < len(asks) and not all(a.done() for a in answers):
                 time.sleep(0.01)
             together = [a.result() for a in answers]
         busy.wait()
@@ -208,14 +208,14 @@ def test_lm_eval_through_the_api_equals_its_hf_model_on_the_saved_weights(served
     held = served.client.status()  # paused: the weights stay as they are while both evaluate
     saved = served.client.save()
     exported = served.tmp / "exported"
-    export(saved["checkpoint"], str(exported))
+    export(saved.checkpoint, str(exported))
     monkeypatch.setenv("OPENAI_API_KEY", served.key)
     live = _evaluate("local-completions", {"base_url": f"{served.server.url}/completions", "model": "api",
                                            "tokenizer": str(exported), "tokenizer_backend": "huggingface", "add_bos_token": True,
                                            "max_length": 256})
     hf = _evaluate("hf", {"pretrained": str(exported), "dtype": "float32"})
     served.saved, served.exported = saved, exported  # the chat session's test answers from them
-    assert held["paused"] and served.client.status()["step"] == saved["step"] == held["step"]
+    assert held.paused and served.client.status().step == saved.step == held.step
     for task in ("livetune_choice", "livetune_generate"):
         ours, theirs = _responses(live, task), _responses(hf, task)
         assert len(ours) == len(theirs) == 6

@@ -106,11 +106,11 @@ def test_a_seeded_sample_is_the_same_batched_with_waiting_requests_or_alone(serv
     before = len(list(read_events(run.folder.events)))
     for _ in range(3):  # until all of them wait at once behind a long generation (a loaded machine)
         busy = client.stream(Complete(prompts=["x"], n=2, temperature=2.0, max_new_tokens=64))
-        while client.status()["queue"]:
+        while client.status().queue:
             time.sleep(0.01)  # the long one is being generated
         with ThreadPoolExecutor(len(asks)) as pool:
             answers = [pool.submit(ask, kwargs) for kwargs in asks]
-            while client.status()["queue"] < len(asks) and not all(a.done() for a in answers):
+            while client.status().queue < len(asks) and not all(a.done() for a in answers):
                 time.sleep(0.01)
             together = [a.result() for a in answers]
         busy.wait()
@@ -131,12 +131,12 @@ def test_past_the_waiting_limit_a_request_gets_429_with_retry_after(served):
     try:
         auth = {"Authorization": f"Bearer {key_of(run.folder.root)}"}
         busy = client.stream(Complete(prompts=["x"], n=2, temperature=2.0, max_new_tokens=64))
-        while client.status()["queue"]:
+        while client.status().queue:
             time.sleep(0.01)  # the long one is being generated
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, f"{server.url}/completions", headers=auth, timeout=300,
                                   json={"model": "api", "prompt": "sort: abc\n", "max_tokens": 4})
-            while client.status()["queue"] < 1 and not waiting.done():
+            while client.status().queue < 1 and not waiting.done():
                 time.sleep(0.01)  # the first request waits behind the long one
             over = httpx.post(f"{server.url}/completions", headers=auth, timeout=60,
                               json={"model": "api", "prompt": "sort: abc\n", "max_tokens": 4})

@@ -48,14 +48,14 @@ def test_preferences_from_the_chat_under_zero3_then_an_exact_resume(tmp_path):
     run = _launch(tmp_path, "prefer")
     client = RunClient.connect(run.folder.root, timeout=CONNECT_S)
     wait_for_step(run, PREFER_AT, timeout=400)
-    first = client.pause()["step"]
+    first = client.pause().step
     with pytest.raises(CommandError, match="dpo trains on preference rows.*teach with `rejected`"):
         client.teach("capital: zorb\n", "qux")  # an answer alone is no pair
     with pytest.raises(CommandError, match="same answer"):
         client.prefer("capital: zorb\n", "qux", "qux")
     taught = {prompt: client.prefer(prompt, *answers) for prompt, answers in PAIRS.items()}
     assert all(t["rejected"] == PAIRS[p][1] for p, t in taught.items())
-    entries = client.inbox()["entries"]
+    entries = client.inbox().entries
     assert [(e["answer"], e["rejected"]) for e in entries] == list(PAIRS.values())
     client.resume()
     wait_for_step(run, first + FOR_STEPS + 1, timeout=300)
@@ -79,7 +79,7 @@ def test_preferences_from_the_chat_under_zero3_then_an_exact_resume(tmp_path):
     assert [(e.answer, e.rejected) for e in inbox] == list(PAIRS.values())
     assert all(e.prompt.endswith(p) for e, p in zip(inbox, PAIRS))  # bos included: as the model saw it
 
-    again = _launch(tmp_path, "resumed", f"resume={saved['checkpoint']}")
+    again = _launch(tmp_path, "resumed", f"resume={saved.checkpoint}")
     assert wait_exit(again, timeout=300) == 0, logs_of(again)
-    later = {s: v for s, v in losses(run).items() if s > saved["step"]}
-    assert later and {s: v for s, v in losses(again).items() if s > saved["step"]} == later
+    later = {s: v for s, v in losses(run).items() if s > saved.step}
+    assert later and {s: v for s, v in losses(again).items() if s > saved.step} == later

@@ -93,7 +93,7 @@ def _in_process(cfg, client_side, run_dir: str | None = None, resume_from: str |
 
 
 def _take_pair(client) -> dict:
-    first = client.pause()["step"]
+    first = client.pause().step
     taken = client.prefer(PROMPT, CHOSEN, REJECTED)
     saved = client.save()  # the pair's schedule is in the checkpoint: a resume trains it again
     client.resume()
@@ -141,8 +141,8 @@ def test_a_kto_run_takes_a_pair_as_two_judged_answers(inputs, tmp_path):
         out = _take_pair(client)
         client.pause()
         dropped = client.prefer("capital: blim\n", "fep", "blim")
-        client.forget(dropped["id"])  # forgotten before any step: never drawn
-        out["entries"] = client.inbox()["entries"]
+        client.forget(dropped.id)  # forgotten before any step: never drawn
+        out["entries"] = client.inbox().entries
         client.resume()
         return out
     extra = ("control.enabled=true", "objective=kto", "method=lora", f"data.train={inputs / 'unpaired.jsonl'}")

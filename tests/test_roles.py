@@ -68,7 +68,7 @@ def test_a_viewer_token_is_refused_every_operator_command_before_it_is_queued(se
 def test_run_client_as_viewer_reads_and_chats_and_is_refused_changes(served):
     with RunClient.connect(served.folder.root, timeout=5, role=Role.VIEWER) as viewer:
         assert viewer.key_role() is Role.VIEWER
-        assert viewer.status()["step"] == 7
+        assert viewer.status().step == 7
         assert "".join(viewer.generate("hi")) == "hello"
         assert viewer.send(Branches()).current == "main" and viewer.send(Inbox()).entries == []
         for call, name in ((viewer.pause, "pause"), (lambda: viewer.set(lr=0.1), "set"),
@@ -91,7 +91,7 @@ def test_a_copied_viewer_file_is_a_key(served, tmp_path):
     copy.write_text(served.folder.viewer.read_text())
     with RunClient.connect(served.folder.root, timeout=5, address=copy) as client:
         assert client.key_role() is Role.VIEWER
-        assert client.send(Status())["step"] == 7
+        assert client.send(Status()).step == 7
         with pytest.raises(CommandError, match="needs the operator role"):
             client.send(Set(lr=0.5))
         assert client.send(Generate(prompt="x")) is not None

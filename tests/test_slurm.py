@@ -144,12 +144,12 @@ def test_submit_the_default_chat_pause_set_lr_and_stop(cluster, tmp_path):
         with RunClient.connect(folder.root, timeout=60) as client:
             answer = client.generate("Hello", max_new_tokens=4, temperature=1.0, seed=1)
             pieces = list(answer)
-            assert pieces and answer.result["text"] == "".join(pieces)
-            assert client.pause()["state"] == "paused"
-            assert client.set(lr=2e-4)["changes"]["lr"] == pytest.approx(2e-4)
+            assert pieces and answer.result.text == "".join(pieces)
+            assert client.pause().state == "paused"
+            assert client.set(lr=2e-4).changes["lr"] == pytest.approx(2e-4)
             status = client.status()
-            assert status["state"] == "paused" and status["world_size"] == 2
-            assert status["settings"]["lr"] == pytest.approx(2e-4)
+            assert status.state == "paused" and status.world_size == 2
+            assert status.settings["lr"] == pytest.approx(2e-4)
         stopped = manager.stop("slurm", save=False, timeout=120)
         assert stopped.state == "finished" and stopped.stopped_by_user, stopped
         ended = job_state(job)

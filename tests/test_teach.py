@@ -72,13 +72,13 @@ def test_teach_and_live_sources_under_zero3_then_an_exact_resume(tmp_path):
     run = _launch(tmp_path, "teach")
     client = RunClient.connect(run.folder.root, timeout=CONNECT_S)
     wait_for_step(run, TEACH_AT, timeout=400)
-    first = client.pause()["step"]
-    before = client.evaluate()["metrics"]["exact_match"]
+    first = client.pause().step
+    before = client.evaluate().metrics["exact_match"]
     with pytest.raises(CommandError, match="empty.jsonl"):
         client.add_source(str(tmp_path / "empty.jsonl"))
-    assert client.add_source(other)["source"]["name"] == "b"
+    assert client.add_source(other).source["name"] == "b"
     kept = client.add_source(bad, weight=0.5, name="bad")
-    assert "row 2" in " ".join(kept["dropped_rows"]) and kept["source"]["samples"] == 2
+    assert "row 2" in " ".join(kept.dropped_rows) and kept.source["samples"] == 2
     with pytest.raises(CommandError, match="no source named 'nope'"):
         client.set_weight("nope", 1.0)
     taught = {prompt: client.teach(prompt, answer) for prompt, answer in TAUGHT.items()}
@@ -86,12 +86,12 @@ def test_teach_and_live_sources_under_zero3_then_an_exact_resume(tmp_path):
         client.teach("capital: zorb\n", "q" * 40)
     client.resume()
     wait_for_step(run, first + CHECK_AFTER + 2)
-    second = client.pause()["step"]
+    second = client.pause().step
     client.set_weight("b", 0.0)
     client.remove_source("bad")
-    dropped = client.teach("capital: dorp\n", "zap")["id"]
+    dropped = client.teach("capital: dorp\n", "zap").id
     client.forget(dropped)
-    assert [(e["id"], e["removed"]) for e in client.inbox()["entries"]][-1] == (dropped, True)
+    assert [(e["id"], e["removed"]) for e in client.inbox().entries][-1] == (dropped, True)
     pair = client.prefer(*PAIR, steps=PAIR_STEPS, check_after=PAIR_STEPS)  # saved with it: the resume replays it
     saved = client.save()
     client.resume()
@@ -116,7 +116,7 @@ def test_teach_and_live_sources_under_zero3_then_an_exact_resume(tmp_path):
         assert taught[prompt]["old"].strip() != answer  # the task never had it
         assert check["learned"] and check["new"].strip() == answer and check["steps"] <= CHECK_AFTER + 1, check
     assert dropped not in checks
-    assert checks[pair["id"]]["margin_after"] > checks[pair["id"]]["margin_before"] == pair["margin"], checks[pair["id"]]
+    assert checks[pair.id]["margin_after"] > checks[pair.id]["margin_before"] == pair.margin, checks[pair.id]
     after = [e for e in log if e["type"] == "eval"][-1]["eval/exact_match"]
     print(f"held-out exact match: {before:.3f} before the teach (step {first}), {after:.3f} at step {STEPS}")
     assert after >= EM_FLOOR and after >= before - EM_DROP, (before, after)
@@ -124,7 +124,7 @@ def test_teach_and_live_sources_under_zero3_then_an_exact_resume(tmp_path):
     assert [(e.answer, e.removed) for e in inbox] == [*((a, False) for a in TAUGHT.values()), ("zap", True),
                                                       ("nax", False)]
 
-    again = _launch(tmp_path, "resumed", f"resume={saved['checkpoint']}")
+    again = _launch(tmp_path, "resumed", f"resume={saved.checkpoint}")
     assert wait_exit(again, timeout=300) == 0, logs_of(again)
-    later = {s: v for s, v in losses(run).items() if s > saved["step"]}
-    assert later and {s: v for s, v in losses(again).items() if s > saved["step"]} == later
+    later = {s: v for s, v in losses(run).items() if s > saved.step}
+    assert later and {s: v for s, v in losses(again).items() if s > saved.step} == later

@@ -163,14 +163,14 @@ def test_live_run_chats_through_the_control_plane(tmp_path, layout):
     client = RunClient.connect(run.folder.root, timeout=300)
     try:
         wait_for_step(run, 2, timeout=300)
-        paused = client.pause()["step"]
+        paused = client.pause().step
         pieces = list(chat := client.generate("reverse: kcodw\n", max_new_tokens=8))
         answer = chat.wait()
         again = client.generate("reverse: kcodw\n", max_new_tokens=8).wait()
         sampled = [client.generate("sort: abc\n", max_new_tokens=8, temperature=1.0, seed=3).wait()
                    for _ in range(2)]
-        assert answer["step"] == again["step"] == paused  # paused: the same weights answer
-        assert "".join(pieces) == answer["text"] == again["text"]
+        assert answer.step == again.step == paused  # paused: the same weights answer
+        assert "".join(pieces) == answer.text == again.text
         assert sampled[0]["text"] == sampled[1]["text"]  # every rank drew the same tokens
         client.resume()
         wait_for_step(run, paused + 2, timeout=300)

@@ -53,7 +53,7 @@ def test_a_script_trainer_checkpoints_chats_saves_and_resumes(tmp_path):
             client.resume()
     finally:
         finish(proc)
-    assert 0 <= paused["step"] < 4 and step == paused["step"]  # answered while paused there
+    assert 0 <= paused.step < 4 and step == paused.step  # answered while paused there
     assert isinstance(text, str)
     first = events(run)
     chats = [e for e in first if e.get("type") == "command" and e.get("cmd") == "generate"

@@ -200,18 +200,18 @@ def test_two_hosts_train_chat_pause_set_lr_and_stop(net, task, one_host, tmp_pat
             refused = refused_without_token(address["host"], address["port"])
             assert refused["type"] == "error" and "token" in refused["message"], refused
             with RunClient.connect(handle.folder.root, timeout=60) as client:
-                assert client.pause()["state"] == "paused"
+                assert client.pause().state == "paused"
                 latency = first_token_s(client)
                 status = client.status()
-                assert status["state"] == "paused" and status["world_size"] == 2
+                assert status.state == "paused" and status.world_size == 2
                 changed = client.set(lr=2e-4)
-                assert changed["changes"]["lr"] == pytest.approx(2e-4)
-                lr_step = changed["step"]
+                assert changed.changes["lr"] == pytest.approx(2e-4)
+                lr_step = changed.step
                 web_view = web_app_view(runs, handle.folder.root)
                 assert web_view["state"] == "paused" and web_view["settings"]["lr"] == pytest.approx(2e-4)
-                assert client.resume()["state"] == "running"
+                assert client.resume().state == "running"
                 wait_step(handle, lr_step + 1)
-                assert client.pause()["state"] == "paused"  # stopped while paused: STEPS not reached
+                assert client.pause().state == "paused"  # stopped while paused: STEPS not reached
             stopped = manager.stop(handle.name, save=False, timeout=120)
         assert stopped.state == "finished" and stopped.stopped_by_user, stopped
         wait_until("no process of the run left on either host",

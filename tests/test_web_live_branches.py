@@ -54,18 +54,18 @@ def test_branch_rewind_snapshot_data_and_teach_from_the_web_handlers(tmp_path):
         backend.session.send(path, Pause())
         saved = backend.session.send(path, Save())
         # a chat-only copy of that checkpoint, to answer beside the live model (it starts meanwhile)
-        started = web_chat.start_copy(backend, saved["checkpoint"], None, copy, other, note)
+        started = web_chat.start_copy(backend, saved.checkpoint, None, copy, other, note)
         copied = started[copy]
-        assert copied["label"] == f"checkpoint step-{saved['step']} of branch main"
+        assert copied["label"] == f"checkpoint step-{saved.step} of branch main"
         assert started[other]["visible"] and "Starting a chat-only copy" in started[note]
         shown = web_branches.show(backend, section, path)
         choices = shown[section.target]["choices"]
-        assert (f"step-{saved['step']} (main)", saved["checkpoint"]) in choices
+        assert (f"step-{saved.step} (main)", saved.checkpoint) in choices
         assert all(shown[b]["interactive"] for b in (section.rewind, section.branch, section.snapshot))
 
         snap = web_branches.do_snapshot(backend, section, path, "before")
         assert "**Snapshot before** kept at step" in snap[section.result]
-        assert ("snapshot before (main, step %d)" % saved["step"], "snapshot:before") in snap[section.target]["choices"]
+        assert ("snapshot before (main, step %d)" % saved.step, "snapshot:before") in snap[section.target]["choices"]
 
         # the data panel: the embedded task is the one source; a weight change and a new source
         extra = tmp_path / "extra.jsonl"
@@ -96,14 +96,14 @@ def test_branch_rewind_snapshot_data_and_teach_from_the_web_handlers(tmp_path):
         assert list(forgot[panel.inbox]["removed"]) == ["yes"] and forgot[panel.entry]["choices"] == []
 
         # branch from the checkpoint with another lr, train on, then rewind to the snapshot
-        branched = web_branches.do_branch(backend, section, path, saved["checkpoint"], "slow", "0.0001")
-        assert "**Branch slow** goes on from step %d" % saved["step"] in branched[section.result]
+        branched = web_branches.do_branch(backend, section, path, saved.checkpoint, "slow", "0.0001")
+        assert "**Branch slow** goes on from step %d" % saved.step in branched[section.result]
         assert "◀ training here" in branched[section.tree] and "slow" in branched[section.tree]
         backend.session.send(path, Resume())
-        wait_step(backend, path, saved["step"] + 3)
+        wait_step(backend, path, saved.step + 3)
         backend.session.send(path, Pause())
         rewound = web_branches.do_rewind(backend, section, path, "snapshot:before")
-        assert f"**Rewound** to step {saved['step']}" in rewound[section.result]
+        assert f"**Rewound** to step {saved.step}" in rewound[section.result]
         assert "are abandoned" in rewound[section.result]
         series = json.loads(rewound[section.plots["branch_loss"]])["series"]
         assert "loss · main" in series and "loss · slow" in series
@@ -114,7 +114,7 @@ def test_branch_rewind_snapshot_data_and_teach_from_the_web_handlers(tmp_path):
         *_, last = web_chat._respond_copy(backend, chat_view, "reverse: abc", [], copied, 8, 0.0, 1.0, 0, 1.0,
                                           False, False)
         answer = last[other][-1]["content"]
-        assert answer.endswith(f"<sub>step {saved['step']} · checkpoint step-{saved['step']} of branch main</sub>"), answer
+        assert answer.endswith(f"<sub>step {saved.step} · checkpoint step-{saved.step} of branch main</sub>"), answer
         ended = web_chat.stop_copy(backend, copied, copy, other, note)
         assert ended[copy] is None and not backend.session.info(copied["path"], fresh=True).alive
         # the snapshot was taken before "extra" was added: the rewind took the sources back too

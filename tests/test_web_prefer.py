@@ -133,18 +133,18 @@ def test_two_answers_then_this_one_is_better_and_edit_and_prefer_on_a_live_dpo_r
     edited = _entry_id(chat_prefer.prefer_edit(backend, view, path, pair, "cba")[view.result])
     run = Run(path, backend.session)
     taken = run.prefer("reverse: xy\n", "yx", "xy")
-    assert isinstance(taken["margin"], float)
+    assert isinstance(taken.margin, float)
     box = ChatBox(lambda: run)  # the notebook chat box: the box's answer over the model's last one
     box.transcript = [("user", "reverse: pq"), ("assistant", "pp")]
     box.prefer("qp").join(timeout=120)
     assert "over pp, margin before" in box.taught.value, box.taught.value
     boxed = re.search(r"preferred (t\d+)", box.taught.value).group(1)
 
-    entries = {e["id"]: e for e in backend.session.send(path, Inbox())["entries"]}
-    assert [(entries[i]["answer"], entries[i]["rejected"]) for i in (picked, edited, taken["id"], boxed)] == [
+    entries = {e["id"]: e for e in backend.session.send(path, Inbox()).entries}
+    assert [(entries[i]["answer"], entries[i]["rejected"]) for i in (picked, edited, taken.id, boxed)] == [
         (pair["b"], pair["a"]), ("cba", pair["a"]), ("yx", "xy"), ("qp", "pp")]
     assert "reverse: abc" in entries[picked]["prompt"] and "<|assistant|>" in entries[picked]["prompt"]  # as the chat sent it
-    assert len({picked, edited, taken["id"], boxed}) == 4
+    assert len({picked, edited, taken.id, boxed}) == 4
 
     # the notebook's data fold lists the pairs (chosen and rejected) and Remove takes one out
     with ThreadPoolExecutor(1) as pool:
@@ -236,7 +236,7 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
         assert "Preferred t" in result.inner_text(), result.inner_text()  # not refused
         entry = re.search(r"Preferred (t\d+)", result.inner_text()).group(1)
         assert "Margin before" in result.inner_text()
-        taken = next(e for e in backend.session.send(path, Inbox())["entries"] if e["id"] == entry)
+        taken = next(e for e in backend.session.send(path, Inbox()).entries if e["id"] == entry)
         assert (_words(taken["answer"]), _words(taken["rejected"])) == (_words(chosen), _words(rejected))
 
         # the Train tab's inbox shows the pair; Remove from the inbox takes it out
@@ -252,7 +252,7 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
         wait_until(lambda: f"{entry}** is no longer trained on" in page.locator("#data-result").inner_text()
                    or f"{entry} is no longer trained on" in page.locator("#data-result").inner_text(), 120,
                    "the entry removed")
-        assert next(e for e in backend.session.send(path, Inbox())["entries"] if e["id"] == entry)["removed"]
+        assert next(e for e in backend.session.send(path, Inbox()).entries if e["id"] == entry)["removed"]
         if os.environ.get("LIVETUNE_SHOTS"):
             page.screenshot(path=str(Path(os.environ["LIVETUNE_SHOTS"]) / "test-inbox.png"), full_page=True)
     finally:

@@ -2,8 +2,9 @@
 beside the commands of contract.protocol. Rank 0 builds it (engine.control.pending.Reply.done: a
 handler's result that does not fit its declaration is answered as an error, never sent half
 right); the wire carries its JSON (`answer.wire()`); the client parses it back
-(supervisor.client: `RunClient.status().step`), and front ends read its fields, never
-`result["step"]`. Nested parts whose shape belongs to another layer (metrics, the settings, a
+(supervisor.client: `RunClient.status().step`), and everyone reads its fields (an answer is no
+mapping: `answer["step"]` fails; tests/test_declared_once.py also fails on such a read in app/ and
+supervisor/). Nested parts whose shape belongs to another layer (metrics, the settings, a
 source's description, the OpenAI choices) are plain JSON objects."""
 
 from __future__ import annotations
@@ -26,25 +27,6 @@ class Answer(BaseModel):
     def wire(self) -> JSON:
         """The JSON form `done` carries."""
         return self.model_dump(mode="json")
-
-    # Scripts and tests written against the answers' JSON may still read `answer["step"]`,
-    # `answer.get("base")`, `"base" in answer` (a field that is None is absent); app/ and supervisor/
-    # read fields (tests/test_declared_once.py fails on a read by string key there).
-    def __getitem__(self, key: str) -> Any:
-        if key not in type(self).model_fields:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = getattr(self, key, None) if key in type(self).model_fields else None
-        return default if value is None else value
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self.get(key) is not None
-
-    def keys(self) -> list[str]:
-        """The fields that hold a value (so `{**answer}` is its JSON's fields)."""
-        return [k for k in type(self).model_fields if getattr(self, k) is not None]
 
 
 class Stepped(Answer):
