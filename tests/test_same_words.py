@@ -152,3 +152,21 @@ def test_the_notebook_and_the_web_api_build_no_command_of_their_own():
                     and (node.module or "").startswith("contract.protocol.") and node.module.endswith("commands")
                     for alias in node.names}
         assert commands <= {"Set", "Stop"}, (module, commands)
+
+
+@pytest.mark.parametrize("value, words", [
+    (float("nan"), "must be a number, got nan (nan and inf are not numbers)"),
+    (True, "must be a number, got True (true / false is not a number)"),
+    ("fast", "must be a number, got 'fast'"),
+    (-1.0, "must be at least 0.0"),
+])
+def test_the_config_and_the_commands_say_a_bad_value_in_the_same_words(value, words):
+    """One translator of pydantic's errors (contract.validation_words): the learning rate in the
+    config file and in a `set` command is refused in the same words; only the place is named as
+    each names it (the config key, the command's argument)."""
+    from contract.config.checks import build
+    _, problems = build({"optim": {"lr": value}})
+    assert [(key, text[:len(words)]) for key, text in problems] == [("optim.lr", words)]
+    with pytest.raises(ProtocolError) as refused:
+        Set(lr=value)
+    assert str(refused.value).startswith(f"set: argument 'lr' {words}")
