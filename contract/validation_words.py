@@ -43,40 +43,41 @@ def problems(errors: list[ErrorDetails], model: type[BaseModel]) -> list[Problem
 
 def problem(err: ErrorDetails, model: type[BaseModel]) -> Problem:
     """One pydantic error (of validating `model`) in words."""
-    loc, kind, given = list(err["loc"]), err["type"], err.get("input")
+    loc, kind = list(err["loc"]), err["type"]
     within: list[str] = []
     while loc and isinstance(loc[0], str) and (inner := nested(model, loc[0])) is not None and \
             (len(loc) > 1 or kind == "value_error"):  # a field of a nested model, or its own rule
         within.append(loc[0])
         model, loc = inner, loc[1:]
     name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    field = model.model_fields.get(loc[0]) if loc and isinstance(loc[0], str) else None
-    ctx = err.get("ctx", {})
-
-    def found(words: str, what: str = "value") -> Problem:
-        return Problem(tuple(within), name, what, words)
-
-    if kind == "value_error":
-        return found(str(ctx.get("error", err["msg"])), "rule")
+    if kind == "value_error":  # a rule of ours (a validator's ValueError): its own words
+        return Problem(tuple(within), name, "rule", str(err.get("ctx", {}).get("error", err["msg"])))
     if kind == "extra_forbidden":
-        return found(_known(model, str(loc[-1])), "unknown")
+        return Problem(tuple(within), name, "unknown", _known(model, str(loc[-1])))
+    field = model.model_fields.get(loc[0]) if loc and isinstance(loc[0], str) else None
+    return Problem(tuple(within), name, "value", _value_words(err, field, whole=len(loc) == 1))
+
+
+def _value_words(err: ErrorDetails, field: FieldInfo | None, whole: bool) -> str:
+    """What is wrong with a value given for `field` (`whole`: the field's own value, not an item
+    of it): what it must be, and what was given."""
+    kind, given, ctx = err["type"], err.get("input"), err.get("ctx", {})
     if kind == "missing":
-        return found(f"is required ({field.description.rstrip('.') if field and field.description else 'no default'})")
+        return f"is required ({field.description.rstrip('.') if field and field.description else 'no default'})"
     if kind == "null_given":  # a custom error of ours: its message says what to do instead
-        return found(f"must not be null: {err['msg']}")
+        return f"must not be null: {err['msg']}"
     if kind == "finite_number":
-        return found(f"must be a number, got {given} (nan and inf are not numbers)")
+        return f"must be a number, got {given} (nan and inf are not numbers)"
     big = kind == "float_type" and isinstance(given, int) and not isinstance(given, bool)
     if field is not None and (kind in _BOUNDS or big):  # a 400-digit integer: no float holds it
-        return found(f"must be {bounds(field.metadata)}, got {_shown(given)}")
-    allowed = choices(field.annotation) if field is not None and len(loc) == 1 else None
+        return f"must be {bounds(field.metadata)}, got {_shown(given)}"
     if kind in ("literal_error", "enum"):
-        listed = ", ".join(repr(c) for c in allowed) if allowed else ctx.get("expected")
-        return found(f"must be one of {listed}, got {given!r}")
+        allowed = choices(field.annotation) if field is not None and whole else None
+        return f"must be one of {', '.join(map(repr, allowed)) if allowed else ctx.get('expected')}, got {given!r}"
     if kind == "bool_for_number" or (isinstance(given, bool) and kind in ("int_type", "float_type")):
         expected = "an integer" if kind == "int_type" or (field and field.annotation is int) else "a number"
-        return found(f"must be {expected}, got {given!r} (true / false is not a number)")
-    return found(f"must be {_EXPECTED.get(kind, err['msg'].lower())}, got {given!r}")
+        return f"must be {expected}, got {given!r} (true / false is not a number)"
+    return f"must be {_EXPECTED.get(kind, err['msg'].lower())}, got {given!r}"
 
 
 def nested(model: type[BaseModel], name: str) -> type[BaseModel] | None:
