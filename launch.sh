@@ -62,9 +62,11 @@ case "$cmd" in
     fi
     # Two test workers, each taking whole files (module fixtures and the machines a file sets up
     # stay in one process): most tests wait on processes they started, so two at a time keep the
-    # 2-core machine busy. LIVETUNE_TEST_WORKERS=0 runs them one after another.
+    # 2-core machine busy. Files go out costliest first (tests/file_costs.py), not xdist's order by
+    # test count, so that neither worker is left alone with a long file at the end.
+    # LIVETUNE_TEST_WORKERS=0 runs them one after another.
     workers="${LIVETUNE_TEST_WORKERS:-2}"
-    if [ "$workers" != 0 ]; then set -- -n "$workers" --dist loadfile "$@"; fi
+    if [ "$workers" != 0 ]; then set -- -n "$workers" --dist loadfile --no-loadscope-reorder "$@"; fi
     exec "$PY" -m pytest "$@"
     ;;
   notebook)

@@ -104,3 +104,9 @@ def save_tiny_llama(folder) -> None:
                                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The costliest files first (tests/file_costs.py says why): the two workers end together."""
+    from file_costs import costliest_first  # tests/ is on sys.path (rootdir conftest)
+    costliest_first(items)
