@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from openai import OpenAI  # noqa: E402
 
 from bench_control import WINDOW_SKIP, reach_step, step_time, throughput  # noqa: E402
+from contract.protocol.answers import SaveAnswer  # noqa: E402
 from contract.config.schema import ControlConfig  # noqa: E402
 from control_runs import events, launch, task_files, wait_exit  # noqa: E402
 from supervisor.client import RunClient  # noqa: E402
@@ -202,11 +203,11 @@ def worst_window_share(run, start: float, end: float, window_s: float = 10.0) ->
     return worst
 
 
-def lm_eval_times(tmp: Path, server: ApiServer, run, saved: dict) -> dict:
+def lm_eval_times(tmp: Path, server: ApiServer, run, saved: SaveAnswer) -> dict:
     from test_openai_api import _evaluate  # the tests' task and settings
     from engine.checkpoint.export import export
     exported = tmp / "exported"
-    export(saved["checkpoint"], str(exported))
+    export(saved.checkpoint, str(exported))
     os.environ["OPENAI_API_KEY"] = key_of(run.folder.root)
     started = time.perf_counter()
     _evaluate("local-completions", {"base_url": f"{server.url}/completions", "model": "served",

@@ -203,8 +203,8 @@ def test_save_now_on_a_full_disk_is_answered_and_training_goes_on(tmp_path):
                 assert second.step > first.step
                 fill(ckpts, leave=size // 2)
                 stopped = client.stop(save=True)       # a stop stops, even when its save fails
-                assert stopped["checkpoint"] is None and not stopped["final_model"]
-                assert stopped["save_error"].startswith("disk full: saving ")
+                assert stopped.checkpoint is None and not stopped.final_model
+                assert stopped.save_error.startswith("disk full: saving ")
             assert wait_exit(run) == 0
         finally:
             from control_runs import end_run

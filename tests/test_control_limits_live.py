@@ -104,5 +104,5 @@ def test_live_run_under_hostile_clients(tmp_path, task):
     for sock in viewers:
         sock.close()
     client.close()
-    assert stopped["state"] == "stopping" and states(run)[-1] == "finished"
+    assert stopped.state == "stopping" and states(run)[-1] == "finished"
     assert not [e for e in events(run) if e["type"] == "command" and e["id"] in ("big", "long")]

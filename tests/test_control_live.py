@@ -69,12 +69,12 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
     chats = [client.generate(p) for p in prompts]
     streamed = [list(c) for c in chats]
     answers = [c.result for c in chats]
-    assert all(a["step"] >= at and len(a["text"]) <= 5 for a in answers)
-    assert ["".join(pieces) for pieces in streamed] == [a["text"] for a in answers]
+    assert all(a.step >= at and len(a.text) <= 5 for a in answers)
+    assert ["".join(pieces) for pieces in streamed] == [a.text for a in answers]
 
     stop_step = wait_for_step(run, at + 3)
     stopped = client.stop(save=True)
-    assert stopped["state"] == "stopping" and stopped["final_model"] is True
+    assert stopped.state == "stopping" and stopped.final_model is True
     assert wait_exit(run) == 0, logs_of(run)
     followed.wait(30)
     follower.join(5)
@@ -90,12 +90,12 @@ def test_live_run_takes_commands_and_stops_with_a_save(tmp_path, task):
     # the run recorded one answer per prompt, the one the client got for that prompt
     logged = logged_commands(run, "generate")
     recorded = {e["args"]["prompt"]: (e["result"]["text"], e["result"]["step"]) for e in logged}
-    assert len(logged) == 50 and recorded == {p: (a["text"], a["step"]) for p, a in zip(prompts, answers)}
+    assert len(logged) == 50 and recorded == {p: (a.text, a.step) for p, a in zip(prompts, answers)}
     # the follower hung up once and reconnected: every line exactly once, in order
     assert [e["line"] for e in got] == list(range(len(log)))
     assert [e["type"] for e in got] == [e["type"] for e in log]
     assert not run.folder.control.exists()
-    assert stopped["checkpoint"] and (run.folder.root / stopped["checkpoint"]).exists()
+    assert stopped.checkpoint and (run.folder.root / stopped.checkpoint).exists()
     assert (run.folder.model / "config.json").exists()
 
     # the live settings went into the checkpoint: a resumed run has them again

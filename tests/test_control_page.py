@@ -92,7 +92,7 @@ def test_chat_page_of_a_script_trainer(tmp_path):
         client = RunClient.connect(run_dir, timeout=10)
         gen = client.generate("reverse: cat\n", max_new_tokens=6, temperature=1.0, seed=2, compare_base=True)
         pieces = list(gen)
-        assert isinstance(gen.base_text, str) and "note" not in gen.result
+        assert isinstance(gen.base_text, str) and gen.result.note is None
         assert "".join(p for p in pieces if p.model == "base") == gen.base_text
         assert "".join(p for p in pieces if p.model == "current") == gen.text
         client.close()

@@ -78,16 +78,16 @@ def check_chats(seen: dict, run) -> None:
     did not move while paused (evaluation and save included: the same requests give the same
     answers); each answer the client got is the one the run recorded for that request."""
     paused_at, chats = seen["paused_at"], seen["chats"]
-    assert [c["step"] for c in chats] == [paused_at] * len(CHATS)
+    assert [c.step for c in chats] == [paused_at] * len(CHATS)
     for request, answer in zip(CHATS, chats):
-        assert isinstance(answer["text"], str) and len(answer["text"]) <= request["max_new_tokens"], answer
-    assert "X" not in chats[4]["text"]
-    assert chats[5]["base"] is None and chats[5]["note"]
-    assert [a["text"] for a in seen["again"]] == [c["text"] for c in chats[:2]]
-    assert [a["step"] for a in seen["again"]] == [paused_at] * 2
-    assert all(r["step"] >= paused_at for r in seen["later"])
+        assert isinstance(answer.text, str) and len(answer.text) <= request["max_new_tokens"], answer
+    assert "X" not in chats[4].text
+    assert chats[5].base is None and chats[5].note
+    assert [a.text for a in seen["again"]] == [c.text for c in chats[:2]]
+    assert [a.step for a in seen["again"]] == [paused_at] * 2
+    assert all(r.step >= paused_at for r in seen["later"])
     logged = sorted(_key(e["args"], e["result"]["text"]) for e in logged_commands(run, "generate"))
-    assert logged == sorted(_key(request, answer["text"]) for request, answer in seen["sent"])
+    assert logged == sorted(_key(request, answer.text) for request, answer in seen["sent"])
 
 
 @pytest.mark.slow
@@ -109,14 +109,14 @@ def test_interruptions_leave_every_loss_unchanged(zero, tmp_path, task):
     assert not (reference.folder.control).exists()
 
     pieces, result = seen["streamed"]
-    assert pieces and "".join(pieces) == result["text"] and 3 <= result["step"] < STEPS
+    assert pieces and "".join(pieces) == result.text and 3 <= result.step < STEPS
     assert seen["paused_at"] < STEPS - 6, "the pause came too late to be in the middle of the run"
     check_chats(seen, live)
-    assert seen["evaluation"]["step"] == seen["paused_at"] and seen["evaluation"]["metrics"]["loss"] > 0
-    assert seen["status"]["memory_of"] == "every rank" and set(seen["status"]["memory_mb"]) == {"0", "1"}
-    assert seen["still"]["step"] == seen["paused_at"] and seen["still"]["state"] == "paused"
-    assert seen["checkpoint"]["step"] == seen["paused_at"]
-    assert (live.folder.root / seen["checkpoint"]["checkpoint"]).is_dir()
+    assert seen["evaluation"].step == seen["paused_at"] and seen["evaluation"].metrics["loss"] > 0
+    assert seen["status"].memory_of == "every rank" and set(seen["status"].memory_mb) == {"0", "1"}
+    assert seen["still"].step == seen["paused_at"] and seen["still"].state == "paused"
+    assert seen["checkpoint"].step == seen["paused_at"]
+    assert (live.folder.root / seen["checkpoint"].checkpoint).is_dir()
 
     quiet, loud = losses(reference), losses(live)
     assert sorted(quiet) == list(range(1, STEPS + 1)) and sorted(loud)[:STEPS] == sorted(quiet)

@@ -236,8 +236,8 @@ def test_a_chat_session_of_the_checkpoint_answers_as_transformers_does_from_its_
     from contract.run_folder import make_run_folder
     from supervisor.chat_sessions import chat_config
     from supervisor.launch import spawn
-    step = served.saved["step"]
-    config = chat_config(served.saved["checkpoint"])
+    step = served.saved.step
+    config = chat_config(served.saved.checkpoint)
     session = spawn(config, make_run_folder(config), extra_env={"LIVETUNE_CACHE": str(served.tmp / "task" / "cache")})
     try:
         api = _openai(served, key_of(served.tmp / "runs"))
@@ -272,7 +272,7 @@ def test_a_run_that_served_the_api_trained_exactly_as_one_that_did_not(served):
     wait_for_step(served.run, STEPS, timeout=600)
     stopped = served.client.stop(save=True)  # the end of training: its evaluation, the final model
     served.client.close()
-    assert stopped["final_model"] is True
+    assert stopped.final_model is True
     assert wait_exit(served.run, timeout=600) == 0, logs_of(served.run)
     assert wait_exit(served.quiet, timeout=600) == 0, logs_of(served.quiet)
     answered = [e for e in read_events(served.run.folder.events)

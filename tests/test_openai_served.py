@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -124,24 +125,29 @@ def test_a_seeded_sample_is_the_same_batched_with_waiting_requests_or_alone(serv
 
 @pytest.mark.slow
 def test_past_the_waiting_limit_a_request_gets_429_with_retry_after(served):
-    """Requests wait for the run (its serving budget, a long generation); past the API's limit of
-    waiting requests (here 1) the next is answered 429 at once, saying when to come back."""
-    run, _, client, _ = served
+    """Requests wait for the run; past the API's limit of waiting requests (here 1) the next is
+    answered 429 at once, saying when to come back. The run's processes are held still (SIGSTOP)
+    while the first request waits, so nothing can answer it before the second arrives, however
+    fast or slow the machine is; once they go on, the first is answered."""
+    run, _, _, _ = served
     server = ApiServer(run.folder.root.parent, max_in_flight=1).start()
+    slot = server.app.state.runs.slot(run.folder.root)  # the run's waiting-request limit
+    auth = {"Authorization": f"Bearer {key_of(run.folder.root)}"}
+    body = {"model": "api", "prompt": "sort: abc\n", "max_tokens": 4}
     try:
-        auth = {"Authorization": f"Bearer {key_of(run.folder.root)}"}
-        busy = client.stream(Complete(prompts=["x"], n=2, temperature=2.0, max_new_tokens=64))
-        while client.status().queue:
-            time.sleep(0.01)  # the long one is being generated
-        with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(httpx.post, f"{server.url}/completions", headers=auth, timeout=300,
-                                  json={"model": "api", "prompt": "sort: abc\n", "max_tokens": 4})
-            while client.status().queue < 1 and not waiting.done():
-                time.sleep(0.01)  # the first request waits behind the long one
-            over = httpx.post(f"{server.url}/completions", headers=auth, timeout=60,
-                              json={"model": "api", "prompt": "sort: abc\n", "max_tokens": 4})
-            assert waiting.result().status_code == 200
-        busy.wait()
+        os.killpg(run.pid, signal.SIGSTOP)  # the run's group (spawned in a session of its own)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(httpx.post, f"{server.url}/completions", headers=auth, timeout=300, json=body)
+                deadline = time.monotonic() + 60
+                while slot._value and not waiting.done():  # noqa: SLF001 - until it holds the one slot
+                    assert time.monotonic() < deadline, "the first request never took the API's slot"
+                    time.sleep(0.01)
+                over = httpx.post(f"{server.url}/completions", headers=auth, timeout=60, json=body)
+                os.killpg(run.pid, signal.SIGCONT)
+                assert waiting.result().status_code == 200, waiting.result().text
+        finally:
+            os.killpg(run.pid, signal.SIGCONT)
         assert over.status_code == 429 and over.json()["error"]["type"] == "rate_limit_error"
         assert int(over.headers["retry-after"]) >= 1
     finally:

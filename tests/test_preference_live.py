@@ -54,7 +54,7 @@ def test_preferences_from_the_chat_under_zero3_then_an_exact_resume(tmp_path):
     with pytest.raises(CommandError, match="same answer"):
         client.prefer("capital: zorb\n", "qux", "qux")
     taught = {prompt: client.prefer(prompt, *answers) for prompt, answers in PAIRS.items()}
-    assert all(t["rejected"] == PAIRS[p][1] for p, t in taught.items())
+    assert all(t.rejected == PAIRS[p][1] for p, t in taught.items())
     entries = client.inbox().entries
     assert [(e["answer"], e["rejected"]) for e in entries] == list(PAIRS.values())
     client.resume()
@@ -69,9 +69,9 @@ def test_preferences_from_the_chat_under_zero3_then_an_exact_resume(tmp_path):
     for step in range(first + 1, first + FOR_STEPS + 1):  # both pairs, PER_STEP each, in every global batch
         assert counts[step]["inbox"] == 2 * PER_STEP and sum(counts[step].values()) == 8, counts[step]
     assert all("rewards/margins" in e for e in log if e["type"] == "train")
-    assert all(isinstance(t["margin"], float) for t in taught.values())  # log p(chosen) - log p(rejected)
+    assert all(isinstance(t.margin, float) for t in taught.values())  # log p(chosen) - log p(rejected)
     checks = [e for e in log if e["type"] == "teach_check"]
-    assert {e["id"] for e in checks} == {t["id"] for t in taught.values()}
+    assert {e["id"] for e in checks} == {t.id for t in taught.values()}
     for check in checks:  # which answer the model prefers after FOR_STEPS steps, and the margin's move
         assert check["prefers"] == ("chosen" if check["margin_after"] > 0 else "rejected")
         print(check["id"], check["margin_before"], "->", check["margin_after"], check["prefers"])

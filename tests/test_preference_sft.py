@@ -24,6 +24,7 @@ from contract.config.load import load_config
 from contract.config.schema import ConfigError
 from contract.inbox import read_inbox
 from contract.run_folder import read_events
+from contract.protocol.answers import TeachAnswer
 from engine.data import default_task
 from engine.callbacks import Callback
 from engine.data.collate import PaddingCollator
@@ -100,7 +101,7 @@ def _take_pair(client) -> dict:
     return {"first": first, "taken": taken, "saved": saved}
 
 
-def _check_trained(steps: dict, log: list[dict], first: int, taken: dict, rows_per_step: int) -> None:
+def _check_trained(steps: dict, log: list[dict], first: int, taken: TeachAnswer, rows_per_step: int) -> None:
     counts = {e["step"]: e["samples_per_source"] for e in log if e["type"] == "train"}
     for step in range(first + 1, first + FOR_STEPS + 1):  # from the next step on, PER_STEP in every batch
         assert counts[step].get("inbox") == rows_per_step, counts[step]
@@ -110,7 +111,7 @@ def _check_trained(steps: dict, log: list[dict], first: int, taken: dict, rows_p
     records = {e["step"]: e for e in log if e["type"] == "train"}
     assert records[first + 1]["rewards/margins"] == steps[first + 1]["rewards/margins"]  # in the event log
     (check,) = [e for e in log if e["type"] == "teach_check"]
-    assert check["id"] == taken["id"] and check["margin_before"] == taken["margin"]
+    assert check["id"] == taken.id and check["margin_before"] == taken.margin
     assert check["margin_after"] > check["margin_before"], check  # chosen gained on rejected
     assert check["prefers"] == ("chosen" if check["margin_after"] > 0 else "rejected")
 
@@ -130,8 +131,8 @@ def test_an_sft_lora_run_trains_a_live_pair_with_dpo_against_the_base_and_resume
 
     saved = answers["saved"]
     again, _, _ = _in_process(load_config(overrides=overrides), None, run_dir=str(folder.root),
-                              resume_from=saved["checkpoint"])
-    later = {s: v for s, v in steps.items() if s > saved["step"]}
+                              resume_from=saved.checkpoint)
+    later = {s: v for s, v in steps.items() if s > saved.step}
     assert later and again == later  # losses and pair metrics, bit for bit
 
 
@@ -157,12 +158,12 @@ def test_a_kto_run_takes_a_pair_as_two_judged_answers(inputs, tmp_path):
     assert [(e["answer"], e["rejected"], e["removed"]) for e in answers["entries"]] == [
         (CHOSEN, REJECTED, False), ("fep", "blim", True)]
     (check,) = [e for e in log if e["type"] == "teach_check"]
-    assert check["margin_after"] > check["margin_before"] == taken["margin"], check
+    assert check["margin_after"] > check["margin_before"] == taken.margin, check
 
     saved = answers["saved"]
     again, _, _ = _in_process(load_config(overrides=_overrides(inputs, tmp_path, "kto", *extra)),
-                              None, run_dir=str(folder.root), resume_from=saved["checkpoint"])
-    later = {s: v for s, v in steps.items() if s > saved["step"]}
+                              None, run_dir=str(folder.root), resume_from=saved.checkpoint)
+    later = {s: v for s, v in steps.items() if s > saved.step}
     assert later and again == later
 
 

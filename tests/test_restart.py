@@ -16,6 +16,7 @@ import pytest
 from contract.config.load import load_config
 from contract.run_folder import read_events
 from control_runs import task_files
+from supervisor.client import RunClient
 from supervisor.manager import RunManager
 from contract.run_folder import EventLog, RunFolder
 from supervisor.restart import decide, requeued
@@ -61,49 +62,67 @@ def _losses(events: list[dict]) -> list[tuple[int, float]]:
     return [(e["step"], e["loss"]) for e in events if e["type"] == "train"]
 
 
-def _wait_final_after_restart(path: Path, deadline: float) -> list[dict]:
-    """The events once a final state follows a restart (or, without one, once the run failed)."""
+def _wait_for(path: Path, what, timeout: float = 400.0) -> list[dict]:
+    """The run's events once `what(events)` holds; fails the test after `timeout` s (a hang)."""
+    deadline = time.monotonic() + timeout
     while True:
         events = list(read_events(path))
-        kinds = [(e["type"], e.get("state")) for e in events]
-        at = max((i for i, k in enumerate(kinds) if k[0] == "restart"), default=-1)
-        if any(k[1] in ("finished", "failed") for k in kinds[at + 1:]) or time.monotonic() > deadline:
+        if what(events):
             return events
-        time.sleep(0.3)
+        assert time.monotonic() < deadline, [e for e in events if e["type"] in ("state", "rank_failed", "restart")]
+        time.sleep(0.1)
+
+
+def _after_restart(events: list[dict]) -> list[dict]:
+    at = [i for i, e in enumerate(events) if e["type"] == "restart"]
+    return events[at[-1] + 1:] if at else []
 
 
 @pytest.mark.slow  # two 1-rank starts through the DeepSpeed launcher
 def test_a_killed_rank_restarts_from_the_checkpoint_and_the_run_finishes(tmp_path):
+    """Where the rank dies is set by the run's own pauses, not by the machine's speed: the run
+    saves a checkpoint while paused at step p, trains on and is paused again at q > p, and its
+    rank is killed there. The manager records the failure, relaunches the group from step p in
+    the same folder, the steps p+1..q trained again repeat the first run's losses exactly, and a
+    stop after them finishes the run."""
     task = task_files(tmp_path / "task")
     cfg = load_config(overrides=[
-        "run_name=r", "nproc=1", "max_steps=10", "batch_size=8", "data.max_length=32",
+        "run_name=r", "nproc=1", "max_steps=100000", "batch_size=8", "data.max_length=32",
         f"data.train={task['train']}", f"data.eval={task['eval']}", "precision=fp32",
         "logging.tensorboard=false", "checkpoint.save_at_end=false", "eval.at_end=false",
-        "checkpoint.every_n_steps=4", "fault.max_restarts=1", "control.enabled=true"])
+        "checkpoint.every_n_steps=0", "fault.max_restarts=1", "control.enabled=true"])
     with RunManager(tmp_path / "runs") as manager:
         handle = manager.start(cfg, env={"LIVETUNE_CACHE": task["cache"]})
         manager.start_monitor(interval=0.3)
-        events_path = handle.folder.events
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:  # past the step-4 checkpoint, before the end
-            steps = [s for s, _ in _losses(list(read_events(events_path)))]
-            if steps and steps[-1] >= 6 and (handle.folder.root / "checkpoints" / "step-4").exists():
-                break
-            time.sleep(0.2)
+        path = handle.folder.events
+        client = RunClient.connect(handle.folder.root, timeout=300)
+        _wait_for(path, lambda ev: _losses(ev))
+        saved_at = client.pause().step
+        saved = client.save()
+        client.resume()
+        _wait_for(path, lambda ev: _losses(ev)[-1][0] >= saved_at + 3)
+        killed_at = client.pause().step
+        client.close()
         ranks = handle.rank_pids()
         assert ranks, "no rank seen"
         os.kill(ranks[0], signal.SIGKILL)
-        events = _wait_final_after_restart(events_path, deadline=time.monotonic() + 600)
+        # the relaunched group trains past the step it died at; then it is stopped
+        _wait_for(path, lambda ev: any(s > killed_at for s, _ in _losses(_after_restart(ev))), timeout=600)
+        again = RunClient.connect(handle.folder.root, timeout=300)
+        again.stop(save=False)
+        again.close()
+        events = _wait_for(path, lambda ev: any(e.get("state") in ("finished", "failed")
+                                                for e in _after_restart(ev)))
         assert handle.wait(timeout=120), "the run's processes did not end"
         info = handle.info()
     assert info.state.value == "finished", (info, [e for e in events if e["type"] in ("state", "rank_failed")])
+    assert saved.step == saved_at and killed_at >= saved_at + 3
     (failed,) = [e for e in events if e["type"] == "rank_failed"]
     (restarted,) = [e for e in events if e["type"] == "restart"]
-    assert failed["rank"] == 0 and "SIGKILL" in failed["error"] or "signal 9" in failed["error"], failed
-    assert restarted["attempt"] == 1 and restarted["checkpoint"].endswith("step-4")
+    assert failed["rank"] == 0 and ("SIGKILL" in failed["error"] or "signal 9" in failed["error"]), failed
+    assert restarted["attempt"] == 1 and restarted["checkpoint"].endswith(f"step-{saved_at}")
     cut = events.index(restarted)
-    before, after = _losses(events[:cut]), _losses(events[cut:])
-    assert [s for s, _ in after] == list(range(5, 11))
-    first = dict(before)
-    repeated = [s for s, _ in after if s in first]
-    assert repeated and all(dict(after)[s] == first[s] for s in repeated), (before, after)
+    before, after = dict(_losses(events[:cut])), _losses(events[cut:])
+    assert [s for s, _ in after] == list(range(saved_at + 1, after[-1][0] + 1))  # from the checkpoint on
+    repeated = range(saved_at + 1, killed_at + 1)
+    assert all(dict(after)[s] == before[s] for s in repeated), (before, after)

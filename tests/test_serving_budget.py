@@ -55,7 +55,7 @@ def test_a_training_run_answers_every_request_within_its_serving_budget(inputs, 
                 for i in range(REQUESTS):  # one after another: each alone at its boundary
                     asked = Complete(prompts=[f"reverse: kernel{i}\n"], max_new_tokens=24, temperature=0)
                     answers.append(client.stream(asked, timeout=300).wait())
-                status.update(client.status())
+                status.update(client.status().wire())
                 client.stop(save=False)
         except Exception as e:  # noqa: BLE001 - reported by the test
             failures.append(e)
@@ -68,7 +68,7 @@ def test_a_training_run_answers_every_request_within_its_serving_budget(inputs, 
     folder = trainer.folder
     trainer.close()
     assert not failures, failures
-    assert len(answers) == REQUESTS and all(a["choices"][0]["token_ids"] for a in answers)
+    assert len(answers) == REQUESTS and all(a.choices[0]["token_ids"] for a in answers)
     serving = status["serving"]
     assert serving["budget"] == BUDGET and serving["held"] > 0, serving  # some had to wait
     assert 0 < serving["served_s"] <= BUDGET * serving["elapsed_s"] + serving["largest_s"], serving

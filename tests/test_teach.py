@@ -112,8 +112,8 @@ def test_teach_and_live_sources_under_zero3_then_an_exact_resume(tmp_path):
     assert changes == [("add", "b"), ("add", "bad"), ("weight", "b"), ("remove", "bad"), ("forget", "inbox")]
     checks = {e["id"]: e for e in log if e["type"] == "teach_check"}
     for prompt, answer in TAUGHT.items():
-        check = checks[taught[prompt]["id"]]
-        assert taught[prompt]["old"].strip() != answer  # the task never had it
+        check = checks[taught[prompt].id]
+        assert taught[prompt].old.strip() != answer  # the task never had it
         assert check["learned"] and check["new"].strip() == answer and check["steps"] <= CHECK_AFTER + 1, check
     assert dropped not in checks
     assert checks[pair.id]["margin_after"] > checks[pair.id]["margin_before"] == pair.margin, checks[pair.id]

@@ -171,7 +171,7 @@ def test_live_run_chats_through_the_control_plane(tmp_path, layout):
                    for _ in range(2)]
         assert answer.step == again.step == paused  # paused: the same weights answer
         assert "".join(pieces) == answer.text == again.text
-        assert sampled[0]["text"] == sampled[1]["text"]  # every rank drew the same tokens
+        assert sampled[0].text == sampled[1].text  # every rank drew the same tokens
         client.resume()
         wait_for_step(run, paused + 2, timeout=300)
         client.stop(save=False)

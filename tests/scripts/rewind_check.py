@@ -70,7 +70,7 @@ def send_by_client(run_dir: Path, req: str, cmd, replies: list) -> threading.Thr
                 result = client.branches()
             else:
                 result = client.snapshot(cmd.snapshot)
-            replies.append({"type": "done", "id": req, "result": result})
+            replies.append({"type": "done", "id": req, "result": result.wire()})
         except CommandError as e:
             replies.append({"type": "error", "id": req, "message": str(e)})
         finally:
