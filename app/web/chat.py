@@ -353,10 +353,9 @@ def start_copy(backend: Backend, checkpoint: str | None, old: dict | None, copy:
 
 def stop_copy(backend: Backend, old: dict | None, copy: gr.State, other: gr.Chatbot, note: gr.Markdown) -> dict:
     """Stop comparing: this page's copy ends and its memory is freed (another live run goes on)."""
-    if old:
-        _end(backend, old)
     said = "There was nothing to compare with."
     if old:
+        _end(backend, old)
         said = f"The copy of {old['label']} has ended." if old.get("own", True) else f"No longer comparing with {old['label']}."
     return {copy: None, other: gr.update(visible=False, value=[]), note: said}
 
