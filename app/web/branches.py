@@ -21,7 +21,6 @@ from app.web.plots import batch, live_plot
 from app.web.widgets import readable
 from contract.run_folder import RunFolder
 from contract.protocol.answers import RewindAnswer
-from contract.protocol.branch_commands import Branch, Rewind, Snapshot
 
 PLOTS = ("branch_loss", "branch_lr", "branch_eval")
 
@@ -108,7 +107,7 @@ def do_rewind(backend: Backend, section: BranchesSection, path: str | None, targ
     """Rewind: the run loads the target in place and trains on from its step."""
     if not target:
         raise SessionError("pick a checkpoint or snapshot to rewind to")
-    result = backend.session.send(path, Rewind(target=target))
+    result = backend.verbs(path).rewind(target)
     return {section.result: f"**Rewound** to step {result.step}{_abandoned(result)}.",
             **show(backend, section, path)}
 
@@ -118,13 +117,13 @@ def do_branch(backend: Backend, section: BranchesSection, path: str | None, targ
     """Branch: as Rewind, then training goes on as the new branch `name` (with `lr`, if given)."""
     if not target:
         raise SessionError("pick a checkpoint or snapshot to branch from")
-    args: dict[str, Any] = {"target": target, "branch": (name or "").strip()}
+    settings: dict[str, Any] = {}
     if str(lr or "").strip():
         try:
-            args["lr"] = float(str(lr).strip())
+            settings["lr"] = float(str(lr).strip())
         except ValueError:
             raise SessionError(f"branch: the learning rate must be a number, got {str(lr).strip()!r}") from None
-    result = backend.session.send(path, Branch(**args))
+    result = backend.verbs(path).branch(target, (name or "").strip(), **settings)
     changes = ", ".join(f"{k} {v}" for k, v in result.changes.items())
     return {section.result: f"**Branch {html.escape(result.branch)}** goes on from "
                             f"step {result.step}{' with ' + changes if changes else ''}; the branch it "
@@ -134,8 +133,7 @@ def do_branch(backend: Backend, section: BranchesSection, path: str | None, targ
 
 def do_snapshot(backend: Backend, section: BranchesSection, path: str | None, name: str) -> dict:
     """Snapshot now: the complete training state kept in host memory."""
-    args = {"snapshot": name.strip()} if (name or "").strip() else {}
-    result = backend.session.send(path, Snapshot(**args))
+    result = backend.verbs(path).snapshot((name or "").strip() or None)
     evicted = result.evicted
     mib = result.bytes / 2**20
     text = f"**Snapshot {result.name}** kept at step {result.step} ({mib:.1f} MiB in host memory)"

@@ -32,8 +32,6 @@ from app.web.backend import Backend
 from app.web.backend.watch import Snapshot
 from app.web.widgets import CHAT_CLASS, readable
 from contract.branches import BranchTree
-from contract.protocol.data_commands import Teach
-from contract.protocol.base import ProtocolError
 
 TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
 LIVE = "Live model (the weights being trained)"
@@ -282,13 +280,12 @@ def teach_answer(backend: Backend, path: str | None, question: str | None, answe
         raise gr.Error("Write the answer you wanted first.", print_exception=False)
     try:
         try:
-            result = backend.session.send(path, Teach(messages=[{"role": "user", "content": question}],
-                                                      answer=answer))
+            result = backend.verbs(path).teach(None, answer, messages=[{"role": "user", "content": question}])
         except SessionError as e:
             if "chat template" not in str(e):
                 raise
-            result = backend.session.send(path, Teach(prompt=question, answer=answer))
-    except (SessionError, ProtocolError) as e:
+            result = backend.verbs(path).teach(question, answer)
+    except SessionError as e:  # refused by the verb (the command's rules) or by the run
         raise gr.Error(str(e), print_exception=False) from None
     old = result.old
     text = (f"**Taught {result.id}** at step {result.step}: it is mixed into the next "

@@ -23,7 +23,6 @@ from app.web.plots import batch, live_plot
 from app.web.widgets import TABLE_CLASS
 from contract.run_folder import RunFolder
 from contract.protocol.states import RunState
-from contract.protocol.data_commands import AddSource, Forget, RemoveSource, SetWeight
 
 SOURCE_COLUMNS = ["source", "weight", "samples drawn", "format", "path"]
 # each inbox column's share of the table's width (short headers that never break inside a word:
@@ -178,7 +177,7 @@ def do_set_weight(backend: Backend, panel: DataPanel, path: str | None, source: 
     if not source:
         raise SessionError("pick a source first")
     value = number(weight, "the weight")
-    backend.session.send(path, SetWeight(source=source, weight=value))
+    backend.verbs(path).set_weight(source, value)
     done = f"**{source}** weighs {value:g} from the next step" + (" (paused)" if value == 0 else "")
     return {panel.result: done + ".", **show(backend, panel, path)}
 
@@ -186,7 +185,7 @@ def do_set_weight(backend: Backend, panel: DataPanel, path: str | None, source: 
 def do_remove(backend: Backend, panel: DataPanel, path: str | None, source: str | None) -> dict:
     if not source:
         raise SessionError("pick a source first")
-    backend.session.send(path, RemoveSource(source=source))
+    backend.verbs(path).remove_source(source)
     return {panel.result: f"**{source}** is no longer drawn from.", **show(backend, panel, path)}
 
 
@@ -195,18 +194,16 @@ def do_add(backend: Backend, panel: DataPanel, path: str | None, file: str, fmt:
     file = (file or "").strip()
     if not file:
         raise SessionError("add a source: type the path of a file or folder")
-    args: dict[str, Any] = {"path": file, "format": fmt or "auto", "weight": number(weight, "the weight")}
-    if (name or "").strip():
-        args["source"] = name.strip()
-    result = backend.session.send(path, AddSource(**args))
+    value = number(weight, "the weight")
+    result = backend.verbs(path).add_source(file, weight=value, format=fmt or "auto", name=(name or "").strip())
     added, report = result.source, result.report
-    text = f"**Added {added.get('name', args.get('source', file))}** (weight {args['weight']:g})."
+    text = f"**Added {added.get('name', (name or '').strip() or file)}** (weight {value:g})."
     return {panel.result: text + (f" {report}" if report else ""), **show(backend, panel, path)}
 
 
 def do_forget(backend: Backend, panel: DataPanel, path: str | None, entry: str | None) -> dict:
     if not entry:
         raise SessionError("pick an inbox entry first")
-    backend.session.send(path, Forget(id=entry))
+    backend.verbs(path).forget(entry)
     return {panel.result: f"**{entry}** is no longer trained on (the inbox keeps its record).",
             **show(backend, panel, path)}

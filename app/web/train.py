@@ -25,7 +25,7 @@ from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import Plots, make_plots
 from app.web.widgets import banner_html, readable, status_html
-from contract.protocol.commands import Evaluate, Pause, Resume, Save, Stop
+from contract.protocol.commands import Stop
 from contract.protocol.roles import Role
 from contract.protocol.states import RunState
 
@@ -270,11 +270,11 @@ def _act(backend: Backend, what: str, path: str | None, new_lr: Any = None, conf
         gr.Info(f"Stopping {info.name}{' (saving first)' if save else ''} ...", duration=60)
         return
     if what == "set_lr":
-        result = session.send(path, lr_from_box(new_lr, confirmed))  # the one box rule (app.lr_box)
+        result = backend.verbs(path).send(lr_from_box(new_lr, confirmed))  # the one box rule (app.lr_box)
         gr.Info(f"Learning rate set to {result.changes['lr']:.3g} at step {result.step}")
         return
-    command = {"pause": Pause(), "resume": Resume(), "save": Save(), "evaluate": Evaluate()}[what]
-    result = session.send(path, command)
+    verbs = backend.verbs(path)
+    result = {"pause": verbs.pause, "resume": verbs.resume, "save": verbs.save, "evaluate": verbs.evaluate}[what]()
     step = result.step
     messages = {"pause": f"Paused at step {step}; the model stays in memory (chat still works).",
                 "resume": f"Resumed at step {step}.",

@@ -11,7 +11,7 @@ components and call these):
 
     backend = Backend("runs")
     info = backend.session.start(backend.form.check(values).config)
-    backend.session.send(info.path, Pause())
+    backend.verbs(info.path).pause()
 
 Every failure is raised as `app.session.SessionError`, with a sentence a user can act on.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from app.form import Form
 from app.session import Session
+from app.session_verbs import SessionVerbs
 from app.web.backend.preview import PreviewWorker
 from app.web.backend.store import Store
 from app.web.backend.watch import Watch
@@ -37,6 +38,11 @@ class Backend:
         self.watch = Watch(self.session)
         self.store = Store(self.session, self.watch)
         self.preview = PreviewWorker()
+
+    def verbs(self, path: str | Path | None) -> SessionVerbs:
+        """The verbs of the run `path` names (the same ones the notebook, the CLI and the Python
+        client call), sent through this app's session and its role checks."""
+        return SessionVerbs(self.session, path)
 
     @property
     def output_dir(self) -> Path:
