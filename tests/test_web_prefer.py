@@ -155,7 +155,7 @@ def test_two_answers_then_this_one_is_better_and_edit_and_prefer_on_a_live_dpo_r
         controls.entry.value = edited
         controls.forget().result(timeout=120)
     assert edited not in [v for _, v in controls.entry.options]
-    assert next(e for e in run.inbox() if e["id"] == edited)["removed"]
+    assert next(e for e in run.entries() if e["id"] == edited)["removed"]
 
 
 @pytest.mark.slow  # the module's single-rank launch

@@ -189,13 +189,14 @@ class Run(SessionVerbs):
         starting run's server)."""
         return self.session.client(str(self.path), timeout=300.0)
 
-    def inbox(self) -> list[dict]:  # type: ignore[override]  # the notebook lists the entries
-        """The inbox entries: id, prompt, answer, removed, steps_left (and a preference's rejected)."""
-        return super().inbox().entries
+    def entries(self) -> list[dict]:
+        """The inbox's entries (`inbox().entries`): id, prompt, answer, removed, steps_left (and a
+        preference's rejected)."""
+        return self.inbox().entries
 
     def sources(self) -> list[dict]:
         """The training sources now: name, path, format, weight, samples, seen (samples drawn)."""
-        return super().inbox().sources
+        return self.inbox().sources
 
     def stop(self, save: bool = Stop().save, timeout: float = 60.0) -> RunInfo:
         """Stop at the next step boundary (unless `save` is False: a checkpoint and the final
