@@ -68,9 +68,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_variant(variant: str, zero: int, data: Path, model: Path, steps: int, batching: str, out: Path) -> dict:
+def run_variant(variant: str, zero: int, data: Path, model: Path, steps: int, batching: str, out: Path,
+                sets: tuple[str, ...] = ()) -> dict:
+    """One variant on 2 ranks; `sets`: config overrides for our Trainer."""
     args = ["--variant", variant, "--zero", str(zero), "--data", str(data), "--model", str(model),
-            "--steps", str(steps), "--batching", batching, "--out", str(out)]
+            "--steps", str(steps), "--batching", batching, "--out", str(out), *(f"--set={s}" for s in sets)]
     # a free rendezvous port: DeepSpeed's default (29500) clashes with any other job on the machine
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(WORKER), *args]

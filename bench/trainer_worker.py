@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -54,7 +55,14 @@ class Clock:
     def result(self) -> dict:
         total = torch.tensor([float(self.tokens)])
         dist.all_reduce(total)
-        return {"tokens_per_s": float(total) / (self.t1 - self.t0), "steps": self.step}
+        # peak memory of the busiest rank: its process's peak RSS (the model's weights, the
+        # optimizer state, activations and logits; everything the process touched), and on a
+        # GPU the CUDA allocator's peak
+        peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                             torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {"tokens_per_s": float(total) / (self.t1 - self.t0), "steps": self.step,
+                "peak_rss_mb": float(peak[0]), "peak_cuda_mb": float(peak[1])}
 
 
 def ds_config_for(cfg, hidden: int) -> dict:

@@ -230,6 +230,10 @@ class TrainConfig(Section):
         "step on every data-parallel rank, divided by their number of label tokens (the Hugging Face "
         "Trainer's objective; the same whatever the split into micro-batches, accumulation and ranks); "
         "micro_batch = the mean of the micro-batches' mean losses (each micro-batch weighs the same).")
+    logits_at_labels: bool = _f(
+        True, "Run the output head only at the positions that carry a label (prompt and padding "
+        "skipped: less time and memory with a wide vocabulary); the loss is the same within fp32 "
+        "rounding. false: logits at every position, as the Hugging Face Trainer computes them.")
 
 
 class ParallelConfig(Section):

@@ -17,16 +17,34 @@ multiplies each micro-batch loss by `Window.scale` to undo exactly that.
 
 "micro_batch" keeps the older objective: each micro-batch's mean loss, averaged
 over the micro-batches and the ranks (every micro-batch weighs the same, whatever its tokens).
+
+The head only at labelled positions (`train.logits_at_labels`, default on): a causal LM's loss
+needs the logits of the positions that predict a label; prompt positions and padding need none.
+With a wide vocabulary the head is much of a step's work (Qwen2-0.5B: about a third of the
+forward's matrix products) and its fp32 logits much of its memory, so the head runs only where
+it counts: transformers' `logits_to_keep` takes a boolean (batch, sequence) mask and returns the
+kept positions' logits flattened to (kept, vocab). The loss is the model's own cross-entropy
+(transformers' ForCausalLMLoss: fp32 logits, the token losses' sum over `num_items_in_batch`, or
+their mean) over the same targets, so it equals the HF Trainer's within fp32 rounding (the head's
+product over fewer rows may round differently in the last bit). It applies where the model's own
+loss is that plain causal-LM cross-entropy and its forward slices by a mask (transformers'
+`slice_logits_to_keep`: nearly every model of the library); elsewhere (a model of one's own, a
+`loss_fn`, the prompt-learning PEFT methods, whose virtual tokens shift the positions) the model
+computes every position's logits, as before.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 IGNORE_INDEX = -100  # transformers' label value for "not a target"
 
@@ -116,18 +134,68 @@ def accepts_num_items(module: torch.nn.Module) -> bool:
     return any(p.kind == inspect.Parameter.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params)
 
 
+def label_positions(labels: torch.Tensor, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep, targets): the boolean mask of the positions whose logits predict a label, and those
+    labels in the mask's row-major order. Shifted (a causal LM): position t predicts label t+1,
+    so a row's last position predicts nothing."""
+    if not shifted:
+        keep = labels.ne(IGNORE_INDEX)
+        return keep, labels[keep]
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:].ne(IGNORE_INDEX)
+    return keep, labels[:, 1:][keep[:, :-1]]
+
+
+@functools.lru_cache(maxsize=None)
+def _slices_by_mask(model_class: type) -> bool:
+    """Whether the class's forward takes `logits_to_keep` and slices with transformers'
+    `slice_logits_to_keep` (the one that understands a boolean mask)."""
+    forward = getattr(model_class, "forward", None)
+    if forward is None or "logits_to_keep" not in inspect.signature(forward).parameters:
+        return False
+    return getattr(sys.modules.get(model_class.__module__), "slice_logits_to_keep", None) is not None
+
+
+def head_at_labels(module: torch.nn.Module) -> bool:
+    """Whether the model behind `module` (a DeepSpeed engine, a PEFT wrapper or the model) can
+    run its head at the labelled positions only, its own loss being the plain causal-LM one."""
+    module = getattr(module, "module", module)  # a DeepSpeed engine's model
+    peft = getattr(module, "active_peft_config", None)
+    if peft is not None and getattr(peft, "is_prompt_learning", False):
+        return False  # virtual tokens in front: the labels' positions are not the logits'
+    if hasattr(module, "get_base_model"):
+        module = module.get_base_model()
+    return getattr(module, "loss_function", None) is ForCausalLMLoss and _slices_by_mask(type(module))
+
+
+def labelled_loss(forward: Callable, batch: dict, window: Window = PER_MICRO_BATCH) -> torch.Tensor:
+    """The micro-batch's causal-LM loss with the head run at the labelled positions only: the
+    sum of its token losses over the window's label tokens, or without a count their mean (as
+    the model's own: NaN for a micro-batch without a label, as in transformers)."""
+    keep, targets = label_positions(batch["labels"], window.shifted)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = forward(**inputs, use_cache=False, logits_to_keep=keep).logits  # (kept, vocab)
+    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets, reduction="sum")
+    return total / (window.num_items if window.num_items is not None else targets.numel())
+
+
 def model_loss(forward: Callable, batch: dict, device, loss_fn: Callable | None,
-               window: Window = PER_MICRO_BATCH, module: torch.nn.Module | None = None) -> torch.Tensor:
+               window: Window = PER_MICRO_BATCH, module: torch.nn.Module | None = None,
+               at_labels: bool = False) -> torch.Tensor:
     """Forward one micro-batch through `forward` (the engine, or the bare module) and return its
     loss for `window`: the model's own, or `loss_fn`'s. `module`: the model behind `forward`,
-    asked whether it takes `num_items_in_batch` (default: `forward` itself)."""
+    asked whether it takes `num_items_in_batch` (default: `forward` itself). `at_labels`
+    (`train.logits_at_labels`): the head only at the labelled positions, where the model allows."""
     # No KV cache in training: it is wasted work, and with one transformers treats a packed
     # row as one sequence (samples would attend to each other).
     batch = {k: v.to(device) for k, v in batch.items()}
+    model = module if module is not None else forward
+    if loss_fn is None and at_labels and head_at_labels(model):  # type: ignore[arg-type]
+        return labelled_loss(forward, batch, window)
     if loss_fn is None:
         if window.num_items is None:
             return forward(**batch, use_cache=False).loss
-        if accepts_num_items(module if module is not None else forward):  # type: ignore[arg-type]
+        if accepts_num_items(model):  # type: ignore[arg-type]
             return forward(**batch, use_cache=False, num_items_in_batch=window.num_items).loss
         loss = forward(**batch, use_cache=False).loss  # a model of one's own: its mean, weighed
         return loss * (count_targets(batch["labels"], window.shifted) / window.num_items)

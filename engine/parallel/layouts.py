@@ -70,7 +70,8 @@ class DataParallel:
 
     def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None,
                      window: Window = PER_MICRO_BATCH) -> torch.Tensor:
-        return model_loss(forward, batch, run.engine.device, loss_fn, window, module=run.engine.module)
+        return model_loss(forward, batch, run.engine.device, loss_fn, window, module=run.engine.module,
+                          at_labels=run.config.train.logits_at_labels)
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
@@ -163,7 +164,8 @@ class TensorParallel(_Split):
 
     def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None,
                      window: Window = PER_MICRO_BATCH) -> torch.Tensor:
-        return model_loss(forward, batch, run.engine.device, loss_fn, window, module=run.engine.module)
+        return model_loss(forward, batch, run.engine.device, loss_fn, window, module=run.engine.module,
+                          at_labels=run.config.train.logits_at_labels)
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
