@@ -130,23 +130,26 @@ def test_the_web_set_takes_the_fields_of_set(tmp_path):
 
 def test_the_notebook_and_the_web_call_the_clients_verbs():
     """One set of verbs: the notebook's Run and the web API's SessionVerbs inherit the client's
-    methods (the Run adds only what a notebook needs: stop ends the processes, inbox lists)."""
+    methods and override none of them (the Run adds what a notebook needs, e.g. `entries`; its
+    `stop` also ends the processes)."""
     shared = [name for name, _ in inspect.getmembers(Verbs, inspect.isfunction) if not name.startswith("_")]
     assert {"pause", "set", "add_source", "teach", "rewind", "generate"} <= set(shared)
     for front in (RunClient, SessionVerbs, Run):
         assert issubclass(front, Verbs)
     own = {name for name in shared if name in vars(Run) or name in vars(SessionVerbs)}
-    assert own == {"send", "stream", "inbox"}
+    assert own == {"send", "stream"}
 
 
 def test_the_notebook_and_the_web_api_build_no_command_of_their_own():
     """Their commands are built by the verbs alone: they import no command class but Set (whose
-    fields /set takes) and Stop (whose default `save` they show)."""
+    fields /set takes) and Stop (whose default `save` they show). So do the web page's handlers
+    of the Train, Chat, Data and Checkpoints tabs (Backend.verbs)."""
     import ast
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    for module in ("app/notebook/api.py", "app/web/api.py"):
+    for module in ("app/notebook/api.py", "app/web/api.py", "app/web/train.py", "app/web/chat.py",
+                   "app/web/data.py", "app/web/branches.py"):
         tree = ast.parse((root / module).read_text())
         commands = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                     and (node.module or "").startswith("contract.protocol.") and node.module.endswith("commands")
