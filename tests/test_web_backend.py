@@ -89,6 +89,18 @@ def test_reattach_after_the_app_restarted_and_compare_with_the_base_model(runs):
         status = app.watch.status(None)
         assert status["run"] == info.name and status["settings"]["lr"] > 0
 
+        # the Train tab's other live settings (app.web.settings_fold): refused in words, or one set
+        from app.web import settings_fold
+        with pytest.raises(SessionError, match="Betas: must be numbers separated by a comma"):
+            settings_fold.apply_boxes(app, None, {"betas": "0.9; x"})
+        with pytest.raises(SessionError, match="betas"):  # the command's rule, before anything is sent
+            settings_fold.apply_boxes(app, None, {"betas": "0.9, 1.0"})
+        said = settings_fold.apply_boxes(app, None, {"weight_decay": "0.05", "betas": "0.85, 0.99", "eps": ""})
+        assert "Weight decay 0.05" in said and "Betas 0.85, 0.99" in said, said
+        assert "Weight decay **0.05**" in settings_fold.present_text(app, None)
+        sets = [e for e in read_events(f"{info.path}/events.jsonl") if e["type"] == "set"]
+        assert sets[-1]["changes"]["weight_decay"] == 0.05 and sets[-1]["changes"]["betas"] == [0.85, 0.99]
+
         chat = [{"role": "user", "content": "reverse: cat"}]
         answers = []
         for _ in range(2):

@@ -246,6 +246,16 @@ wait_until(lambda: h.summary.step >= set_at + 2, "steps after the lr change")
 assert [lr for s, lr in h.train["lr"] if s > set_at] and \\
     all(abs(lr - 5e-4) < 1e-12 for s, lr in h.train["lr"] if s > set_at), h.train["lr"][-5:]
 
+# the other live settings (the extras' settings fold): one set of the filled boxes
+panel.settings.boxes["weight_decay"].value = "0.05"
+panel.settings.boxes["betas"].value = "0.85, 0.99"
+panel.settings.apply_button.click()
+panel.wait_idle(120)
+wait_until(lambda: any("weight_decay" in c for c in h.settings), "the settings to reach the event log")
+assert [c for c in h.settings if "weight_decay" in c][-1]["betas"] == [0.85, 0.99], h.settings
+wait_until(lambda: "Weight decay <b>0.05</b>" in panel.settings.present.value, "the present values")
+assert all(box.value == "" for box in panel.settings.boxes.values())
+
 panel.pause_button.click()
 wait_until(lambda: h.summary.state == "paused", "the pause")
 wait_until(lambda: panel.pause_button.disabled and not panel.resume_button.disabled, "the buttons")
@@ -301,7 +311,7 @@ def test_the_panel_drives_a_run_by_clicks_while_other_cells_run(tmp_path, monkey
     assert progress and progress[0]["value"] >= 4
     events = [json.loads(line) for line in (tmp_path / "runs" / "clicked" / "events.jsonl").read_text().splitlines()]
     commands = [e["cmd"] for e in events if e["type"] == "command" and e["status"] == "done"]
-    assert commands[:5] == ["set", "pause", "generate", "evaluate", "resume"]
+    assert commands[:6] == ["set", "set", "pause", "generate", "evaluate", "resume"]  # lr, then the other settings
     assert commands[-1] == "stop"
 
 

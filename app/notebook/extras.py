@@ -2,7 +2,8 @@
 tree, Rewind / Branch from any branch's checkpoint or a kept snapshot, Snapshot now; the
 training sources with their weights and samples drawn, a weight set live, a source added or
 removed, the inbox of taught answers and preferences (rejected answer, margin before and
-after) with Remove. They read the run folder (`app.branches`,
+after) with Remove; every other live setting (optimizer, clipping, intervals, preference beta,
+serving budget). They read the run folder (`app.branches`,
 `app.sources`) and send through the panel's command thread (`RunPanel._command`), so the kernel
 never waits for a step boundary; each control is enabled when the run's state allows its command.
 """
@@ -15,9 +16,10 @@ from typing import Any, Callable
 
 import ipywidgets as widgets
 
+from app import live_settings
 from app.branches import branch_view, tree_lines
 from app.notebook.api import Run
-from app.session import allowed
+from app.session import SessionError, allowed
 from app.sources import data_view, margin_text, number
 from contract.run_folder import RunFolder
 from contract.protocol.states import RunState
@@ -196,6 +198,58 @@ class DataControls:
             self._error("remove from inbox: pick an entry first")
             return None
         return self._after(self._send("remove from inbox", lambda run: run.forget(entry)))
+
+
+class SettingsControls:
+    """Every other live setting of `set` (app.live_settings: the command's fields but the
+    learning rate, which has its own box, and the chat's generation defaults): a box each, Apply
+    sends the filled ones as one `set`, and the run's present values are shown after it."""
+
+    def __init__(self, get_run: Callable[[], Run | None], send: Send, on_error: Callable[[str], None]):
+        self._get_run, self._send, self._error = get_run, send, on_error
+        self.present = widgets.HTML()
+        self.boxes = {name: widgets.Text(value="", description=live_settings.label(name),
+                                         placeholder=_short(live_settings.help_text(name)),
+                                         description_tooltip=live_settings.help_text(name),
+                                         style={"description_width": "150px"}, layout=widgets.Layout(width="460px"))
+                      for name in live_settings.names()}
+        self.apply_button = _button("Apply", "sliders", self.apply, "120px")
+        self.refresh_button = _button("Refresh", "refresh", self.refresh, "100px")
+        self.widget = widgets.VBox([self.present, *self.boxes.values(),
+                                    widgets.HBox([self.apply_button, self.refresh_button])])
+
+    def refresh(self, state: str | None = None) -> None:
+        run = self._get_run()
+        settings = None
+        if run is not None and run.info().alive and run.info().state in (RunState.RUNNING, RunState.PAUSED):
+            try:
+                settings = run.status().settings
+            except Exception:  # noqa: BLE001 - nothing to show now; the next refresh tries again
+                settings = None
+        shown = live_settings.present(settings)
+        self.present.value = ("now: " + " · ".join(f"{html.escape(k)} <b>{html.escape(v)}</b>" for k, v in shown)
+                              if shown else "<i>no live values to show</i>")
+        self.enable(state if state is not None else (run.info().state if run is not None else None))
+
+    def enable(self, state: str | None) -> None:
+        self.apply_button.disabled = "set" not in allowed(state)
+
+    def apply(self) -> Future | None:
+        try:
+            changes = live_settings.changes({name: box.value for name, box in self.boxes.items()})
+        except SessionError as e:
+            self._error(f"set: {e}")
+            return None
+        for box in self.boxes.values():
+            box.value = ""
+        future = self._send("set", lambda run: run.set(**changes))
+        if future is not None:
+            future.add_done_callback(lambda _: self.refresh())
+        return future
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _table(head: list[str], rows: list[list[Any]]) -> str:

@@ -1,6 +1,7 @@
 """The run panel: config form, Start / Pause / Resume / Stop / Save / Evaluate, a live learning
 rate, progress with ETA, live plots, the chat box (with Teach), the branches (Rewind / Branch /
-Snapshot) and data (sources, weights, inbox) folds of `extras`, and a run picker to reattach.
+Snapshot), data (sources, weights, inbox) and other live settings folds of `extras`, and a run
+picker to reattach.
 
     panel = RunPanel()       # reattaches to the newest live run in the output folder, if any
     panel                    # (last line of a cell) shows it
@@ -25,7 +26,7 @@ import ipywidgets as widgets
 
 from app.notebook import api
 from app.notebook.chat import ChatBox
-from app.notebook.extras import BranchControls, DataControls
+from app.notebook.extras import BranchControls, DataControls, SettingsControls
 from app.notebook.fallback import with_note
 from app.notebook.form import ConfigForm
 from app.notebook.plots import render_png
@@ -94,8 +95,10 @@ class RunPanel:
         self.chat = ChatBox(lambda: self.run, on_error=self._error)
         self.branches = BranchControls(lambda: self.run, self._command, self._error)
         self.data = DataControls(lambda: self.run, self._command, self._error)
-        extras = widgets.Accordion(children=[self.branches.widget, self.data.widget],
-                                   titles=("branches: rewind, branch, snapshot", "data: sources, weights, inbox"))
+        self.settings = SettingsControls(lambda: self.run, self._command, self._error)
+        extras = widgets.Accordion(children=[self.branches.widget, self.data.widget, self.settings.widget],
+                                   titles=("branches: rewind, branch, snapshot", "data: sources, weights, inbox",
+                                           "more live settings: optimizer, clipping, intervals, beta, serving"))
         self.picker = widgets.Dropdown(description="run", layout=widgets.Layout(width="520px"))
         self.refresh_button = button("Refresh", "refresh", self.refresh_runs)
         self.attach_button = button("Attach", "link", lambda: self.picker.value and self.attach(self.picker.value))
@@ -146,6 +149,7 @@ class RunPanel:
         self.refresh_runs(select=run.name)
         self.branches.refresh()
         self.data.refresh()
+        self.settings.refresh()
         return run
 
     def detach(self) -> None:
@@ -259,6 +263,7 @@ class RunPanel:
         self.chat.teach_button.disabled = "teach" not in ok
         self.branches.enable(state)
         self.data.enable(state)
+        self.settings.enable(state)
 
     # -- messages -------------------------------------------------------------------------------
     def _say(self, text: str, error: bool = False) -> None:

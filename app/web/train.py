@@ -1,6 +1,6 @@
 """The Train tab: Start, Pause / Resume, Stop (as the contract's Stop means it: saving first) and
-its opposite, Save now, Evaluate now, a live learning-rate change; state, step, epoch, progress
-and ETA; live plots rebuilt from the event log (so a reloaded page shows the whole history); the
+its opposite, Save now, Evaluate now, a live learning-rate change and every other live setting
+(settings_fold); state, step, epoch, progress and ETA; live plots rebuilt from the event log (so a reloaded page shows the whole history); the
 log tail; a banner when the run fails; the chat beside the plots (chat_side). Which buttons are
 enabled follows the run's state through `contract.protocol.commands.allowed_commands`; every handler
 returns its outputs keyed by component.
@@ -20,7 +20,7 @@ import gradio as gr
 
 from app.lr_box import lr_from_box
 from app.session import SessionError, allowed
-from app.web import chat_side, data, feed
+from app.web import chat_side, data, feed, settings_fold
 from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import Plots, make_plots
@@ -105,6 +105,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
                              "0 stops learning and is asked about first.")
         buttons["set_lr"] = gr.Button("Set learning rate", interactive=False, elem_id="train-set-lr", scale=1)
         side_shown = gr.Checkbox(True, label="Chat beside the plots", elem_id="train-chat-toggle", scale=1)
+    settings_fold.build(backend, run_state)  # every other live setting of `set`
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=480):
             plots = make_plots("train")

@@ -1,0 +1,95 @@
+"""The live settings a front end offers beside the learning rate: every field of `set`
+(contract.protocol.commands.Set) but `lr`, which has a box of its own (app.lr_box), and
+`generation`, the chat's defaults. The fields are the command's, not a list kept here, so a new
+live setting shows in the web Train tab's fold and the notebook panel's at once, with the
+command's description as its help.
+
+Boxes hold text: `changes` reads the filled ones into Set's arguments (a number, two numbers for
+Adam's betas, a JSON object for any other optimizer field) and refuses text that is not one,
+naming the setting; the bounds are the command's own, checked by the verb that sends it.
+`present` words the run's values now (its status `settings`).
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from typing import Any
+
+from app.session import SessionError
+from contract.protocol.commands import Set
+
+OWN_BOXES = ("lr", "generation")  # the learning-rate box; the Chat tab's generation defaults
+
+
+def names() -> list[str]:
+    """The settings offered, in the command's order."""
+    return [name for name in Set.model_fields if name not in OWN_BOXES]
+
+
+def label(name: str) -> str:
+    return name.replace("_", " ").capitalize()
+
+
+def help_text(name: str) -> str:
+    return Set.model_fields[name].description or ""
+
+
+def _kind(name: str) -> type:
+    """int, float, list (betas) or dict (optimizer): what the field holds, without None."""
+    kinds = [k for k in typing.get_args(Set.model_fields[name].annotation) if k is not type(None)]
+    kind = kinds[0] if kinds else Set.model_fields[name].annotation
+    return typing.get_origin(kind) or kind
+
+
+def parse(name: str, text: Any) -> Any:
+    """The value typed in `name`'s box, as Set takes it; SessionError naming the setting if the
+    text is not of its kind."""
+    text = str(text).strip()
+    kind = _kind(name)
+    try:
+        if kind is list:
+            return [float(part) for part in text.replace(",", " ").split()]
+        if kind is dict:
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
+        return int(text) if kind is int else float(text)
+    except ValueError:
+        wanted = {list: "numbers separated by a comma (e.g. 0.9, 0.999)",
+                  dict: 'a JSON object of optimizer fields (e.g. {"momentum": 0.8})',
+                  int: "a whole number"}.get(kind, "a number")
+        raise SessionError(f"{label(name)}: must be {wanted}, got {text!r}") from None
+
+
+def changes(boxes: dict[str, Any]) -> dict[str, Any]:
+    """Set's arguments from the boxes that hold text (the empty ones change nothing)."""
+    given = {name: parse(name, text) for name, text in boxes.items() if str(text or "").strip()}
+    if not given:
+        raise SessionError("type a new value in at least one box")
+    return given
+
+
+def shown(value: Any) -> str:
+    """A value as the pages show it."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(shown(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {shown(v)}" for k, v in value.items())
+    return str(value)
+
+
+def present(settings: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """(label, value) of each offered setting the run reports now (the optimizer's other fields
+    without those that have a box of their own)."""
+    out = []
+    for name in names():
+        value = (settings or {}).get(name)
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v is not None and k not in names() and k not in OWN_BOXES}
+        if value is not None and value != {}:
+            out.append((label(name), shown(value)))
+    return out
