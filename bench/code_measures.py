@@ -23,11 +23,10 @@ def main(root: Path) -> None:
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     check.ROOT = root
-    reexported, functions, dict_events = 0, [], []
+    reexported, functions = 0, []
     for package in PACKAGES:
         for path in (root / package).rglob("*.py"):
             tree = ast.parse(path.read_text())
-            dict_events += [f"{path.relative_to(root)}:{line}" for line in _events_as_dicts(tree)]
             functions += [(n.end_lineno - n.lineno + 1, f"{path.relative_to(root)}:{n.name}") for n in ast.walk(tree)
                           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
             if path.name == "__init__.py":
@@ -41,19 +40,11 @@ def main(root: Path) -> None:
     keyed = check.answers_read_by_key()
     print(f"answers read by string key in app/ or supervisor/: {len(keyed)}"
           + (f" ({', '.join(keyed)})" if keyed else ""))
+    dict_events = check.events_written_as_dicts()
     print(f"events written as dicts: {len(dict_events)}" + (f" ({', '.join(dict_events)})" if dict_events else ""))
     print(f"names imported from our packages and not used where imported (re-exports): {reexported}")
     print("longest functions: " + ", ".join(f"{name} ({lines} lines)" for lines, name in functions[:5]))
     print(f"README.md: {len((root / 'README.md').read_text().splitlines())} lines")
-
-
-def _events_as_dicts(tree: ast.AST) -> list[int]:
-    """Lines where an event is emitted as a dict: `emit({...})` or `emit(dict(...))`."""
-    return [node.lineno for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "emit"
-            and node.args and (isinstance(node.args[0], ast.Dict) or
-                               (isinstance(node.args[0], ast.Call) and isinstance(node.args[0].func, ast.Name)
-                                and node.args[0].func.id == "dict"))]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Run states, event types and command statuses are enums declared once in contract/; outside it
 they are used through the enum, never spelled as string literals (a typo in a literal compares
 false forever; a typo in an enum member fails at import). Commands' answers are models
-(contract.protocol.answers): app/ and supervisor/ read their fields, never `answer["step"]`."""
+(contract.protocol.answers): app/ and supervisor/ read their fields, never `answer["step"]`. Events
+are written through their models (contract.events), never as a dict."""
 
 import ast
 from pathlib import Path
@@ -119,3 +120,30 @@ def test_the_check_finds_a_literal():
                      'emit({"type": "state", "status": "done"})\n')
     found = sorted((what, value) for node in ast.walk(tree) for what, value, _ in _uses(node))
     assert found == [("state", "running"), ("status", "done"), ("type", "state"), ("type", "train")]
+
+
+def events_written_as_dicts() -> list[str]:
+    """Each `emit({...})` / `emit(dict(...))` in the product's packages: an event is built as its
+    model (contract.events), so a wrong field fails where it is written."""
+    found = []
+    for package in ("app", "supervisor", "engine", "contract"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT)}:{line}" for line in _emits_a_dict(ast.parse(path.read_text()))]
+    return found
+
+
+def _emits_a_dict(tree: ast.AST) -> list[int]:
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "emit"
+            and node.args and (isinstance(node.args[0], ast.Dict) or
+                               (isinstance(node.args[0], ast.Call) and isinstance(node.args[0].func, ast.Name)
+                                and node.args[0].func.id == "dict"))]
+
+
+def test_no_event_written_as_a_dict():
+    assert events_written_as_dicts() == []
+
+
+def test_the_check_finds_an_event_written_as_a_dict():
+    tree = ast.parse('log.emit({"type": "x"})\nself.events.emit(dict(type="x"))\nctx.emit(TrainEvent(step=1))\n')
+    assert _emits_a_dict(tree) == [1, 2]
