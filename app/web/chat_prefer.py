@@ -125,11 +125,11 @@ def pair_budget(backend: Backend, path: str | None, question: str) -> Budget:
     max_length = load_config(Path(root) / "config.yaml").data.max_length
     chat = [{"role": "user", "content": question}]
     try:
-        found = backend.session.send(root, Complete(messages=chat, max_new_tokens=0, echo=True))
+        found = backend.verbs(root).send(Complete(messages=chat, max_new_tokens=0, echo=True))
     except SessionError as e:
         if "chat template" not in str(e):
             raise
-        found = backend.session.send(root, Complete(prompts=[question], max_new_tokens=0, echo=True))
+        found = backend.verbs(root).send(Complete(prompts=[question], max_new_tokens=0, echo=True))
     budget = Budget(max_length, int(found.usage["prompt_tokens"]))
     if budget.answer_tokens < 1:
         raise SessionError(f"the question takes {budget.prompt_tokens} tokens of the run's data.max_length="
@@ -235,15 +235,15 @@ def pair_command(question: str, chosen: str, rejected: str, chat: bool = True) -
 def prefer(backend: Backend, path: str | None, question: str, chosen: str, rejected: str) -> TeachAnswer:
     """Send the pair into the run's inbox (a model without a chat template gets the raw prompt,
     as the chat sent it); the run's answer: the entry's id, the step, the margin."""
-    command = pair_command(question, chosen, rejected)  # refused here, before the run is asked
+    pair_command(question, chosen, rejected)  # the contract's pair rules refuse it here, before the role check
     backend.session.require(PREFER, Teach.role)  # a viewer's refusal names what was pressed
+    verbs = backend.verbs(path)
     try:
-        result = backend.session.send(path, command)
+        return verbs.prefer(None, chosen, rejected, messages=[{"role": "user", "content": question}])
     except SessionError as e:
         if "chat template" not in str(e):
             raise
-        result = backend.session.send(path, pair_command(question, chosen, rejected, chat=False))
-    return result
+        return verbs.prefer(question, chosen, rejected)
 
 
 def said(result: TeachAnswer) -> str:
