@@ -173,7 +173,8 @@ def test_a_viewers_train_tab_shows_its_controls_disabled(backend):
         view = train.TrainView(gr.State(None), gr.State(None), gr.Checkbox(), gr.HTML(), gr.HTML(), gr.Code(),
                                gr.Textbox(), {name: gr.Button() for name in train.COMMAND_OF}, gr.Button(),
                                role_of=backend.session.role_of)
-    for username, enabled in (("v", set()), ("op", {"pause", "stop", "stop_other", "save", "evaluate", "set_lr"})):
+    operator = {"pause", "stop", "stop_other", "save", "evaluate", "set_lr", "set_settings"}
+    for username, enabled in (("v", set()), ("op", operator)):
         token = _as(username)
         try:
             controls = view.controls("running")

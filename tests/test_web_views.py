@@ -101,7 +101,7 @@ def test_the_train_tabs_look_is_keyed_by_component_and_follows_the_run_state(tmp
         assert set(hidden) == {view.run_state, view.seen}
         assert set(view.controls("paused")) == {*view.buttons.values(), view.start}
         enabled = {name for name, b in view.buttons.items() if view.controls("paused")[b]["interactive"]}
-        assert enabled == {"resume", "stop", "stop_other", "save", "evaluate", "set_lr"}
+        assert enabled == {"resume", "stop", "stop_other", "save", "evaluate", "set_lr", "set_settings"}
         assert view.controls("paused")[view.buttons["resume"]]["variant"] == "primary"
         assert view.controls("running")[view.start]["variant"] == "secondary"  # a live run: Start is not primary
         assert view.controls("finished")[view.start]["variant"] == "primary"

@@ -16,7 +16,9 @@ from app.web.backend import Backend
 from app.web.widgets import readable
 
 
-def build(backend: Backend, run_state: gr.State) -> None:
+def build(backend: Backend, run_state: gr.State) -> gr.Button:
+    """The fold; returns its Apply button, which the Train tab enables with its other buttons
+    (when the run's state and the login allow `set`)."""
     with gr.Accordion("More live settings: optimizer, clipping, intervals, preference beta, serving budget",
                       open=False, elem_id="train-settings") as fold:
         present = gr.Markdown("", elem_id="train-settings-present")
@@ -27,7 +29,7 @@ def build(backend: Backend, run_state: gr.State) -> None:
                 for name in names[row:row + 4]:
                     boxes[name] = gr.Textbox(label=live_settings.label(name), value="", max_lines=1,
                                              info=live_settings.help_text(name), elem_id=f"train-set-{name}")
-        apply = gr.Button("Apply at the next step", elem_id="train-settings-apply")
+        apply = gr.Button("Apply at the next step", interactive=False, elem_id="train-settings-apply")
         said = gr.Markdown("", elem_id="train-settings-result")
 
     def look(path: str | None) -> str:
@@ -40,11 +42,14 @@ def build(backend: Backend, run_state: gr.State) -> None:
     fold.expand(readable(look), inputs=run_state, outputs=present, api_visibility="private", show_progress="hidden")
     apply.click(readable(send), inputs=[run_state, *boxes.values()], outputs=[said, present, *boxes.values()],
                 api_visibility="private", concurrency_limit=None)
+    return apply
 
 
 def present_text(backend: Backend, path: str | None) -> str:
     """The run's values now, from its status (one line), or why there are none."""
     try:
+        if not backend.session.info(backend.session.resolve(path)).alive:
+            return "*The run is not live: nothing to show or change.*"
         settings = backend.verbs(path).status().settings
     except SessionError as e:
         return f"*No values to show: {html.escape(str(e))}*"

@@ -58,7 +58,7 @@ CONFIRM_LR_JS = ("(lr) => String(lr ?? '').trim() === '' || Number(lr) !== 0 || 
 # button -> the command it sends; a button is enabled when the run's state allows its command
 # (contract.protocol.commands.allowed_commands, the table every front end follows)
 COMMAND_OF = {"pause": "pause", "resume": "resume", "stop": "stop", "stop_other": "stop",
-              "save": "save", "evaluate": "evaluate", "set_lr": "set"}
+              "save": "save", "evaluate": "evaluate", "set_lr": "set", "set_settings": "set"}
 # "stop" is Stop() as the contract defines it; "stop_other" is the same with the save the other way
 OTHER_SAVE = not Stop().save
 
@@ -105,7 +105,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
                              "0 stops learning and is asked about first.")
         buttons["set_lr"] = gr.Button("Set learning rate", interactive=False, elem_id="train-set-lr", scale=1)
         side_shown = gr.Checkbox(True, label="Chat beside the plots", elem_id="train-chat-toggle", scale=1)
-    settings_fold.build(backend, run_state)  # every other live setting of `set`
+    buttons["set_settings"] = settings_fold.build(backend, run_state)  # every other live setting of `set`
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=480):
             plots = make_plots("train")
