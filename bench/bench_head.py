@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_trainer import run_variant  # noqa: E402  (2 ranks through the DeepSpeed launcher)
+from bench_trainer import run_variant, save_word_tokenizer  # noqa: E402  (2 ranks through the DeepSpeed launcher)
 
 SHAPES = {"small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2),
@@ -39,17 +39,13 @@ LENGTH, PROMPT = 128, 64  # tokens per row; the first PROMPT are the prompt (no 
 
 def make_model(folder: Path, vocab: int, shape: str) -> Path:
     import torch
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=True,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2, **SHAPES[shape])
     model_dir = folder / f"model-{vocab}"
     Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
-    words = {f"t{i}": i for i in range(vocab)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="t3")),
-                                  pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
-    tok.save_pretrained(model_dir)
+    save_word_tokenizer(model_dir, vocab)
     return model_dir
 
 

@@ -46,19 +46,25 @@ def make_data(folder: Path, uneven: bool, n: int = 4096, vocab: int = 2048, seed
 
 def make_model(folder: Path, vocab: int = 2048) -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model_dir = folder / "model"
     LlamaForCausalLM(cfg).save_pretrained(model_dir)
-    vocab_map = {f"t{i}": i for i in range(vocab)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab_map, unk_token="t3")),
+    save_word_tokenizer(model_dir, vocab)
+    return model_dir
+
+
+def save_word_tokenizer(model_dir: Path, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` tokens t0..t{vocab-1} (pad, bos, eos, unk first) beside the model."""
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+    words = {f"t{i}": i for i in range(vocab)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="t3")),
                                   pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
     tok.save_pretrained(model_dir)
-    return model_dir
 
 
 def free_port() -> int:
