@@ -125,6 +125,21 @@ def margin_text(entry: dict) -> str:
     return f"{before:+.3f} → {after:+.3f} (prefers {entry.get('prefers') or '?'})"
 
 
+# the inbox's columns as both front ends show them: a taught answer fills "answer (chosen)", a
+# preference also "rejected"; learned: for an answer, the answer after is the taught one, for a
+# pair the model prefers the chosen answer at the check
+INBOX_COLUMNS = ["id", "prompt", "answer (chosen)", "rejected", "step", "before", "after", "learned", "margin",
+                 "removed"]
+
+
+def inbox_rows(inbox: list[dict]) -> list[list[Any]]:
+    """One row per inbox entry (DataView.inbox), in INBOX_COLUMNS' order."""
+    return [[e["id"], readable_prompt(e["prompt"]), e["answer"], e.get("rejected") or "", e["step"],
+             e.get("old") or "", e.get("new") or "",
+             "" if e.get("learned") is None else ("yes" if e["learned"] else "not yet"),
+             margin_text(e), "yes" if e.get("removed") else ""] for e in inbox]
+
+
 def readable_prompt(prompt: str) -> str:
     """A prompt as the model saw it, for reading: its special tokens (BOS, the chat template's
     role markers) left out, its whitespace on one line."""

@@ -191,7 +191,10 @@ def test_the_inbox_lists_a_preference_with_its_rejected_answer_and_margins(tmp_p
         run = Run(folder.root, backend.session)
         controls = DataControls(lambda: run, lambda label, call: None, print)
         controls.refresh()
-        assert "<th style='padding:0 8px;text-align:left'>rejected</th>" in controls.inbox.value
+        heads = [f"<th style='padding:0 8px;text-align:left'>{name}</th>" for name in web_data.INBOX_COLUMNS]
+        assert "".join(heads) in controls.inbox.value  # the web app's columns, in its order
+        assert "<td style='padding:0 8px'>reverse: abc</td>" in controls.inbox.value  # no special tokens
+        assert "&lt;s&gt;" not in controls.inbox.value and "&lt;|user|&gt;" not in controls.inbox.value
         assert "-0.500 → +1.250 (prefers chosen)" in controls.inbox.value
         assert [v for _, v in controls.entry.options] == ["t1", "t2"]
         assert dict(controls.entry.options)["t2: cba over abc"] == "t2"

@@ -240,3 +240,18 @@ def test_a_warning_is_shown_under_its_field_and_a_problem_wins(backend, tmp_path
     assert both["info"].startswith("⚠ must be at least 1 — Warning:") and "invalid" in both["elem_classes"]
     plain = configure._help(f, [])
     assert plain["elem_classes"] == ["cfg-field"] and not plain["info"].startswith(("⚠", "Warning"))
+
+
+def test_the_status_line_shows_the_objectives_own_numbers(tmp_path):
+    """A preference run's reward accuracy and margin, a GRPO run's mean reward, SFT's loss alone."""
+    folder = RunFolder(tmp_path / "runs" / "r").create()
+    info = RunInfo("r", str(folder.root), "running", True, 5, 100, {}, 1.0, None, None, None, None)
+
+    def line(last: dict) -> str:
+        return status_html(Snapshot(str(folder.root), info, Progress("running", 5, 100, 0, 10.0, 3.0, last, {}, None),
+                                    1, None))
+    dpo = line({"loss": 0.61, "rewards/accuracies": 0.75, "rewards/margins": 0.1234, "lr": 1e-4})
+    assert "loss 0.6100 · reward acc 0.75 · margin 0.123 · lr 1.00e-04" in dpo
+    assert "reward 0.420" in line({"loss": 0.01, "reward": 0.42})
+    sft = line({"loss": 2.5})
+    assert "loss 2.5000" in sft and "reward" not in sft and "margin" not in sft

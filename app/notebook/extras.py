@@ -20,7 +20,7 @@ from app import live_settings
 from app.branches import branch_view, tree_lines
 from app.notebook.api import Run
 from app.session import SessionError, allowed
-from app.sources import data_view, margin_text, number
+from app.sources import INBOX_COLUMNS, data_view, inbox_rows, number
 from contract.run_folder import RunFolder
 from contract.protocol.states import RunState
 
@@ -141,11 +141,7 @@ class DataControls:
                                     [[s.get("name"), s.get("weight"), s.get("seen", 0), s.get("path")]
                                      for s in view.sources])
         self.source.options = [str(s.get("name")) for s in view.sources]
-        self.inbox.value = _table(["id", "prompt", "wanted", "rejected", "step", "before", "after",
-                                   "margin before → after", "removed"],
-                                  [[e["id"], e["prompt"], e["answer"], e.get("rejected") or "", e["step"],
-                                    e.get("old") or "", e.get("new") or "", margin_text(e),
-                                    "yes" if e["removed"] else ""] for e in view.inbox])
+        self.inbox.value = _table(INBOX_COLUMNS, inbox_rows(view.inbox))  # the web app's columns
         self.entry.options = [(f"{e['id']}: {e['answer']}" + (f" over {e['rejected']}" if e.get("rejected") else ""),
                                e["id"]) for e in view.inbox if not e["removed"]]
         self.enable(state if state is not None else run.info().state)

@@ -17,7 +17,7 @@ import gradio as gr
 import pandas as pd
 
 from app.session import SessionError, allowed
-from app.sources import DataView, data_view, margin_text, number, readable_prompt
+from app.sources import INBOX_COLUMNS, DataView, data_view, inbox_rows, number, readable_prompt
 from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from app.web.widgets import TABLE_CLASS
@@ -27,9 +27,7 @@ from contract.protocol.states import RunState
 SOURCE_COLUMNS = ["source", "weight", "samples drawn", "format", "path"]
 # each inbox column's share of the table's width (short headers that never break inside a word:
 # TABLE_CLASS); a taught answer fills "answer (chosen)", a preference also "rejected"
-INBOX_WIDTHS = {"id": "4%", "prompt": "15%", "answer (chosen)": "13%", "rejected": "11%", "step": "5%",
-                "before": "11%", "after": "11%", "learned": "7%", "margin": "16%", "removed": "7%"}
-INBOX_COLUMNS = list(INBOX_WIDTHS)
+INBOX_WIDTHS = dict(zip(INBOX_COLUMNS, ["4%", "15%", "13%", "11%", "5%", "11%", "11%", "7%", "16%", "7%"]))
 INBOX_LABEL = ("Inbox: answers taught and preferences given from the Chat tab. step: when it was taught; "
                "before / after: the model's answer then and at the check; learned: for an answer, the answer "
                "after is the taught one; for a pair, the model prefers the chosen answer at the check (its margin "
@@ -156,10 +154,7 @@ def _sources_frame(view: DataView) -> pd.DataFrame:
 
 
 def _inbox_frame(view: DataView) -> pd.DataFrame:
-    rows = [[e["id"], readable_prompt(e["prompt"]), e["answer"], e.get("rejected") or "", e["step"], e.get("old") or "",
-             e.get("new") or "", "" if e.get("learned") is None else ("yes" if e["learned"] else "not yet"),
-             margin_text(e), "yes" if e.get("removed") else ""] for e in view.inbox]
-    return pd.DataFrame(rows, columns=INBOX_COLUMNS)
+    return pd.DataFrame(inbox_rows(view.inbox), columns=INBOX_COLUMNS)
 
 
 def entry_label(entry: dict) -> str:

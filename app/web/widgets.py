@@ -99,6 +99,13 @@ def duration(seconds: float | None) -> str:
     return f"{h}h {m:02d}m" if h else (f"{m}m {s:02d}s" if m else f"{s}s")
 
 
+# the status line's numbers from the last step, those the run logs (TRL's names for an objective's):
+# SFT's loss, a preference run's reward accuracy and margin, a GRPO run's mean reward
+STATUS_NUMBERS = (("loss", "loss", "{:.4f}"), ("rewards/accuracies", "reward acc", "{:.2f}"),
+                  ("rewards/margins", "margin", "{:.3f}"), ("reward", "reward", "{:.3f}"),
+                  ("lr", "lr", "{:.2e}"), ("tokens_per_s", "tok/s", "{:.0f}"))
+
+
 def status_html(snap: Snapshot | None, note: str | None = None) -> str:
     """The status line: state, run, step / total, epoch, ETA, last numbers, a progress bar."""
     if snap is None:
@@ -121,8 +128,8 @@ def status_html(snap: Snapshot | None, note: str | None = None) -> str:
         parts.append(f"<span class='muted' id='run-queued'>waiting in Slurm's queue (job {html.escape(str(job))}); "
                      "Stop cancels it</span>")
     parts.append(f"elapsed {duration(p.elapsed_s)}")
-    for key, label, fmt in (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.2e}"), ("tokens_per_s", "tok/s", "{:.0f}")):
-        if key in p.last:
+    for key, label, fmt in STATUS_NUMBERS:
+        if isinstance(p.last.get(key), (int, float)):
             parts.append(f"{label} {fmt.format(p.last[key])}")
     for key, value in list(p.last_eval.items())[:3]:
         parts.append(f"{html.escape(key)} {value:.4g}")
