@@ -197,8 +197,9 @@ class GrpoConfig(Section):
     scale_rewards: Literal["group", "batch", "none"] = _f(
         "group", "Advantages: (reward - group mean) divided by the group's std (group), the whole "
         "step's std (batch), or not divided (none).", label="Scale rewards")
-    num_iterations: int = _f(1, "Optimizer steps per batch of samples (TRL's mu); only 1 so far.",
-                             minimum=1, maximum=1, label="Iterations per sample batch")
+    num_iterations: int = _f(1, "Optimizer steps per batch of samples (TRL's mu): each is a step; answers "
+                             "are sampled every num_iterations steps and reused with importance ratios.",
+                             minimum=1, label="Iterations per sample batch")
     rewards: list[dict] = _f([], "Reward functions, each {kind, weight, ...} (built-in: exact_match, regex, "
                              "format, numeric, length) or {function: module:function, weight}; the "
                              "reward is their weighted sum (docs/rewards.md). Empty: exact match "

@@ -95,7 +95,8 @@ def train_loader(ctx: RunContext, data: RunData, epoch: int, start_batch: int = 
         dp_size=ctx.env.dp_size, seed=cfg.train.seed, strategy=cfg.data.batching,
         tokenizer=ctx.tokenizer, max_length=cfg.data.max_length,
         num_workers=cfg.data.num_workers, shuffle=True, drop_last=True,
-        collate_fn=data.train_collate_fn)
+        collate_fn=data.train_collate_fn, block=cfg.train.grad_accum,
+        repeat=cfg.grpo.num_iterations if cfg.preference.objective == "grpo" else 1)  # reused samples
     loader.batch_sampler.set_epoch(epoch)
     loader.batch_sampler.set_start_batch(start_batch)
     return loader

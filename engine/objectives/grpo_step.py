@@ -37,6 +37,7 @@ from contract.rewards import Reward
 from engine.callbacks import NOTHING, Callback, Signal
 from engine.generation.generate import end_ids, generate, pad_id
 from engine.objectives.grpo import GrpoLoss, advantages_of, token_logps
+from engine.objectives.grpo_reuse import SampleBatch, gather_batches, reused
 from engine.objectives.preference_step import _logits, _mean_present, _reduce
 from engine.objectives.rewards import RewardError, metrics_of, score, total
 
@@ -64,15 +65,45 @@ class GrpoStep(Callback):
         self.metrics: dict[str, float] = {}
         self.failure: RewardError | None = None
         self.last_samples: list[dict] = []  # the latest step's samples, for a samples table
+        self.batch: SampleBatch | None = None  # the samples trained now (num_iterations steps)
 
     # -- the step -------------------------------------------------------------------------------
     def __call__(self, trainer, micro_batches: list[dict]) -> tuple[torch.Tensor, int]:
         self.metrics, self.failure = {}, None
+        step, iterations = trainer.state.global_step, self.config.num_iterations
+        if step % iterations == 0:  # sample, score, advantages; the next iterations reuse them
+            self.batch = self._generation(trainer, micro_batches)
+        else:
+            self.batch = reused(self.batch, step - step % iterations, micro_batches)
+        if self.batch.failed:  # a reward function failed (said once): the batch trains nothing
+            return torch.zeros(()), 0
+        batch, env = self.batch, trainer.env
+        advantages, kept = torch.as_tensor(batch.advantages), batch.old_logps
+        losses, sums, start, old_logps = [], [], 0, []
+        for k, s in enumerate(batch.samples):
+            count = s.completion_ids.size(0)
+            loss, metric_sums, logps = self.train_micro_batch(
+                trainer, s, advantages[start:start + count], gas=len(batch.samples),
+                step_tokens=batch.step_tokens, old_logps=None if kept is None else kept[k])
+            start += count
+            old_logps.append(logps)
+            losses.append(loss.detach().float())
+            sums.append(_reduce(metric_sums, env))
+        if kept is None and iterations > 1:  # the sampling policy's: this step's weights, before its update
+            batch.old_logps = old_logps
+        self.metrics = {**(batch.metrics if step % iterations == 0 else {}), **_mean_present(sums)}
+        tokens = sum(int(s.prompt_mask.sum() + s.completion_mask.sum()) for s in batch.samples)
+        return torch.stack(losses).sum(), tokens
+
+    def _generation(self, trainer, micro_batches: list[dict]) -> SampleBatch:
+        """Phases 1-3: this step's samples, their rewards and advantages (a failed batch when a
+        reward function failed on any rank)."""
         env = trainer.env
+        step = trainer.state.global_step
         samples = [self.sample(trainer, b, k) for k, b in enumerate(micro_batches)]
         per_function = self._score(trainer, samples)
         if per_function is None:
-            return torch.zeros(()), 0
+            return SampleBatch(step, failed=True)
         everyone = _gather(per_function, env)  # (ranks x N, F), rank by rank
         advantages, zero_std = advantages_of(total(everyone, [r.weight for r in self.rewards]),
                                              self.config.num_generations, self.config.scale_rewards)
@@ -81,23 +112,26 @@ class GrpoStep(Callback):
         lengths = torch.tensor([[len(x) for s in samples for x in s.ids],
                                 [float(t) for s in samples for t in s.truncated]], dtype=torch.float32)
         lengths = _gather(lengths.T.contiguous(), env)
-        step_tokens = float(lengths[:, 0].sum())
-        losses, sums, start = [], [], 0
-        for s in samples:
-            count = s.completion_ids.size(0)
-            loss, metric_sums = self.train_micro_batch(trainer, s, local[start:start + count],
-                                                       gas=len(samples), step_tokens=step_tokens)
-            start += count
-            losses.append(loss.detach().float())
-            sums.append(_reduce(metric_sums, env))
-        self.metrics = {**metrics_of([r.name for r in self.rewards], everyone, [r.weight for r in self.rewards],
-                                     zero_std),
-                        "completions/mean_length": float(lengths[:, 0].mean()),
-                        "completions/clipped_ratio": float(lengths[:, 1].mean()),
-                        **_mean_present(sums)}
+        metrics = {**metrics_of([r.name for r in self.rewards], everyone, [r.weight for r in self.rewards], zero_std),
+                   "completions/mean_length": float(lengths[:, 0].mean()),
+                   "completions/clipped_ratio": float(lengths[:, 1].mean())}
         self._keep_samples(samples, per_function, local)
-        tokens = sum(int(s.prompt_mask.sum() + s.completion_mask.sum()) for s in samples)
-        return torch.stack(losses).sum(), tokens
+        return SampleBatch(step, samples=samples, advantages=local, step_tokens=float(lengths[:, 0].sum()),
+                           metrics=metrics)
+
+    # -- the samples of a batch reused over num_iterations steps: kept in checkpoints ---------------
+    def on_save_checkpoint(self, trainer) -> Any:
+        """Every data-parallel rank's buffered samples, when the run stands between the
+        iterations of one batch (collective: every rank calls it); None otherwise."""
+        if self.config.num_iterations == 1:
+            return None
+        if trainer.state.global_step % self.config.num_iterations == 0:
+            return {"batches": None}  # the next step samples anew
+        return {"batches": gather_batches(self.batch, trainer.env)}
+
+    def on_load_checkpoint(self, trainer, state: Any) -> None:
+        batches = state.get("batches") if isinstance(state, dict) else None
+        self.batch = batches[trainer.env.dp_rank] if batches else None
 
     def sample(self, trainer, batch: dict, micro: int) -> Samples:
         """Phase 1: `num_generations` answers to each prompt of `batch` (collective)."""
@@ -145,8 +179,10 @@ class GrpoStep(Callback):
         return torch.cat(parts)
 
     def train_micro_batch(self, trainer, s: Samples, advantages: torch.Tensor, *, gas: int,
-                          step_tokens: float) -> tuple[torch.Tensor, dict]:
-        """Phase 4 for one micro-batch: forward(s), loss, backward, step."""
+                          step_tokens: float, old_logps: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """Phase 4 for one micro-batch: forward(s), loss, backward, step; also the answers'
+        log-probabilities, detached (the sampling policy's on a batch's first iteration)."""
         engine = trainer.engine
         device = engine.device
         ids = torch.cat([s.prompt_ids, s.completion_ids], 1).to(device)
@@ -158,10 +194,11 @@ class GrpoStep(Callback):
             with torch.no_grad():
                 ref = self.answer_logps(self.reference.logits, ids, mask, completion)
         loss, sums = self.loss(logps, cmask, advantages.to(device), ref_logps=ref, gas=gas,
+                               old_logps=None if old_logps is None else old_logps.to(device),
                                step_tokens=step_tokens, ranks=trainer.env.dp_size)
         engine.backward(loss, scale_wrt_gas=False)
         engine.step()
-        return loss, sums
+        return loss, sums, logps.detach().cpu()
 
     def answer_logps(self, forward, ids: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
         """(B, C) log-probabilities of the answers' tokens: the logits of the C positions before
