@@ -49,6 +49,7 @@ class EventType(str, Enum):
     SNAPSHOT = "snapshot"        # the training state kept in host memory, or one evicted
     RANK_FAILED = "rank_failed"  # a rank died or hung, and the run restarts (manager, supervisor.restart)
     RESTART = "restart"          # the whole group relaunched from the latest complete checkpoint (manager)
+    SAMPLES = "samples"          # a GRPO step's sampled answers, their rewards and advantages (rank 0)
 
     def __str__(self) -> str:  # its value in messages and f-strings, as in the log
         return self.value
@@ -386,13 +387,41 @@ class RestartEvent(Event):
     source: str | None = None
 
 
+class SampleRow(BaseModel):
+    """One sampled answer of a GRPO step: its `number` in the step (what `rate` names), its
+    `group` (prompt), the data `row` (1-based), `prompt` (without special tokens) and `completion`
+    (each cut to `SamplesEvent.text_limit` characters), each reward function's score (None where
+    it did not score), the weighted `total` (None when none scored), its `advantage`, and whether
+    it was `clipped` (cut at max_completion_length)."""
+    model_config = ConfigDict(extra="allow")
+    number: int
+    group: int
+    row: int | None = None
+    prompt: str
+    completion: str
+    rewards: dict[str, float | None]
+    total: float | None = None
+    advantage: float
+    clipped: bool
+
+
+class SamplesEvent(Event):
+    """`samples`: step `step`'s sampled answers (every rank's; the first `shown` of `count`, whole
+    groups), the texts cut to `text_limit` characters (engine.objectives.grpo_samples)."""
+    type: Literal[EventType.SAMPLES] = EventType.SAMPLES
+    step: int | None = None
+    samples: list[SampleRow] | None = None
+    count: int | None = None
+    text_limit: int | None = None
+
+
 COMMAND_STATUSES = tuple(s.value for s in CommandStatus)
 
 EVENT_MODELS: tuple[type[Event], ...] = (
     StateEvent, SetupEvent, TrainEvent, EvalEvent, CommandEvent, SetEvent, ChatPageEvent, CheckpointEvent,
     CheckpointDeletedEvent, CheckpointFailedEvent, ResumeEvent, ExportEvent, BestModelEvent, RewindEvent,
     BranchEvent, SnapshotEvent, DataEvent, TeachEvent, TeachCheckEvent, WarningEvent, GuardEvent,
-    EarlyStopEvent, RankFailedEvent, RestartEvent)
+    EarlyStopEvent, RankFailedEvent, RestartEvent, SamplesEvent)
 
 AnyEvent = Annotated[Union[EVENT_MODELS], Field(discriminator="type")]  # type: ignore[valid-type]
 EVENTS: TypeAdapter[Event] = TypeAdapter(AnyEvent)  # the one reader: `type` picks the model

@@ -3,6 +3,8 @@
     {"op": "add", "id": "t3", "prompt": "<s>capital: zorb\\n", "answer": "qux", "step": 40, "time": ...}
     {"op": "forget", "id": "t3", "step": 52, "time": ...}
     {"op": "add", "id": "t4", "prompt": "...", "answer": "better", "rejected": "worse", ...}  (a preference)
+    {"op": "add", "id": "t5", "kind": "rating", "step": 7, "score": 1.0, "rated": 2, "prompt_ids": [...],
+     "completion_ids": [[...], ...], "rewards": {"exact": [1.0, null, ...]}, ...}  (a GRPO sample's rating)
 
 `prompt` is the text the model continued (its chat template applied), `answer` the corrected
 answer. An entry is never rewritten: forgetting appends a line. Every write is flushed and
@@ -96,6 +98,28 @@ def add_entry(path: Path, entry_id: str, prompt: str, answer: str, step: int,
 def forget_entry(path: Path, entry_id: str, step: int) -> None:
     """Append the removal of `entry_id` durably."""
     _append(path, {"op": "forget", "id": entry_id, "step": int(step), "time": time.time()})
+
+
+RATING = "rating"  # the `kind` of a rating's line (engine.objectives.grpo_samples writes and replays it)
+
+
+def add_rating(path: Path, entry_id: str, step: int, rating: dict) -> dict:
+    """Append a rating of a GRPO sample durably (what replays it: the prompt and the group's
+    completion ids, their rewards, the rated one and its score); returns its record."""
+    record = {"op": "add", "id": entry_id, "kind": RATING, **rating, "step": int(step), "time": time.time()}
+    _append(path, record)
+    return record
+
+
+def read_ratings(path: str | Path) -> list[dict]:
+    """Every rating in the order given, each with `forgotten_at`: the step of its forget, or None."""
+    ratings: dict[str, dict] = {}
+    for r in _records(Path(path)):
+        if r["op"] == "add" and r.get("kind") == RATING:
+            ratings[r["id"]] = {**r, "forgotten_at": None}
+        elif r["op"] == "forget" and r.get("id") in ratings:
+            ratings[r["id"]]["forgotten_at"] = int(r.get("step", 0))
+    return list(ratings.values())
 
 
 def read_inbox(path: str | Path) -> list[InboxEntry]:

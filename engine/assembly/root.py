@@ -92,7 +92,8 @@ def assemble(cfg: RunConfig, given: Given) -> Assembled:
         raise ConfigError(problems)
     ctx, data = _context(cfg, given)
     ds_setup, step = _engine_and_step(ctx, given)
-    step_hooks = (step,) if isinstance(step, GrpoStep) else ()  # a failed reward pauses the run
+    # a failed reward pauses the run; the samples event and the ratings (grpo_samples)
+    step_hooks = (step, step.ratings) if isinstance(step, GrpoStep) else ()
     return Assembled(config=cfg, ctx=ctx, data=data, ds_setup=ds_setup, train_fn=given.train_fn or step,
                      loss_fn=given.loss_fn, eval_fn=given.eval_fn,
                      evaluators=evaluators_of(cfg, step, given.evaluators),

@@ -37,6 +37,7 @@ from contract.rewards import Reward
 from engine.callbacks import NOTHING, Callback, Signal
 from engine.generation.generate import end_ids, generate, pad_id
 from engine.objectives.grpo import GrpoLoss, advantages_of, token_logps
+from engine.objectives.grpo_samples import Ratings
 from engine.objectives.grpo_reuse import SampleBatch, gather_batches, reused
 from engine.objectives.preference_step import _logits, _mean_present, _reduce
 from engine.objectives.rewards import RewardError, metrics_of, score, total
@@ -64,7 +65,7 @@ class GrpoStep(Callback):
                              config.max_completion_length)
         self.metrics: dict[str, float] = {}
         self.failure: RewardError | None = None
-        self.last_samples: list[dict] = []  # the latest step's samples, for a samples table
+        self.ratings = Ratings()  # the samples on screen and a person's ratings (grpo_samples)
         self.batch: SampleBatch | None = None  # the samples trained now (num_iterations steps)
 
     # -- the step -------------------------------------------------------------------------------
@@ -105,19 +106,23 @@ class GrpoStep(Callback):
         if per_function is None:
             return SampleBatch(step, failed=True)
         everyone = _gather(per_function, env)  # (ranks x N, F), rank by rank
-        advantages, zero_std = advantages_of(total(everyone, [r.weight for r in self.rewards]),
+        names, weights = [r.name for r in self.rewards], [r.weight for r in self.rewards]
+        # the groups rated since the last step join it, with a `human` reward (grpo_samples)
+        rated = self.ratings.take(trainer, names, weights, everyone, self.config.num_generations)
+        advantages, zero_std = advantages_of(total(rated.rewards, rated.weights),
                                              self.config.num_generations, self.config.scale_rewards)
         n = per_function.size(0)
         local = advantages[env.dp_rank * n:(env.dp_rank + 1) * n]
         lengths = torch.tensor([[len(x) for s in samples for x in s.ids],
                                 [float(t) for s in samples for t in s.truncated]], dtype=torch.float32)
         lengths = _gather(lengths.T.contiguous(), env)
-        metrics = {**metrics_of([r.name for r in self.rewards], everyone, [r.weight for r in self.rewards], zero_std),
+        metrics = {**metrics_of(rated.names, rated.rewards, rated.weights, zero_std),
                    "completions/mean_length": float(lengths[:, 0].mean()),
                    "completions/clipped_ratio": float(lengths[:, 1].mean())}
-        self._keep_samples(samples, per_function, local)
-        return SampleBatch(step, samples=samples, advantages=local, step_tokens=float(lengths[:, 0].sum()),
-                           metrics=metrics)
+        self.ratings.keep(samples, everyone, advantages, names, weights, self.config.num_generations)
+        samples, local = rated.join(samples, local, advantages, env, pad_id(trainer.tokenizer))
+        return SampleBatch(step, samples=samples, advantages=local,
+                           step_tokens=float(lengths[:, 0].sum()) + rated.tokens, metrics=metrics)
 
     # -- the samples of a batch reused over num_iterations steps: kept in checkpoints ---------------
     def on_save_checkpoint(self, trainer) -> Any:
@@ -206,15 +211,6 @@ class GrpoStep(Callback):
         c = completion.size(1)
         logits = forward(ids, mask, c + 1)
         return token_logps(logits[:, -(c + 1):-1], completion, self.config.temperature)
-
-    def _keep_samples(self, samples: list[Samples], per_function: torch.Tensor, advantages: torch.Tensor) -> None:
-        names, rows = [r.name for r in self.rewards], []
-        for s in samples:
-            for i, text in enumerate(s.texts):
-                rows.append({"index": s.indices[i], "completion": text})
-        for row, scores, adv in zip(rows, per_function.tolist(), advantages.tolist()):
-            row.update(rewards=dict(zip(names, scores)), advantage=adv)
-        self.last_samples = rows
 
     # -- the callback: a failed scoring pauses the run -------------------------------------------
     def on_train_batch_end(self, trainer, loss: float) -> Signal | None:
