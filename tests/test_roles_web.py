@@ -4,6 +4,7 @@ and the gradio_client endpoints alike, with the sentence the run refuses a viewe
 The end-to-end test serves the real app (`python -m app`) and logs in with gradio_client."""
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -181,3 +182,73 @@ def test_a_viewers_train_tab_shows_its_controls_disabled(backend):
         finally:
             LocalContext.request.reset(token)
         assert {n for n, b in view.buttons.items() if controls[b]["interactive"]} == enabled
+
+
+# -- in the browser: who is signed in, and a viewer's page -----------------------------------------
+# every operator-only control a viewer's page shows disabled, each with the tooltip saying why
+# per tab: the closed folds to open, then the controls
+OPERATOR_ONLY = {"Configure": ((), ("cfg-start",)),
+                 "Train": (("train-settings", "data-fold", "side-prefer-fold"),
+                           ("train-start", "train-pause", "train-set-lr", "train-settings-apply", "data-remove",
+                            "side-prefer-a-better")),
+                 "Chat": (("chat-teach-fold", "chat-prefer-fold"),
+                          ("chat-teach", "chat-prefer-a-better", "chat-prefer-b-better", "chat-prefer-edit-send")),
+                 "Checkpoints": ((), ("ckpt-export", "ckpt-resume", "branch-rewind"))}
+
+
+def _sign_in(page, url: str, name: str, password: str) -> None:
+    from web_page import SLOW
+    page.goto(url)
+    page.locator("input[type=text], input:not([type])").first.fill(name)
+    page.locator("input[type=password]").first.fill(password)
+    page.get_by_role("button", name="Login").click()
+    page.locator("#signed-in [data-role]").wait_for(timeout=SLOW)
+
+
+def _control(page, elem_id: str):
+    found = page.locator(f"#{elem_id}")
+    return found if found.evaluate("e => e.tagName") == "BUTTON" else found.locator("button").first
+
+
+@pytest.mark.slow
+def test_a_viewer_sees_who_is_signed_in_and_every_operator_control_disabled_with_why(tmp_path):
+    from web_page import CHROMIUM_ARGS, open_tab, screenshot, served_app, wait_until
+    playwright = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (./launch.sh test installs it)")
+    users = Users()
+    users.add("bob", Role.VIEWER, "pw-bob")
+    write_users(tmp_path / "runs" / ".users", users)
+    env = {"LIVETUNE_USERNAME": "boss", "LIVETUNE_PASSWORD": "pw-boss"}
+    with served_app(tmp_path, env) as (url, _runs), playwright.sync_playwright() as p:
+        log = (tmp_path / "app.log").read_text()
+        assert "logins are on (1 viewer, 1 operator)" in log, log
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url)
+        screenshot(page, "login")
+        _sign_in(page, url, "bob", "pw-bob")
+        assert page.locator("#signed-in").inner_text().startswith("signed in as bob (viewer)")
+        assert page.locator("#log-out").get_attribute("href") == "/logout"
+        for tab, (folds, elem_ids) in OPERATOR_ONLY.items():
+            open_tab(page, tab)
+            for fold in folds:
+                page.locator(f"#{fold}").click()
+            if tab == "Configure":
+                screenshot(page, "viewer")
+            for elem_id in elem_ids:
+                page.locator(f"#{elem_id}").wait_for(state="attached", timeout=30_000)
+                control = _control(page, elem_id)
+                wait_until(lambda: control.is_disabled(), 30, f"{elem_id} disabled for a viewer")
+                wait_until(lambda: "Needs the operator role: you are signed in as bob, a viewer" in (
+                    control.get_attribute("title") or ""), 10, f"{elem_id}'s tooltip")
+        open_tab(page, "Chat")
+        assert _control(page, "chat-send").is_enabled()  # a viewer may chat
+        page.locator("#log-out").click()
+        page.locator("input[type=password]").wait_for(timeout=60_000)  # back at the login form
+        _sign_in(page, url, "boss", "pw-boss")
+        assert page.locator("#signed-in").inner_text().startswith("signed in as boss (operator)")
+        wait_until(lambda: _control(page, "cfg-start").is_enabled(), 60, "Start enabled for the operator")
+        assert not _control(page, "cfg-start").get_attribute("title")
+        browser.close()

@@ -6,6 +6,7 @@ gets one app and one browser for all its tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -35,16 +36,16 @@ def end_runs(runs: Path) -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    """The app on a free port; yields (url, runs folder)."""
-    root = tmp_path_factory.mktemp("web")
+@contextlib.contextmanager
+def served_app(root: Path, env: dict[str, str] | None = None):
+    """The app (`python -m app`) on a free port, runs under `root`/runs, its output in
+    `root`/app.log; `env` added to its environment. Yields (url, runs folder); ends every run."""
     runs, port = root / "runs", free_port()
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", LIVETUNE_HEARTBEAT_S="0.5",
-               PYTHONPATH=str(REPO))
+    full_env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", LIVETUNE_HEARTBEAT_S="0.5",
+                    PYTHONPATH=str(REPO), **(env or {}))
     log = open(root / "app.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--output-dir", str(runs)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while True:
@@ -56,14 +57,37 @@ def app(tmp_path_factory):
                 proc.kill()
                 pytest.fail("the app did not come up:\n" + (root / "app.log").read_text()[-3000:])
             time.sleep(1)
-    yield url, runs
-    proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-    end_runs(runs)
+        yield url, runs
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        end_runs(runs)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """The app on a free port; yields (url, runs folder)."""
+    with served_app(tmp_path_factory.mktemp("web")) as served:
+        yield served
+
+
+SCREENSHOTS_ENV = "LIVETUNE_SCREENSHOTS"  # set (to 1) to write the docs' pictures (docs/img/)
+
+
+def screenshot(page, name: str, selector: str | None = None) -> Path | None:
+    """With LIVETUNE_SCREENSHOTS set: the page (or the element `selector`) as docs/img/`name`.png,
+    the pictures the docs show, taken by the tests' own browser so they stay current."""
+    if not os.environ.get(SCREENSHOTS_ENV):
+        return None
+    out = REPO / "docs" / "img" / f"{name}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (page.locator(selector).first if selector else page).screenshot(path=str(out))
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import gradio as gr
 from starlette.middleware import Middleware
 
-from app.web import api, chat, checkpoints, configure, feed, runs, train
+from app.web import access, api, chat, checkpoints, configure, feed, runs, train
 from app.web.backend import Backend
 from app.web.early_script import EarlyScript
 from app.web.widgets import CSS
@@ -27,8 +27,10 @@ TITLE = "livetune"
 def build_app(backend: Backend) -> gr.Blocks:
     """The whole page, wired to `backend`."""
     with gr.Blocks(title=TITLE, analytics_enabled=False, fill_width=True) as demo:
-        gr.Markdown(f"## {TITLE} · fine-tune a language model and talk to it while it trains",
-                    elem_id="app-title")
+        with gr.Row(equal_height=True):
+            gr.Markdown(f"## {TITLE} · fine-tune a language model and talk to it while it trains",
+                        elem_id="app-title")
+            signed_in = gr.HTML("", elem_id="signed-in", scale=0, min_width=160)  # with logins: who, log out
         run_state = gr.State(None)  # the run folder this page shows
         marker = feed.build(backend)  # the live feed, beside the tabs: it serves whichever shows
         with gr.Tabs(selected="configure", elem_id="tabs") as tabs:
@@ -47,6 +49,7 @@ def build_app(backend: Backend) -> gr.Blocks:
         ckpt_tab.select(**ckpt_refresh)
         runs_tab.select(**runs_refresh)
         api.register(backend)
+        access.wire(demo, backend, signed_in)  # a viewer's page: operator-only controls off, with a why
     return demo
 
 
@@ -55,5 +58,5 @@ def launch_options() -> dict:
     run before Gradio's own (early_script: an idle page would otherwise ask for 60 frames a
     second)."""
     theme = gr.themes.Soft(primary_hue="indigo", secondary_hue="slate")
-    return {"theme": theme, "css": CSS, "footer_links": ["api"], "head": train.NAVIGATION_HEAD,
+    return {"theme": theme, "css": CSS, "footer_links": ["api"], "head": train.NAVIGATION_HEAD + access.TOOLTIP_HEAD,
             "app_kwargs": {"middleware": [Middleware(EarlyScript)]}}

@@ -12,10 +12,21 @@ set for the handler it is running, from `gradio.context.LocalContext.request` (a
 Gradio sets around every handler call and generator step, and reads itself in its ChatInterface
 and caching). tests/test_roles_web.py asserts it through a real server and gradio_client, so a
 Gradio that stops setting it fails there, not silently.
+
+What a viewer sees: the page's top right says "signed in as bob (viewer)" with a log-out link
+(Gradio's own /logout route), and every operator-only control (each carries the OPERATOR class)
+is disabled, with a tooltip saying why. Gradio 6 has no tooltip argument, so the reason is the
+control's `title` attribute, set in the page by TOOLTIP_HEAD from the signed-in line's
+`data-why`; the disabling itself is the server's (`interactive=False` on the page's load, and
+every handler that enables such a control asks `may_change` first), and the session refuses a
+viewer's click anyway.
 """
 
 from __future__ import annotations
 
+import html
+
+import gradio as gr
 from gradio.context import LocalContext
 
 from app.users import Users
@@ -35,5 +46,58 @@ def use_logins(backend: Backend, users: Users) -> None:
     no login, or a login removed since, is a viewer's."""
     if not users:
         return
+    roles = [role for role, _ in users.logins.values()]
+    counts = ", ".join(f"{roles.count(r)} {r.value}{'s' * (roles.count(r) != 1)}" for r in Role if r in roles)
+    print(f"livetune: logins are on ({counts}): the page asks for a name and password; "
+          "a viewer may watch and chat, not change a run", flush=True)
     backend.session.holder = "login"
     backend.session.role_of = lambda: users.role(asker()) or Role.VIEWER
+
+
+OPERATOR = "lt-op"  # elem_classes of every control only an operator may use (Start, Pause, Teach, ...)
+TOOLTIP_HEAD = ("<script>(() => { const mark = () => { const who = document.querySelector('#signed-in "
+                "[data-role=viewer]'); if (!who) return; document.querySelectorAll('." + OPERATOR + "').forEach("
+                "e => { const c = e.matches('button, input, textarea, select') ? e : e.querySelector('button, input, "
+                "textarea, select'); for (const t of [e, c]) if (t && t.title !== who.dataset.why) t.title = "
+                "who.dataset.why; }); }; new MutationObserver(mark).observe(document.documentElement, {subtree: true, "
+                "childList: true}); })();</script>")
+
+
+def logins_on(backend: Backend) -> bool:
+    """Whether the app asks for a login (use_logins found some)."""
+    return backend.session.holder == "login"
+
+
+def may_change(backend: Backend) -> bool:
+    """Whether whoever asks may use the operator-only controls (always, without logins)."""
+    return backend.session.role_of().may(Role.OPERATOR)
+
+
+def why_disabled(name: str | None) -> str:
+    """A viewer's tooltip on every operator-only control."""
+    return (f"Needs the operator role: you are signed in as {name or 'nobody'}, a viewer "
+            "(you may watch the runs and chat with them)")
+
+
+def signed_in_html(backend: Backend) -> str:
+    """"signed in as bob (viewer) · Log out", or nothing when the app has no logins."""
+    if not logins_on(backend):
+        return ""
+    name, role = asker(), backend.session.role_of()
+    return (f"<div class='lt-signed' data-role='{role.value}' data-why='{html.escape(why_disabled(name))}'>"
+            f"signed in as <b>{html.escape(name or '?')}</b> ({role.value}) · "
+            "<a href='/logout' id='log-out'>Log out</a></div>")
+
+
+def wire(page: gr.Blocks, backend: Backend, signed_in: gr.HTML) -> None:
+    """On each page load (with logins): the signed-in line, and for a viewer every operator-only
+    control of `page` (the OPERATOR class) disabled. Call after the page is built."""
+    if not logins_on(backend):
+        return
+    controls = [b for b in page.blocks.values() if OPERATOR in (getattr(b, "elem_classes", None) or [])]
+
+    def look() -> dict:
+        off = {} if may_change(backend) else {c: gr.update(interactive=False) for c in controls}
+        return {signed_in: signed_in_html(backend), **off}
+
+    page.load(look, outputs=[signed_in, *controls], queue=False, api_visibility="private", show_progress="hidden")

@@ -16,11 +16,13 @@ import gradio as gr
 
 from app.branches import BranchView, branch_view, tree_lines
 from app.session import SessionError, allowed
+from app.web.access import OPERATOR
 from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from app.web.widgets import readable
 from contract.run_folder import RunFolder
 from contract.protocol.answers import RewindAnswer
+from contract.protocol.roles import Role
 
 PLOTS = ("branch_loss", "branch_lr", "branch_eval")
 
@@ -49,17 +51,17 @@ def build(backend: Backend, run_state: gr.State) -> BranchesSection:
         with gr.Row(equal_height=True):
             target = gr.Dropdown([], label="Checkpoint or snapshot (every branch's)", scale=3,
                                  elem_id="branch-target", allow_custom_value=False)
-            rewind = gr.Button("Rewind to it", interactive=False, elem_id="branch-rewind", scale=1)
+            rewind = gr.Button("Rewind to it", interactive=False, elem_id="branch-rewind", elem_classes=[OPERATOR], scale=1)
         with gr.Row(equal_height=True):
             name = gr.Textbox(label="New branch name", max_lines=1, scale=2, elem_id="branch-name",
                               placeholder="e.g. lower-lr (letters, digits, - _ .)")
             lr = gr.Textbox(label="Its learning rate (optional)", max_lines=1, scale=1, elem_id="branch-lr",
                             placeholder="empty: as it was")
-            branch = gr.Button("Branch from it", interactive=False, elem_id="branch-branch", scale=1)
+            branch = gr.Button("Branch from it", interactive=False, elem_id="branch-branch", elem_classes=[OPERATOR], scale=1)
         with gr.Row(equal_height=True):
             snapshot_name = gr.Textbox(label="Snapshot name (optional)", max_lines=1, scale=3,
                                        elem_id="branch-snapshot-name", placeholder="empty: snap-<step>")
-            snapshot = gr.Button("Snapshot now (host memory)", interactive=False, elem_id="branch-snapshot", scale=1)
+            snapshot = gr.Button("Snapshot now (host memory)", interactive=False, elem_id="branch-snapshot", elem_classes=[OPERATOR], scale=1)
         result = gr.Markdown("", elem_id="branch-result")
         plots: dict[str, gr.HTML] = {}
         with gr.Row(equal_height=True):
@@ -91,14 +93,14 @@ def show(backend: Backend, section: BranchesSection, path: str | None, seq: int 
     choices = [(t.label, t.value) for t in view.targets]
     out: dict[Any, Any] = {section.tree: _tree_html(view), section.target: gr.update(choices=choices,
                                                                        value=choices[0][1] if choices else None)}
-    out.update(_buttons(section, state))
+    out.update(_buttons(section, state, backend.session.role_of()))
     for plot, component in section.plots.items():
         out[component] = batch(view.series[plot.removeprefix("branch_")], None, path, seq)
     return out
 
 
-def _buttons(section: BranchesSection, state: str | None) -> dict:
-    ok = allowed(state)
+def _buttons(section: BranchesSection, state: str | None, role: Role = Role.OPERATOR) -> dict:
+    ok = allowed(state, role)  # a viewer's login: all off
     return {section.rewind: gr.update(interactive="rewind" in ok), section.branch: gr.update(interactive="branch" in ok),
             section.snapshot: gr.update(interactive="snapshot" in ok)}
 

@@ -27,6 +27,7 @@ import gradio as gr
 from app.branches import checkpoint_targets
 from app.embedded import early_note, expected_answer
 from app.session import SessionError
+from app.web.access import OPERATOR
 from app.web import chat_prefer
 from app.web.backend import Backend
 from app.web.backend.watch import Snapshot
@@ -83,7 +84,7 @@ def build(backend: Backend, run_state: gr.State) -> dict:
             asked = gr.Dropdown([], label="The question whose answer to correct", scale=2,
                                 elem_id="chat-teach-which")
             wanted = gr.Textbox(label="The answer you wanted", max_lines=4, scale=3, elem_id="chat-teach-answer")
-            teach = gr.Button("Teach", variant="primary", scale=1, elem_id="chat-teach")
+            teach = gr.Button("Teach", variant="primary", scale=1, elem_id="chat-teach", elem_classes=[OPERATOR])
         taught = gr.Markdown("", elem_id="chat-teach-result")
     chat_prefer.build(backend, run_state, copy, [max_new, temperature, top_p, top_k, repetition], live)
     settings = [max_new, temperature, top_p, top_k, repetition, history, compare]

@@ -23,6 +23,7 @@ from typing import Any
 import gradio as gr
 
 from app.session import SessionError
+from app.web.access import OPERATOR, may_change
 from app.web.backend import Backend
 from app.web.widgets import readable
 from contract.config.load import load_config
@@ -56,14 +57,14 @@ def build(backend: Backend, run_state: gr.State, copy: gr.State | None, settings
             with gr.Column():
                 first_text = gr.Textbox(label="A: the live model", interactive=False, lines=2,
                                         elem_id=f"{prefix}-a")
-                first_better = gr.Button("A is better", interactive=False, elem_id=f"{prefix}-a-better")
+                first_better = gr.Button("A is better", interactive=False, elem_id=f"{prefix}-a-better", elem_classes=[OPERATOR])
             with gr.Column():
                 second_text = gr.Textbox(label="B", interactive=False, lines=2, elem_id=f"{prefix}-b")
-                second_better = gr.Button("B is better", interactive=False, elem_id=f"{prefix}-b-better")
+                second_better = gr.Button("B is better", interactive=False, elem_id=f"{prefix}-b-better", elem_classes=[OPERATOR])
         with gr.Row(equal_height=True):
             edited = gr.Textbox(label="Answer A, edited into the answer you wanted", max_lines=4, scale=4,
                                 elem_id=f"{prefix}-edit")
-            edit_prefer = gr.Button("Edit and prefer", scale=1, elem_id=f"{prefix}-edit-send")
+            edit_prefer = gr.Button("Edit and prefer", scale=1, elem_id=f"{prefix}-edit-send", elem_classes=[OPERATOR])
         result = gr.Markdown("", elem_id=f"{prefix}-result")
     pair = gr.State(None)  # {"question", "a", "b"}: the two answers shown
     view = PairView(first_text, second_text, edited, result, pair, first_better, second_better, history)
@@ -182,7 +183,7 @@ def two_answers(backend: Backend, view: PairView, path: str | None, question: st
         second, label = answer(backend, copied["path"], question, params), f"B: {copied['label']}"
     else:
         second, label = answer(backend, path, question, params), "B: another sample of the live model"
-    ok = gr.update(interactive=choosable(first, second))
+    ok = gr.update(interactive=choosable(first, second) and may_change(backend))  # a viewer may only ask
     why = "" if choosable(first, second) else (
         " The two answers are the same, or one is empty: nothing to choose between. Ask again, or edit A "
         "into the answer you wanted (Edit and prefer).")

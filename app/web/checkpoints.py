@@ -11,6 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from app.session import SessionError
+from app.web.access import OPERATOR, may_change
 from app.web import branches
 from app.web.backend import Backend
 from app.web.widgets import TABLE_CLASS, readable
@@ -31,16 +32,16 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
                              allow_custom_value=False)
         refresh_btn = gr.Button("Refresh", scale=1, elem_id="ckpt-refresh")
     with gr.Row(equal_height=True):
-        resume = gr.Button("Resume a new run from it", variant="primary", elem_id="ckpt-resume",
+        resume = gr.Button("Resume a new run from it", variant="primary", elem_id="ckpt-resume", elem_classes=[OPERATOR],
                            interactive=False)
         target = gr.Textbox(label="Export into (a new folder)", scale=2, elem_id="ckpt-target",
                             placeholder="e.g. exports/my-model")
-        export = gr.Button("Export model / adapter", elem_id="ckpt-export")
-        merge = gr.Button("Merge LoRA and export", elem_id="ckpt-merge")
+        export = gr.Button("Export model / adapter", elem_id="ckpt-export", elem_classes=[OPERATOR])
+        merge = gr.Button("Merge LoRA and export", elem_id="ckpt-merge", elem_classes=[OPERATOR])
     with gr.Row(equal_height=True):
         gguf_type = gr.Dropdown(list(GGUF_TYPES), value="f16", label="GGUF type", scale=1, elem_id="ckpt-gguf-type",
                                 info="f32 and f16 keep the weights; q8_0 halves f16's size for a little accuracy")
-        gguf = gr.Button("Export GGUF (llama.cpp / Ollama)", scale=2, elem_id="ckpt-gguf")
+        gguf = gr.Button("Export GGUF (llama.cpp / Ollama)", scale=2, elem_id="ckpt-gguf", elem_classes=[OPERATOR])
     result = gr.Markdown("", elem_id="ckpt-result")
     section = branches.build(backend, run_state)
 
@@ -51,7 +52,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
                    api_visibility="private", show_progress="hidden")
     refresh_btn.click(**refresh)
     # resume is offered only with a training checkpoint picked (the final model has no trainer state)
-    chosen.change(lambda src: gr.update(interactive=_resumable(src)), inputs=chosen, outputs=resume,
+    chosen.change(lambda src: gr.update(interactive=_resumable(src) and may_change(backend)), inputs=chosen, outputs=resume,
                   api_visibility="private", show_progress="hidden")
     resume.click(readable(lambda path, src: _resume(backend, path, src, run_state, tabs)), inputs=[run_state, chosen],
                  outputs=[run_state, tabs], api_visibility="private")
@@ -105,5 +106,6 @@ def _resume(backend: Backend, path: str | None, checkpoint: str | None, run_stat
 
 
 def _export(backend: Backend, source: str | None, target: str, merge: bool, gguf: str | None = None) -> str:
+    backend.session.require("gguf" if gguf else "merge" if merge else "export")  # writes a model
     message = backend.store.export(source or "", (target or "").strip(), merge_lora=merge, gguf=gguf)
     return f"**Done:** {message}"

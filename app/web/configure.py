@@ -22,6 +22,7 @@ import gradio as gr
 
 from app.form import DEFAULT_PRESET, ENTRY_LISTS, Checked, Form, entries, entries_text
 from contract.lm_eval_names import task_names
+from app.web.access import OPERATOR, may_change
 from app.web.backend import Backend
 from app.web import slurm
 from app.web.backend.preview import PreviewError, describe_data, describe_model
@@ -149,7 +150,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
                              elem_id="cfg-preset", info="Fills every field; edit anything after.")
         load = gr.UploadButton("Load YAML", file_types=[".yaml", ".yml", ".json"], scale=1, elem_id="cfg-load")
         save = gr.DownloadButton("Save YAML", value=_yaml_file(form.to_yaml(values)), scale=1, elem_id="cfg-save")
-        start = gr.Button("Start training", variant="primary", interactive=first.ok, scale=2, elem_id="cfg-start")
+        start = gr.Button("Start training", variant="primary", interactive=first.ok, scale=2, elem_id="cfg-start", elem_classes=[OPERATOR])
     slurm_fold = slurm.build(first.ok)
     summary = gr.HTML(_summary(form, first), elem_id="cfg-summary")
     first_origin, first_fits = provenance(form, values, DEFAULT_PRESET)
@@ -192,7 +193,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
         written = _yaml_file(form.to_yaml(values), given[yaml_path])
         return {shown: now, **marks, yaml_path: written,
                 summary: _summary(form, checked), origin: origin_html, fit: gr.update(visible=fits),
-                **{b: gr.update(interactive=checked.ok) for b in tab.start_buttons},
+                **{b: gr.update(interactive=checked.ok and may_change(backend)) for b in tab.start_buttons},
                 resolved: checked.config.to_yaml() if checked.ok else "# fix the problems above first",
                 command: _command(backend, checked), save: written}
 

@@ -18,10 +18,12 @@ import pandas as pd
 
 from app.session import SessionError, allowed
 from app.sources import INBOX_COLUMNS, DataView, data_view, inbox_rows, number, readable_prompt
+from app.web.access import OPERATOR
 from app.web.backend import Backend
 from app.web.plots import batch, live_plot
 from app.web.widgets import TABLE_CLASS
 from contract.run_folder import RunFolder
+from contract.protocol.roles import Role
 from contract.protocol.states import RunState
 
 SOURCE_COLUMNS = ["source", "weight", "samples drawn", "format", "path"]
@@ -67,22 +69,22 @@ def build(backend: Backend, run_state: gr.State) -> DataPanel:
         with gr.Row(equal_height=True):
             source = gr.Dropdown([], label="Source", scale=2, elem_id="data-source")
             weight = gr.Textbox(label="New weight (0 pauses it)", max_lines=1, scale=1, elem_id="data-weight")
-            set_weight = gr.Button("Set weight", interactive=False, scale=1, elem_id="data-set-weight")
-            remove = gr.Button("Remove source", interactive=False, variant="stop", scale=1, elem_id="data-remove")
+            set_weight = gr.Button("Set weight", interactive=False, scale=1, elem_id="data-set-weight", elem_classes=[OPERATOR])
+            remove = gr.Button("Remove source", interactive=False, variant="stop", scale=1, elem_id="data-remove", elem_classes=[OPERATOR])
         with gr.Row(equal_height=True):
             path = gr.Textbox(label="Add a source: file or folder", max_lines=1, scale=3, elem_id="data-path",
                               placeholder="e.g. /data/extra.jsonl (checked row by row before it is used)")
             fmt = gr.Dropdown(FORMATS, value="auto", label="Format", scale=1, elem_id="data-format")
             new_weight = gr.Textbox("1.0", label="Weight", max_lines=1, scale=1, elem_id="data-new-weight")
             new_name = gr.Textbox(label="Name (optional)", max_lines=1, scale=1, elem_id="data-new-name")
-            add = gr.Button("Add source", interactive=False, scale=1, elem_id="data-add")
+            add = gr.Button("Add source", interactive=False, scale=1, elem_id="data-add", elem_classes=[OPERATOR])
         seen = live_plot("seen", "data-plot-seen")
         inbox = gr.Dataframe(pd.DataFrame(columns=INBOX_COLUMNS), interactive=False, elem_id="data-inbox",
                              wrap=True, max_height=260, label=INBOX_LABEL, column_widths=list(INBOX_WIDTHS.values()),
                              elem_classes=[TABLE_CLASS])
         with gr.Row(equal_height=True):
             entry = gr.Dropdown([], label="Inbox entry", scale=3, elem_id="data-entry")
-            forget = gr.Button("Remove from the inbox", interactive=False, scale=1, elem_id="data-forget")
+            forget = gr.Button("Remove from the inbox", interactive=False, scale=1, elem_id="data-forget", elem_classes=[OPERATOR])
             refresh = gr.Button("Refresh", scale=1, elem_id="data-refresh")
         result = gr.Markdown("", elem_id="data-result")
     panel = DataPanel(sources, source, weight, set_weight, remove, path, fmt, new_weight, new_name, add, seen,
@@ -125,7 +127,7 @@ def show(backend: Backend, panel: DataPanel, path: str | None, seq: int = 1) -> 
     return {panel.sources: _sources_frame(view), panel.inbox: _inbox_frame(view),
             panel.source: gr.update(choices=names, value=names[0] if names else None),
             panel.entry: gr.update(choices=entries, value=entries[-1][1] if entries else None),
-            **_buttons(panel, backend.session.info(path).state), panel.seen: batch(view.seen, None, path, seq)}
+            **_buttons(panel, backend.session.info(path).state, backend.session.role_of()), panel.seen: batch(view.seen, None, path, seq)}
 
 
 def live_sources(backend: Backend, path: str) -> list[dict] | None:
@@ -141,8 +143,8 @@ def live_sources(backend: Backend, path: str) -> list[dict] | None:
     return found if isinstance(found, list) else None
 
 
-def _buttons(panel: DataPanel, state: str | None) -> dict:
-    ok = allowed(state)
+def _buttons(panel: DataPanel, state: str | None, role: Role = Role.OPERATOR) -> dict:
+    ok = allowed(state, role)  # a viewer's login: all off
     return {panel.set_weight: gr.update(interactive="set_weight" in ok), panel.remove: gr.update(interactive="remove_source" in ok),
             panel.add: gr.update(interactive="add_source" in ok), panel.forget: gr.update(interactive="forget" in ok)}
 

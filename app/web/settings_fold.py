@@ -12,6 +12,7 @@ import gradio as gr
 
 from app import live_settings
 from app.session import SessionError
+from app.web.access import OPERATOR
 from app.web.backend import Backend
 from app.web.widgets import readable
 
@@ -29,7 +30,7 @@ def build(backend: Backend, run_state: gr.State) -> gr.Button:
                 for name in names[row:row + 4]:
                     boxes[name] = gr.Textbox(label=live_settings.label(name), value="", max_lines=1,
                                              info=live_settings.help_text(name), elem_id=f"train-set-{name}")
-        apply = gr.Button("Apply at the next step", interactive=False, elem_id="train-settings-apply")
+        apply = gr.Button("Apply at the next step", interactive=False, elem_id="train-settings-apply", elem_classes=[OPERATOR])
         said = gr.Markdown("", elem_id="train-settings-result")
 
     def look(path: str | None) -> str:

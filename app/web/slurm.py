@@ -12,6 +12,7 @@ from typing import Any
 
 import gradio as gr
 
+from app.web.access import OPERATOR
 from app.web.backend import Backend
 from supervisor.slurm import SlurmOptions
 
@@ -57,7 +58,7 @@ def build(interactive: bool) -> SlurmFold:
                 else:
                     fields[f.name] = gr.Textbox(value, label=label, info=HELP[f.name], max_lines=1,
                                                 elem_id=elem_id, min_width=120)
-        button = gr.Button("Submit to Slurm", interactive=interactive, elem_id="cfg-slurm-submit")
+        button = gr.Button("Submit to Slurm", interactive=interactive, elem_id="cfg-slurm-submit", elem_classes=[OPERATOR])
     return SlurmFold(fields, note, button)
 
 

@@ -20,6 +20,7 @@ import gradio as gr
 
 from app.lr_box import lr_from_box
 from app.session import SessionError, allowed
+from app.web.access import OPERATOR
 from app.web import chat_side, data, feed, settings_fold
 from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
@@ -83,17 +84,17 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     look_button = gr.Button("look", elem_id=feed.LOOK_ID, visible="hidden")
     with gr.Row():
         start = gr.Button("Start", variant="primary", interactive=configure.start_buttons[0].interactive,
-                          elem_id="train-start", min_width=90)
+                          elem_id="train-start", elem_classes=[OPERATOR], min_width=90)
         buttons = {
-            "pause": gr.Button("Pause", interactive=False, elem_id="train-pause", min_width=90),
-            "resume": gr.Button("Resume", interactive=False, elem_id="train-resume", min_width=90),
+            "pause": gr.Button("Pause", interactive=False, elem_id="train-pause", elem_classes=[OPERATOR], min_width=90),
+            "resume": gr.Button("Resume", interactive=False, elem_id="train-resume", elem_classes=[OPERATOR], min_width=90),
             "stop": gr.Button(_stop_label(Stop().save), variant="stop", interactive=False,
-                              elem_id="train-stop", min_width=120),
+                              elem_id="train-stop", elem_classes=[OPERATOR], min_width=120),
             "stop_other": gr.Button(_stop_label(OTHER_SAVE), variant="stop", interactive=False,
-                                    elem_id="train-stop-save" if OTHER_SAVE else "train-stop-nosave",
+                                    elem_id="train-stop-save" if OTHER_SAVE else "train-stop-nosave", elem_classes=[OPERATOR],
                                     min_width=150),
-            "save": gr.Button("Save now", interactive=False, elem_id="train-save", min_width=100),
-            "evaluate": gr.Button("Evaluate now", interactive=False, elem_id="train-evaluate", min_width=110),
+            "save": gr.Button("Save now", interactive=False, elem_id="train-save", elem_classes=[OPERATOR], min_width=100),
+            "evaluate": gr.Button("Evaluate now", interactive=False, elem_id="train-evaluate", elem_classes=[OPERATOR], min_width=110),
         }
     with gr.Row(equal_height=True):
         # starts empty (a number shown here would be sent by Set as it is): the present lr is
@@ -103,7 +104,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
                         placeholder="e.g. 0.001 (the present value is in the status line above)",
                         info="Takes effect at the next step; the schedule goes on from there, scaled. "
                              "0 stops learning and is asked about first.")
-        buttons["set_lr"] = gr.Button("Set learning rate", interactive=False, elem_id="train-set-lr", scale=1)
+        buttons["set_lr"] = gr.Button("Set learning rate", interactive=False, elem_id="train-set-lr", elem_classes=[OPERATOR], scale=1)
         side_shown = gr.Checkbox(True, label="Chat beside the plots", elem_id="train-chat-toggle", scale=1)
     buttons["set_settings"] = settings_fold.build(backend, run_state)  # every other live setting of `set`
     with gr.Row(equal_height=False):
