@@ -9,10 +9,8 @@ better" clicked in the Chat tab, the pair listed in the Train tab's inbox and re
 from __future__ import annotations
 
 import json
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -30,7 +28,7 @@ from contract.protocol.data_commands import Inbox, Teach
 from contract.protocol.commands import Pause, Resume
 from engine.data import default_task
 from dist_utils import free_port
-from web_page import SLOW, browser, open_tab, set_number, state, wait_until  # noqa: F401 - browser: the fixture
+from web_page import SLOW, browser, open_tab, screenshot, set_number, state, wait_until  # noqa: F401 - browser: the fixture
 
 SETTINGS = (8, 0.0, 1.0, 0, 1.0)  # max_new, temperature (greedy: the samples are warmed), top_p, top_k, repetition
 
@@ -209,8 +207,7 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
         legend = rewards.locator(".lt-legend").inner_text()
         assert "chosen" in legend and "rejected" in legend, legend
         assert "reward accuracy" in rewards.locator("svg").text_content()
-        if os.environ.get("LIVETUNE_SHOTS"):  # a look at the page, for the docs
-            rewards.screenshot(path=str(Path(os.environ["LIVETUNE_SHOTS"]) / "test-rewards.png"))
+        screenshot(page, "rewards", "#train-plot-rewards")  # the docs' picture (LIVETUNE_SCREENSHOTS=1)
 
         open_tab(page, "Chat")
         page.locator("#chat-settings").click()
@@ -228,6 +225,7 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
             if a.input_value().strip() and b.input_value().strip() and a.input_value() != b.input_value():
                 break
         chosen, rejected = a.input_value(), b.input_value()
+        screenshot(page, "ab-chat", "#chat-prefer-fold")
         assert chosen != rejected and chosen.strip() and rejected.strip(), (chosen, rejected)
         page.locator("#chat-prefer-a-better").click()
         result = page.locator("#chat-prefer-result")
@@ -253,8 +251,7 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
                    or f"{entry} is no longer trained on" in page.locator("#data-result").inner_text(), 120,
                    "the entry removed")
         assert next(e for e in backend.session.send(path, Inbox()).entries if e["id"] == entry)["removed"]
-        if os.environ.get("LIVETUNE_SHOTS"):
-            page.screenshot(path=str(Path(os.environ["LIVETUNE_SHOTS"]) / "test-inbox.png"), full_page=True)
+        screenshot(page, "inbox", "#data-fold")
     finally:
         page.close()
         demo.close()

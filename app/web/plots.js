@@ -108,7 +108,9 @@ function panel(svg, lines, x0, y0, w, h, steps, log, title) {
     el('text', { x: left - 4, y: y + 3, class: 'lt-tick', 'text-anchor': 'end' }, svg).textContent = fmt(log ? 10 ** t : t);
   }
   for (const t of niceTicks(steps[0], steps[1], 6, true)) {
-    el('text', { x: sx(t), y: bottom + 13, class: 'lt-tick', 'text-anchor': 'middle' }, svg).textContent = t;
+    // a label at the right edge ends there (centred, "1000" would run past the picture and be cut)
+    const anchor = sx(t) > right - 16 ? 'end' : 'middle';
+    el('text', { x: sx(t), y: bottom + 13, class: 'lt-tick', 'text-anchor': anchor }, svg).textContent = t;
   }
   for (const line of lines) {
     const pts = thin(line.points.filter(p => Number.isFinite(p[1]) && (!log || p[1] > 0)));
@@ -125,7 +127,8 @@ function panel(svg, lines, x0, y0, w, h, steps, log, title) {
 function lineStyle(name, i) {
   if (spec.grouped) {  // "panel · line": a panel per group, a line's colour by its label (chosen, rejected, eval)
     const [kind, line] = name.split(' · ');
-    return { color: spec.colors[line] || spec.palette[i % spec.palette.length], kind, run: line, eval: line === 'eval' };
+    return { color: spec.colors[line] || spec.palette[i % spec.palette.length], kind, run: line,
+             eval: /^eval/.test(line) };
   }
   if (!spec.compare) {
     const color = spec.colors[name] || spec.palette[i % spec.palette.length];
@@ -153,12 +156,14 @@ function draw() {
     const style = lineStyle(name, i), points = store.series[name];
     const label = spec.compare || spec.grouped ? style.run : name;
     if (!style.eval && spec.smoothable && store.smoothing > 0) {
-      const faded = spec.compare ? style.color : (spec.colors.raw_faded || style.color);
+      // one line per series (compared runs, a panel's lines): its raw points faded under its smoothing
+      const own = spec.compare || spec.grouped;
+      const faded = own ? style.color : (spec.colors.raw_faded || style.color);
       lines.push({ name, kind: style.kind, points, color: faded, opacity: 0.3, width: 1 });
-      lines.push({ name: spec.compare ? name : 'smoothed', kind: style.kind, points: smooth(points, store.smoothing),
+      lines.push({ name: own ? name : 'smoothed', kind: style.kind, points: smooth(points, store.smoothing),
                    color: style.color, width: 2 });
-      if (!spec.compare) keys.set('raw', faded);
-      keys.set(spec.compare ? label : 'smoothed', style.color);
+      if (!own) keys.set('raw', faded);
+      keys.set(own ? label : 'smoothed', style.color);
     } else {
       lines.push({ name, kind: style.kind, points, color: style.color, dots: style.eval || (spec.panels && !spec.grouped),
                    width: style.eval ? 2.5 : 1.5, dash: style.dash });

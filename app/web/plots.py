@@ -10,7 +10,9 @@ its smoothing (a slider in the plot, applied in the page) and the evaluation los
 with a log-scale toggle; evaluation metrics each get their own panel, colour and scale. A
 preference run's metrics (rewards of chosen and rejected, reward accuracy and margin,
 log-probabilities; KTO's kl, ORPO's terms) share one plot of panels, laid out side by side as
-the width allows; the plot stays hidden for a run that logs none of them (SFT).
+the width allows; the plot stays hidden for a run that logs none of them (SFT). A GRPO run's mean
+reward is a panel there too. That plot is the objective's own, so it comes first (make_plots), each
+panel's lines smoothed as the loss is (its own slider).
 """
 
 from __future__ import annotations
@@ -93,9 +95,10 @@ SPECS = {
     "seen": PlotSpec("seen", "Samples drawn from each source (so far)",
                      "The samples drawn from each training source appear here once steps are logged."),
     "memory": PlotSpec("memory", "Memory, rank 0 (MiB)", "Rank 0's memory appears here after the first logged step."),
-    "rewards": PlotSpec("rewards", "Preference: rewards, reward accuracy and margin, log-probabilities (TRL's names)",
-                        "A preference run's rewards appear here after its first logged step.",
-                        panels=True, grouped=True, hide_empty=True),
+    "rewards": PlotSpec("rewards", "Objective: rewards, reward accuracy and margin, log-probabilities "
+                        "(TRL's names); GRPO's mean reward",
+                        "A preference or GRPO run's rewards appear here after its first logged step.",
+                        smoothable=True, panels=True, grouped=True, hide_empty=True),
 }
 
 
@@ -135,8 +138,8 @@ class Plots:
         return plot_id(self.prefix, name)
 
 
+PREFERENCE_PLOTS = ("rewards",)           # every run view's, first: shown once a run logs rewards
 MAIN_PLOTS = ("loss", "eval")             # every run view's plots
-PREFERENCE_PLOTS = ("rewards",)           # every run view's too, shown once a preference run logs them
 MORE_PLOTS = ("lr", "tokens", "memory")   # and, in full, these
 
 
@@ -146,10 +149,10 @@ def plot_id(prefix: str, name: str) -> str:
 
 
 def make_plots(prefix: str, full: bool = True) -> Plots:
-    """The plots of a run: loss and evaluation metrics, a preference run's rewards (hidden for an
-    SFT run), with `full` also lr, tokens/s, memory."""
+    """The plots of a run: a preference or GRPO run's rewards first (the objective's own; hidden
+    for an SFT run), then loss and evaluation metrics, with `full` also lr, tokens/s, memory."""
     plots: dict[str, gr.HTML] = {}
-    for names in (MAIN_PLOTS, PREFERENCE_PLOTS, MORE_PLOTS) if full else (MAIN_PLOTS, PREFERENCE_PLOTS):
+    for names in (PREFERENCE_PLOTS, MAIN_PLOTS, MORE_PLOTS) if full else (PREFERENCE_PLOTS, MAIN_PLOTS):
         with gr.Row(equal_height=True):
             for name in names:
                 plots[name] = live_plot(name, plot_id(prefix, name))

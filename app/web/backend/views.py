@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from app.series import RunHistory, preference_series
+from app.series import PREFERENCE_PANELS, RunHistory, preference_series
 from contract.protocol.states import RunState
 from contract.run_folder import EventTail, RunFolder, tail_lines
 from contract.events import EventType
@@ -25,6 +25,11 @@ from contract.events import EventType
 MAX_POINTS = 400
 # eval metrics that are plotted with the loss, not with the other evaluation metrics
 LOSS_LIKE = ("loss", "perplexity")
+# the objective's metrics, drawn in its own plot, evaluation included (its panels' "eval" lines, and
+# "eval chosen" / "eval rejected" beside the train lines of the others): not again among the
+# evaluation metrics
+IN_REWARDS = frozenset(metric for _, lines in PREFERENCE_PANELS for _, metric, _ in lines)
+GRPO_REWARD = (("reward", "mean reward (GRPO)"),)  # a GRPO run's reward per step, a panel of the objective's plot
 Series = list[tuple[int, float]]
 
 
@@ -83,11 +88,12 @@ class RunView:
         loss = {"raw": pick(train.get("loss", [])), "eval": pick(evals.get("loss", []))}
         return {
             "loss": {k: v for k, v in loss.items() if v},
-            "eval": {name: pick(evals[name]) for name in sorted(evals) if name not in LOSS_LIKE},
+            "eval": {name: pick(evals[name]) for name in sorted(evals) if name not in (*LOSS_LIKE, *IN_REWARDS)},
             "lr": {"lr": pick(train["lr"])} if "lr" in train else {},
             "tokens": {"tokens/s": pick(train["tokens_per_s"])} if "tokens_per_s" in train else {},
             "memory": {"rank 0": pick(train["mem_mb"])} if "mem_mb" in train else {},
-            "rewards": preference_series(train, evals),  # a preference run's TRL metrics; none for SFT
+            "rewards": {**{f"{title} · train": pick(train[key]) for key, title in GRPO_REWARD if key in train},
+                        **preference_series(train, evals), **_eval_lines(evals, pick)},  # none for SFT
         }
 
     # -- tables for the plots ---------------------------------------------------------------------
@@ -193,3 +199,15 @@ def _frame(rows: list[tuple[int, float, str]], y: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["step", y, "series"]).astype(
         {"step": "int64", y: "float64", "series": "string"})
 
+
+
+def _eval_lines(evals: dict[str, list], pick: Any) -> dict[str, Series]:
+    """The evaluation values of the objective's metrics its panels draw for training only
+    (rewards and log-probabilities of chosen and rejected): "panel · eval chosen" and the like."""
+    out = {}
+    for title, lines in PREFERENCE_PANELS:
+        drawn = {metric for split, metric, _ in lines if split == "eval"}
+        for split, metric, label in lines:
+            if split == "train" and metric not in drawn and (points := pick(evals.get(metric, []))):
+                out[f"{title} · eval {label}" if label != "train" else f"{title} · eval"] = points
+    return out
