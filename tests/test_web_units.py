@@ -248,3 +248,23 @@ def test_every_field_has_a_human_label_and_the_common_ones_come_first():
     assert [f["key"] for f in training][:3] == ["train.max_steps", "train.epochs", "train.micro_batch_size"]
     advanced = {f["key"] for _, _, _, rest in sections for f in rest}
     assert "parallel.master_port" in advanced and "optim.lr" not in advanced
+
+
+def test_own_training_data_without_evaluation_data_switches_evaluation_off_instead_of_blocking_start(form, tmp_path):
+    from app.web.configure import _idle_note, evaluation_off
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"reverse: {w}\n", "chosen": w[::-1], "rejected": w}) + "\n"
+                            for w in (f"w{n:03d}x" for n in range(80))))
+    values = {**form.preset_values(DEFAULT_PRESET), "preference.objective": "dpo", "data.train": str(data)}
+    assert values["eval.every_n_steps"] and not values["data.eval"]  # the preset evaluates on the task's split
+    assert "eval.every_n_steps" in form.check(values).by_field  # as it was: Start off
+    changes, note = evaluation_off(values)
+    assert changes == {"eval.every_n_steps": 0} and "Evaluation switched off" in note and "data.eval" in note
+    checked = form.check({**values, **changes})
+    assert "eval.every_n_steps" not in checked.by_field and checked.ok, checked.problems
+    assert evaluation_off({**values, "data.eval": str(data)}) == ({}, "")  # evaluation data given: kept
+    assert evaluation_off({**values, "data.train": ""}) == ({}, "")        # the embedded task: its own split
+    # with no file yet, the note names the variant of the embedded task the objective trains on
+    assert "pairs variant" in _idle_note("data.train", "dpo") and "chosen" in _idle_note("data.train", "dpo")
+    assert "pairs variant" in _idle_note("data.train", "simpo")
+    assert "instruction rows" in _idle_note("data.train", "sft") and "unpaired" in _idle_note("data.train", "kto")

@@ -137,7 +137,8 @@ def _rows(fields: list[dict], values: dict[str, Any], first: Checked, inputs: di
                 gr.HTML("")
         for f in chunk:
             if f["key"] in INSPECTED:
-                notes[f["key"]] = gr.Markdown(_idle_note(f["key"]), elem_classes="inspect-note",
+                notes[f["key"]] = gr.Markdown(_idle_note(f["key"], values.get("preference.objective") or "sft"),
+                                              elem_classes="inspect-note",
                                               elem_id=f"inspect-{slug(f['key'])}")
 
 
@@ -213,10 +214,30 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
     deepspeed = readable(lambda given: _deepspeed(backend, tab.values(given)))
     ds_button.click(deepspeed, inputs=tab.inputs, outputs=ds_json, api_visibility="private")
     preview_acc.expand(deepspeed, inputs=tab.inputs, outputs=ds_json, api_visibility="private")
+    objective = fields["preference.objective"]
+
+    def own_data(given: dict) -> dict:
+        """Training data entered: the evaluation schedule off when there is nothing to evaluate
+        on (said under data.eval)."""
+        values = tab.values(given)
+        changes, note = evaluation_off(values)
+        if note:
+            gr.Info("Evaluation switched off: your training data comes without evaluation data.")
+        out = {fields[k]: v for k, v in changes.items()}
+        if note:
+            out[notes["data.eval"]] = note
+        return out or {notes["data.eval"]: gr.update()}
+
+    fields["data.train"].change(readable(own_data), inputs=tab.inputs,
+                                outputs=[*(fields[k] for k in EVAL_KEYS), notes["data.eval"]],
+                                trigger_mode="always_last", show_progress="hidden", api_visibility="private")
+    objective.change(lambda path, name: gr.update() if str(path or "").strip() else _idle_note("data.train", name),
+                     inputs=[fields["data.train"], objective], outputs=notes["data.train"],
+                     show_progress="hidden", api_visibility="private")
     for key, note in notes.items():
         component, fmt = fields[key], fields["data.format"]
-        component.change(readable(lambda path, f, k=key: _inspect(backend, k, path, f)),
-                         inputs=[component, fmt], outputs=note, trigger_mode="always_last",
+        component.change(readable(lambda path, f, o, k=key: _inspect(backend, k, path, f, o)),
+                         inputs=[component, fmt, objective], outputs=note, trigger_mode="always_last",
                          show_progress="minimal", api_visibility="private")
     start.click(readable(lambda given: start_run(backend, tab.values(given), run_state, tabs)),
                 inputs=tab.inputs, outputs=[run_state, tabs], api_visibility="private")
@@ -343,18 +364,43 @@ def _deepspeed(backend: Backend, values: dict[str, Any]) -> str:
     return head + warnings + "\n" + json.dumps(answer["config"], indent=2)
 
 
-def _idle_note(key: str) -> str:
+# what the embedded task gives each objective (engine/data/default_task.py sources_for)
+TASK_VARIANTS = {
+    "sft": "its instruction rows (input → output)",
+    "dpo": "its pairs variant: each prompt with the right answer chosen over a wrong one "
+           "(prompt `reverse: abc`, chosen `cba`, rejected a near miss such as `bca`)",
+    "kto": "its unpaired variant: each prompt's right answer marked desirable, a wrong one undesirable",
+    "grpo": "its prompts variant: each prompt with its right answer, which exact match rewards",
+}
+EVAL_KEYS = ("eval.every_n_steps", "eval.every_n_epochs")
+
+
+def _idle_note(key: str, objective: str = "sft") -> str:
     if key == "model.path":
         return "Empty: the embedded tiny Llama (2 layers, hidden 128, character tokenizer)."
     if key == "data.train":
-        return "Empty: the embedded synthetic task (reverse / sort / upper a word)."
+        variant = TASK_VARIANTS.get(objective, TASK_VARIANTS["dpo"])  # orpo, simpo: pairs as dpo
+        return f"Empty: the embedded synthetic task (reverse / sort / upper a word), {variant}."
     return "Empty: the default task's held-out split, or no evaluation data."
 
 
-def _inspect(backend: Backend, key: str, path: str, fmt: str) -> str:
+def evaluation_off(values: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """When the user's own training data comes without evaluation data while the form schedules
+    evaluations (a preset made for the embedded task, which has a held-out split): the schedule
+    switched off, and the note that says so; ({}, "") otherwise. Start then stays possible."""
+    scheduled = [k for k in EVAL_KEYS if values.get(k)]
+    if not (str(values.get("data.train") or "").strip() and scheduled) or str(values.get("data.eval") or "").strip():
+        return {}, ""
+    was = ", ".join(f"{k} {values[k]}" for k in scheduled)
+    return {k: 0 for k in scheduled}, (
+        f"**Evaluation switched off** ({was} → 0): your training data comes without evaluation data. "
+        "Name a held-out file in data.eval and set the schedule again to evaluate.")
+
+
+def _inspect(backend: Backend, key: str, path: str, fmt: str, objective: str | None = None) -> str:
     path = (path or "").strip()
     if not path:
-        return _idle_note(key)
+        return _idle_note(key, objective or "sft")
     if not Path(path).exists():
         return f"**Cannot use it:** no such {'folder' if key == 'model.path' else 'file or folder'}: `{path}`"
     try:
