@@ -5,8 +5,8 @@ live setting shows in the web Train tab's fold and the notebook panel's at once,
 command's description as its help.
 
 Boxes hold text: `changes` reads the filled ones into Set's arguments (a number, two numbers for
-Adam's betas, a JSON object for any other optimizer field) and refuses text that is not one,
-naming the setting; the bounds are the command's own, checked by the verb that sends it.
+Adam's betas, a JSON object for any other optimizer field, `name=weight, ...` for a GRPO run's
+reward weights) and refuses text that is not one, naming the setting; the bounds are the command's own, checked by the verb that sends it.
 `present` words the run's values now (its status `settings`).
 """
 
@@ -28,7 +28,8 @@ def names() -> list[str]:
 
 
 def label(name: str) -> str:
-    return name.replace("_", " ").capitalize()
+    words = name.replace("_", " ").capitalize()
+    return "GRPO" + words[4:] if name.startswith("grpo_") else words
 
 
 def help_text(name: str) -> str:
@@ -50,6 +51,8 @@ def parse(name: str, text: Any) -> Any:
     try:
         if kind is list:
             return [float(part) for part in text.replace(",", " ").split()]
+        if kind is dict and name == "reward_weights" and not text.startswith("{"):
+            return _weights(text)
         if kind is dict:
             value = json.loads(text)
             if not isinstance(value, dict):
@@ -60,7 +63,17 @@ def parse(name: str, text: Any) -> Any:
         wanted = {list: "numbers separated by a comma (e.g. 0.9, 0.999)",
                   dict: 'a JSON object of optimizer fields (e.g. {"momentum": 0.8})',
                   int: "a whole number"}.get(kind, "a number")
+        if name == "reward_weights":
+            wanted = "reward=weight pairs separated by a comma (e.g. exact_match=1, brevity=0.2)"
         raise SessionError(f"{label(name)}: must be {wanted}, got {text!r}") from None
+
+
+def _weights(text: str) -> dict[str, float]:
+    """`name=weight, name=weight` as {name: weight} (ValueError when a pair is not one)."""
+    pairs = [part.split("=") for part in text.split(",") if part.strip()]
+    if not pairs or any(len(pair) != 2 or not pair[0].strip() for pair in pairs):
+        raise ValueError(text)
+    return {pair[0].strip(): float(pair[1]) for pair in pairs}
 
 
 def changes(boxes: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +101,7 @@ def present(settings: dict[str, Any] | None) -> list[tuple[str, str]]:
     out = []
     for name in names():
         value = (settings or {}).get(name)
-        if isinstance(value, dict):
+        if isinstance(value, dict) and name == "optimizer":
             value = {k: v for k, v in value.items() if v is not None and k not in names() and k not in OWN_BOXES}
         if value is not None and value != {}:
             out.append((label(name), shown(value)))

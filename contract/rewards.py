@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -136,10 +137,10 @@ class Reward:
     spec: dict
 
 
-def build_reward(spec: Any, field: str, max_completion_length: int = 256) -> Reward:
-    """The reward `spec` declares (see the module docstring); RewardSpecError naming `field`
-    when it cannot be used (unknown kind or key, a module that does not import, a function
-    without TRL's signature)."""
+def check_entry(spec: Any, field: str) -> float:
+    """The checks of a reward entry that import nothing (its shape: kind or function, known keys,
+    a finite weight); returns its weight. RewardSpecError naming `field` (build_reward runs them
+    first; a live `add_reward` runs them where the command is built, too)."""
     if not isinstance(spec, dict):
         raise RewardSpecError(field, f"a reward is a dict with kind or function, not {spec!r}")
     has_kind, has_fn = spec.get("kind") is not None, spec.get("function") is not None
@@ -150,22 +151,35 @@ def build_reward(spec: Any, field: str, max_completion_length: int = 256) -> Rew
         weight = float(spec.get("weight", 1.0))
     except (TypeError, ValueError):
         raise RewardSpecError(f"{field}.weight", f"must be a number, not {spec.get('weight')!r}") from None
+    if not math.isfinite(weight):
+        raise RewardSpecError(f"{field}.weight", f"must be a finite number, not {spec.get('weight')!r}")
     if has_fn:
         unknown = set(spec) - set(COMMON_KEYS)
         if unknown:
             raise RewardSpecError(field, f"unknown keys {sorted(unknown)} for a function (allowed: "
                                   "function, name, weight)")
-        fn = load_function(str(spec["function"]), f"{field}.function")
-        return Reward(str(spec.get("name") or getattr(fn, "__name__", "reward")), weight, fn, dict(spec))
+        return weight
     kind = spec["kind"]
     if kind not in BUILTIN_KEYS:
         raise RewardSpecError(f"{field}.kind", f"{kind!r} is not a built-in; use one of "
                               f"{', '.join(BUILTIN_KEYS)} (or function: module:function)")
-    keys = BUILTIN_KEYS[kind]
-    unknown = set(spec) - set(COMMON_KEYS) - set(keys)
+    unknown = set(spec) - set(COMMON_KEYS) - set(BUILTIN_KEYS[kind])
     if unknown:
         raise RewardSpecError(field, f"unknown keys {sorted(unknown)} for {kind} (allowed: "
-                              f"{', '.join(('name', 'weight', *keys))})")
+                              f"{', '.join(('name', 'weight', *BUILTIN_KEYS[kind]))})")
+    return weight
+
+
+def build_reward(spec: Any, field: str, max_completion_length: int = 256) -> Reward:
+    """The reward `spec` declares (see the module docstring); RewardSpecError naming `field`
+    when it cannot be used (unknown kind or key, a module that does not import, a function
+    without TRL's signature)."""
+    weight = check_entry(spec, field)
+    if spec.get("function") is not None:
+        fn = load_function(str(spec["function"]), f"{field}.function")
+        return Reward(str(spec.get("name") or getattr(fn, "__name__", "reward")), weight, fn, dict(spec))
+    kind = spec["kind"]
+    keys = BUILTIN_KEYS[kind]
     args = {k: spec.get(k, default) for k, default in keys.items()}
     return Reward(str(spec.get("name") or kind), weight, _builtin(kind, args, field, max_completion_length),
                   dict(spec))

@@ -37,6 +37,7 @@ from contract.protocol.base import Command, ProtocolError
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop, Subscribe, command_from_wire
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, SourceFormat, Teach
+from contract.protocol.reward_commands import AddReward, RemoveReward, RewardsAnswer
 from contract.protocol.roles import Role
 from contract.run_folder import read_events
 from supervisor.connection import Answers, CommandError, Connection, RunGone, next_answer
@@ -214,6 +215,17 @@ class Verbs:
     def remove_source(self, name: str) -> SourcesAnswer:
         """Stop drawing from a source from the next step on."""
         return self.send(self.build(lambda: RemoveSource(source=name)))
+
+    def add_reward(self, entry: dict[str, Any] | None = None, **keys: Any) -> RewardsAnswer:
+        """Score a GRPO run's samples with one more reward function from the next step on: an
+        entry as grpo.rewards takes one, given as a dict and/or by keyword
+        (`add_reward(kind="regex", pattern=r"\\d", weight=0.5)`, `add_reward(function="my.py:f")`).
+        Returns the run's rewards now."""
+        return self.send(self.build(lambda: AddReward(reward={**(entry or {}), **keys})))
+
+    def remove_reward(self, name: str) -> RewardsAnswer:
+        """Stop scoring with the reward named `name` from the next step on (not the last one)."""
+        return self.send(self.build(lambda: RemoveReward(reward=name)))
 
     def teach(self, prompt: str | None, answer: str, *, messages: list[dict] | None = None,
               **rate: Any) -> TeachAnswer:

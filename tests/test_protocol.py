@@ -37,7 +37,7 @@ def test_the_defaults_a_user_relies_on():
     assert sorted(COMMANDS) == sorted(["evaluate", "generate", "pause", "resume", "save", "set", "status", "stop",
                                        "rewind", "branch", "snapshot", "branches",
                                        "add_source", "set_weight", "remove_source", "teach", "inbox", "forget",
-                                       "complete"])
+                                       "complete", "add_reward", "remove_reward"])
     assert P.IMMEDIATE == {"status", "subscribe"}
     assert Status().answered_at_once and not Status(ranks=True).answered_at_once
     assert not Stop().answered_at_once and Subscribe().answered_at_once
@@ -52,9 +52,9 @@ def test_every_field_is_documented_where_it_is_declared():
 
 # -- validation ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cmd, args, message", [
-    ("rm -rf", {}, "unknown command 'rm -rf'; allowed: add_source, branch, branches, complete, evaluate, forget, "
-                   "generate, inbox, pause, remove_source, resume, rewind, save, set, set_weight, snapshot, "
-                   "status, stop, teach, subscribe"),
+    ("rm -rf", {}, "unknown command 'rm -rf'; allowed: add_reward, add_source, branch, branches, complete, evaluate, "
+                   "forget, generate, inbox, pause, remove_reward, remove_source, resume, rewind, save, set, "
+                   "set_weight, snapshot, status, stop, teach, subscribe"),
     ("stop", {"save": "yes"}, "stop: argument 'save' must be true or false, got 'yes'"),
     ("stop", {"save": None}, "stop: argument 'save' must not be null"),
     ("set", {"lr": -1}, "set: argument 'lr' must be at least 0.0 and at most 10.0, got -1"),
@@ -194,7 +194,8 @@ def test_the_client_refuses_a_bad_command_before_sending_it(tmp_path):
 def test_the_commands_allowed_in_each_state():
     everything = {"generate", "complete", "stop", "save", "evaluate", "set", "status",
                   "rewind", "branch", "snapshot", "branches",
-                  "add_source", "set_weight", "remove_source", "teach", "inbox", "forget"}
+                  "add_source", "set_weight", "remove_source", "teach", "inbox", "forget", "add_reward",
+                  "remove_reward"}
     assert allowed_commands("running") == everything | {"pause"}
     assert allowed_commands(RunState.PAUSED) == everything | {"resume"}
     assert allowed_commands("starting") == {"status", "stop"}

@@ -46,15 +46,18 @@ from contract.protocol.answers import (Answer, EvaluateAnswer, GenerateAnswer, S
 from contract.protocol.roles import Role
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import WIRE, Arguments, Chat, Command, ProtocolError, StopStrings, in_words
+from contract.config.schema import GrpoConfig
 from contract.protocol.completion_commands import Complete
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.reward_commands import AddReward, RemoveReward
 from contract.protocol.states import RunState
 
 MAX_NEW_TOKENS = 4096
 
 
-# the data commands: sources and the inbox of taught answers
-DATA_COMMANDS = ("add_source", "set_weight", "remove_source", "teach", "inbox", "forget")
+# the data commands: sources and the inbox of taught answers; a GRPO run's reward functions
+DATA_COMMANDS = ("add_source", "set_weight", "remove_source", "teach", "inbox", "forget", "add_reward",
+                 "remove_reward")
 
 # The commands a front end may send in each state (status and subscribe are always answered while
 # the run is live). `stop` while stopping ends the process group without waiting for the save.
@@ -166,6 +169,17 @@ class Evaluate(Command):
     returns: ClassVar[type[Answer]] = EvaluateAnswer
 
 
+# the GRPO settings `set` changes (each `grpo_<name>`, with GrpoConfig's bounds and help)
+GRPO_SETTINGS = ("temperature", "top_p", "num_generations", "max_completion_length", "beta", "epsilon")
+
+
+def _grpo_setting(name: str) -> Any:
+    """Set's field for grpo.<name>: the config field's bounds and description, declared once there."""
+    field = GrpoConfig.model_fields[name]
+    bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if getattr(m, k, None) is not None}
+    return Field(default=None, description=f"A GRPO run's grpo.{name}: {field.description}", **bounds)
+
+
 class Set(Command):
     """Change live settings; all or nothing, recorded as a `set` event and in checkpoints."""
     name: ClassVar[str] = "set"
@@ -194,6 +208,15 @@ class Set(Command):
     serving_budget: float | None = Field(default=None, ge=0.0, le=1.0, description="Share of the training time the "
                                          "OpenAI-compatible API's requests may take (control.serving_budget).")
 
+    # a GRPO run's (engine.objectives.grpo_live): any other run refuses them, naming the field
+    reward_weights: dict[str, float] | None = Field(default=None, description="A GRPO run's reward weights by "
+                                                    "reward name (the reward is their weighted sum).")
+    grpo_temperature: float | None = _grpo_setting("temperature")
+    grpo_top_p: float | None = _grpo_setting("top_p")
+    grpo_num_generations: int | None = _grpo_setting("num_generations")
+    grpo_max_completion_length: int | None = _grpo_setting("max_completion_length")
+    grpo_beta: float | None = _grpo_setting("beta")
+    grpo_epsilon: float | None = _grpo_setting("epsilon")
     @field_validator("betas")
     @classmethod
     def _betas(cls, betas: list[float] | None) -> list[float] | None:
@@ -234,7 +257,7 @@ class Subscribe(Command):
 # the commands a run executes, by wire name (subscribe is a request for events, not a command)
 COMMANDS: dict[str, type[Command]] = {c.name: c for c in (
     Generate, Pause, Resume, Stop, Save, Evaluate, Set, Status, Rewind, Branch, Snapshot, Branches,
-    AddSource, SetWeight, RemoveSource, Teach, Inbox, Forget, Complete)}
+    AddSource, SetWeight, RemoveSource, Teach, Inbox, Forget, Complete, AddReward, RemoveReward)}
 REQUESTS: dict[str, type[Command]] = {**COMMANDS, Subscribe.name: Subscribe}
 # the requests rank 0 may answer from its server thread (status only without `ranks`)
 IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate)

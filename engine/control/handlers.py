@@ -25,6 +25,7 @@ from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import Command
 from contract.protocol.completion_commands import Complete
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop
+from contract.protocol.reward_commands import AddReward, RemoveReward
 from contract.protocol.states import RunState
 from engine.checkpoint import rewind as rewinding
 from engine.checkpoint.locations import CheckpointError
@@ -37,6 +38,7 @@ from engine.control import live_fields
 from engine.control.settings import REPLACED
 from engine.generation.generate import fresh_seed
 from engine.generation.generate import generate as generate_text
+from engine.objectives import grpo_live
 
 
 class CommandRefused(RuntimeError):
@@ -172,7 +174,7 @@ def set_values(control: Plane, cmd: Set, reply: Reply) -> dict:
             setattr(live, key, getattr(cmd, key))
     if cmd.generation is not None:
         live.generation.update(cmd.generation.sampling())
-    live.optimizer.update(live_fields.optimizer_changes(cmd))
+    live_fields.record(trainer, live, cmd)
     apply_settings(control)
     after = current_settings(control)
     names = list(cmd.args())
@@ -222,6 +224,24 @@ def current_settings(control: Plane) -> dict:
             "eval_every_n_steps": live.eval_every(trainer.config),
             "save_every_n_steps": live.save_every(trainer.config),
             "generation": live.generation_params(), **live_fields.current(trainer, control.serving)}
+
+
+def rewards(control: Plane, cmd: AddReward | RemoveReward, reply: Reply) -> dict:
+    """A GRPO run's reward functions changed (engine.objectives.grpo_live), recorded as a `set`
+    event of `rewards` (the entries before and after), kept in the checkpoints."""
+    trainer = control.trainer
+    try:
+        if isinstance(cmd, AddReward):
+            before = grpo_live.add(trainer, control.settings, cmd, control.world_size)
+        else:
+            before = grpo_live.remove(trainer, control.settings, cmd)
+    except grpo_live.RewardRefused as e:
+        raise CommandRefused(str(e)) from None
+    after = grpo_live.current(trainer)["rewards"]
+    step = trainer.state.global_step
+    trainer.emit(SetEvent(step=step, changes={"rewards": after}, before={"rewards": before},
+                          applies_from_step=step + 1))
+    return {"step": step, "rewards": after, "applies_from_step": step + 1}
 
 
 # -- rewind, branch, snapshot (engine.checkpoint.rewind) ------------------------------------------------
@@ -317,5 +337,5 @@ HANDLERS: dict[type[Command], Handler] = {
     Generate: generate, Complete: complete, Pause: pause, Resume: resume, Stop: stop, Save: save,
     Evaluate: evaluate, Set: set_values, Status: status,
     Rewind: rewind, Branch: branch, Snapshot: snapshot, Branches: branches,
-    **DATA_HANDLERS,
+    **DATA_HANDLERS, AddReward: rewards, RemoveReward: rewards,
 }

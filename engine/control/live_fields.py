@@ -1,6 +1,7 @@
 """The live settings that live in the run's parts rather than in the loop's schedule: the fields of
 the optimizer's parameter groups (weight decay, Adam's betas and eps, any other), the preference
-objective's beta and the serving budget. `set` checks them here, the handlers apply them here
+objective's beta, the serving budget, and a GRPO run's sampling and loss settings and reward
+weights (engine.objectives.grpo_live). `set` checks them here, the handlers apply them here
 (after a `set`, on resume, on a rewind), and the status shows them from here.
 
 A field `set` has not changed is the run's own: the values the parameter groups had when the
@@ -21,6 +22,7 @@ from typing import Any
 from contract.config.preference_checks import sft_pair_loss
 from contract.protocol.commands import Set
 from engine.control.settings import OPTIMIZER_FIELDS, LiveSettings
+from engine.objectives import grpo_live
 
 # fields of a parameter group that are not the optimizer's settings (lr moves through the schedule)
 NOT_SETTABLE = frozenset({"params", "lr", "initial_lr", "decay", "step", "name"})
@@ -46,8 +48,17 @@ def optimizer_changes(cmd: Set) -> dict[str, Any]:
     return changes
 
 
+def record(trainer: Any, live: LiveSettings, cmd: Set) -> None:
+    """Keep what a checked `set` changes of the run's parts in `live` (`apply` puts it in)."""
+    live.optimizer.update(optimizer_changes(cmd))
+    grpo_live.record(trainer, live, cmd)
+
+
 def problem(trainer: Any, live: LiveSettings, cmd: Set) -> str | None:
     """Why `cmd` cannot apply to this run (None: it can); every rank answers alike."""
+    refused = grpo_live.problem(trainer, cmd)
+    if refused:
+        return refused
     changes = optimizer_changes(cmd)
     if changes:
         groups = groups_of(trainer)
@@ -89,6 +100,7 @@ def apply(trainer: Any, live: LiveSettings, serving: Any) -> None:
     if serving is not None:
         serving.share = (live.serving_budget if live.serving_budget is not None
                          else trainer.config.control.serving_budget)
+    grpo_live.apply(trainer, live)
 
 
 def current(trainer: Any, serving: Any) -> dict[str, Any]:
@@ -98,7 +110,7 @@ def current(trainer: Any, serving: Any) -> dict[str, Any]:
     fields = {k: (list(v) if isinstance(v, tuple) else v) for k, v in decaying.items() if k not in NOT_SETTABLE}
     return {"weight_decay": fields.get("weight_decay"), "betas": fields.get("betas"), "eps": fields.get("eps"),
             "optimizer": fields, "preference_beta": _beta(trainer),
-            "serving_budget": getattr(serving, "share", None)}
+            "serving_budget": getattr(serving, "share", None), **grpo_live.current(trainer)}
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -37,6 +37,10 @@ class LiveSettings:
     optimizer: dict[str, Any] = field(default_factory=dict)   # parameter-group fields set live (weight_decay, ...)
     preference_beta: float | None = None       # None: preference.beta
     serving_budget: float | None = None        # None: control.serving_budget
+    # a GRPO run's (engine.objectives.grpo_live): the grpo.<name> fields set live (temperature,
+    # beta ...), and the reward entries now, weights included (None: grpo.rewards as configured)
+    grpo: dict[str, Any] = field(default_factory=dict)
+    rewards: list[dict[str, Any]] | None = None
     final_save: bool | None = None             # stop(save=...); None: checkpoint.save_at_end
     # the optimizer's groups as built (engine.control.live_fields.remember): what a field `set`
     # never changed goes back to on a restore; the process's own, never recorded
@@ -66,6 +70,10 @@ class LiveSettings:
         state.update({k: getattr(self, k) for k in REPLACED if getattr(self, k) is not None})
         if self.optimizer:
             state["optimizer"] = copy.deepcopy(self.optimizer)
+        if self.grpo:
+            state["grpo"] = copy.deepcopy(self.grpo)
+        if self.rewards is not None:
+            state["rewards"] = copy.deepcopy(self.rewards)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -73,6 +81,9 @@ class LiveSettings:
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.generation = copy.deepcopy(dict(state.get("generation") or {}))
         self.optimizer = copy.deepcopy(dict(state.get("optimizer") or {}))
+        self.grpo = copy.deepcopy(dict(state.get("grpo") or {}))
+        rewards = state.get("rewards")
+        self.rewards = copy.deepcopy(list(rewards)) if rewards is not None else None
         for key in REPLACED:
             setattr(self, key, state.get(key))
 
