@@ -167,3 +167,15 @@ def test_a_run_that_is_not_grpo_refuses_them_naming_the_field(inputs, tmp_path):
     assert "set: reward_weights needs a GRPO run" in replies["1-1"]["message"]
     assert "add_reward: needs a GRPO run" in replies["1-2"]["message"]
     assert "remove_reward: needs a GRPO run" in replies["1-3"]["message"]
+
+
+@pytest.mark.slow  # four short GRPO steps
+def test_under_num_iterations_a_sampling_setting_waits_for_the_step_that_samples(inputs, tmp_path):
+    commands = {1: [Set(grpo_temperature=0.5), Set(grpo_top_p=0.9)], 2: [Set(grpo_temperature=0.5)]}
+    train, seen, replies = _train(inputs, tmp_path, "run_name=mu", *GRPO, "grpo.num_iterations=2", steps=4,
+                                  commands=commands)
+    assert ("set: grpo_temperature: with grpo.num_iterations 2 the next step trains the samples of step 1 again"
+            in replies["1-0"]["message"]) and "send it after step 2" in replies["1-0"]["message"]
+    assert replies["1-1"]["result"]["changes"] == {"grpo_top_p": 0.9}  # sampling only: from the next sample
+    assert replies["2-0"]["result"]["changes"] == {"grpo_temperature": 0.5}
+    assert [seen[s] for s in (1, 2, 3, 4)] == [1.0, 1.0, 0.5, 0.5]

@@ -56,11 +56,30 @@ def problem(trainer: Any, cmd: Set) -> str | None:
     unknown = [n for n in (cmd.reward_weights or {}) if n not in names]
     if unknown:
         return f"set: reward_weights: {unknown[0]!r} is not a reward of this run (its rewards: {', '.join(names)})"
+    reusing = _reusing(trainer, step, cmd)
+    if reusing:
+        return reusing
     if (cmd.grpo_beta or 0) > 0 and step.reference is None and not trainer.method.has_adapter:
         return ("set: grpo_beta needs a reference model, and this run has none: it started with grpo.beta 0 "
                 "and trains the whole model (start it with grpo.beta > 0, or train a PEFT adapter, whose "
                 "reference is the model without it)")
     return None
+
+
+# the settings the samples were drawn and scored with: under grpo.num_iterations > 1 the steps that
+# train a batch again must keep them (the old log-probabilities were taken with them)
+SAMPLED_WITH = ("temperature", "num_generations", "max_completion_length")
+
+
+def _reusing(trainer: Any, step: GrpoStep, cmd: Set) -> str | None:
+    """Why a sampling setting cannot change now: the next step trains the present samples again."""
+    iterations, done = step.config.num_iterations, trainer.state.global_step
+    given = [f"grpo_{k}" for k in SAMPLED_WITH if getattr(cmd, f"grpo_{k}") is not None]
+    if iterations == 1 or done % iterations == 0 or not given:
+        return None
+    return (f"set: {given[0]}: with grpo.num_iterations {iterations} the next step trains the samples of step "
+            f"{done - done % iterations + 1} again, drawn and scored with the present value; send it after step "
+            f"{done - done % iterations + iterations} (the next step that samples)")
 
 
 def record(trainer: Any, live: LiveSettings, cmd: Set) -> None:
