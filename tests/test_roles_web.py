@@ -250,5 +250,6 @@ def test_a_viewer_sees_who_is_signed_in_and_every_operator_control_disabled_with
         _sign_in(page, url, "boss", "pw-boss")
         assert page.locator("#signed-in").inner_text().startswith("signed in as boss (operator)")
         wait_until(lambda: _control(page, "cfg-start").is_enabled(), 60, "Start enabled for the operator")
+        screenshot(page, "configure")
         assert not _control(page, "cfg-start").get_attribute("title")
         browser.close()

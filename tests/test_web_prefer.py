@@ -251,7 +251,6 @@ def test_the_ab_chat_in_a_browser_lands_the_pair_in_the_inbox_and_the_rewards_ar
                    or f"{entry} is no longer trained on" in page.locator("#data-result").inner_text(), 120,
                    "the entry removed")
         assert next(e for e in backend.session.send(path, Inbox()).entries if e["id"] == entry)["removed"]
-        screenshot(page, "inbox", "#data-fold")
     finally:
         page.close()
         demo.close()
