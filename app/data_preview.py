@@ -9,12 +9,20 @@ terminal table (app.cli's `preview`).
 
     info = data_preview("pairs.jsonl")      # {"ok": True, "rows", "format", "pairs", ...}
     pairs_markdown(info["pairs"])
+
+A page of rows as the run would take them (`rows_page`): each row's number, its columns, its length
+in tokens and what the run does with it at a given data.max_length and data.overlong (kept,
+truncated, dropped and why, or refused). It reads the file with the pre-flight check's own code
+(contract.data_check: the same row checks as the engine, lengths estimated from characters at the
+ratio the model's tokenizer.json measures, exact for the embedded default's one token per
+character and for pre-tokenized rows), in this process: no torch.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 import os
 import re
 import subprocess
@@ -23,6 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contract.data_check import (SPECIAL_TOKENS, DataScan, chars_per_token, overlong_rows, prompt_filling_rows,
+                                 scan_file)
+from contract.data_files import read_rows
+from contract.data_rows import DataError
 from supervisor.launch import REPO_ROOT
 
 TIMEOUT_S = 120.0  # reading a file is quick; the engine's data modules import in about a second
@@ -108,3 +120,109 @@ def summary(info: dict) -> str:
 def _plain(text: Any) -> str:
     """`text` as it is, in Markdown: markup escaped, on one line."""
     return _MARKUP.sub(r"\\\1", " ⏎ ".join(str(text).splitlines()) or " ")
+
+
+PAGE_ROWS = 20  # rows per page of the preview
+CELL_CHARS = 60  # a column's text shown per cell
+
+
+@dataclass(frozen=True)
+class RowLine:
+    """One row of the page: its number in the file, its columns (shortened), its length in tokens
+    (`exact` False: estimated) and what the run does with it."""
+    number: int
+    columns: dict[str, str]
+    tokens: int | None
+    exact: bool
+    fate: str
+
+
+@dataclass(frozen=True)
+class RowsPage:
+    """A page of a file's rows, and how their lengths were found."""
+    rows: list[RowLine]
+    total: int
+    start: int
+    lengths: str  # how the token counts were found (measured ratio, estimate, exact)
+
+
+def rows_page(path: str | Path, fmt: str = "auto", max_length: int = 0, overlong: str = "truncate",
+              tokenizer_folder: str | None = None, start: int = 0, size: int = PAGE_ROWS) -> RowsPage:
+    """Rows `start`..`start + size` of the file as the run would take them at `max_length`
+    (0: no limit) and `overlong` (data.overlong); `tokenizer_folder` the model's folder (None:
+    the embedded default). DataError (naming the file) for a file the run could not use."""
+    scan = scan_file(str(path), fmt)
+    ratio, how = chars_per_token(tokenizer_folder, scan)
+    fates = _fates(scan, max_length, overlong, ratio)
+    _, numbered = read_rows(Path(path))
+    lines = []
+    for number, row in numbered[start:start + size]:
+        size_ = scan.chars.get(number)
+        tokens = None if size_ is None else size_ if scan.exact_tokens else math.ceil(size_ / ratio) + SPECIAL_TOKENS
+        columns = {k: _cell(v) for k, v in row.items()} if isinstance(row, dict) else {"row": _cell(row)}
+        lines.append(RowLine(number, columns, tokens, scan.exact_tokens or tokenizer_folder is None,
+                             fates.get(number, "kept")))
+    return RowsPage(lines, scan.rows, start, "exact" if scan.exact_tokens else how)
+
+
+def _fates(scan: DataScan, max_length: int, overlong: str, ratio: float) -> dict[int, str]:
+    """What the run does with each row that it does not simply keep."""
+    fates = {number: f"dropped: {why}" for number, why in scan.dropped}
+    if max_length > 0:
+        too_long = {"truncate": f"truncated to {max_length} tokens",
+                    "drop": f"dropped: longer than data.max_length {max_length}",
+                    "error": f"refused: longer than data.max_length {max_length} (data.overlong error stops the run)"}
+        for number in overlong_rows(scan, max_length, ratio):
+            fates[number] = too_long[overlong]
+        for number in prompt_filling_rows(scan, max_length, ratio):
+            fates[number] = f"dropped: its prompt alone fills data.max_length {max_length}"
+    return fates
+
+
+def _cell(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ⏎ ".join(text.splitlines())
+    return text if len(text) <= CELL_CHARS else text[:CELL_CHARS - 1] + "…"
+
+
+def _length(line: RowLine) -> str:
+    return "–" if line.tokens is None else f"{'' if line.exact else '~'}{line.tokens}"
+
+
+def page_header(page: RowsPage) -> str:
+    """'rows 1-20 of 300; token lengths: ...'."""
+    if not page.rows:
+        return f"no rows from {page.start + 1} (the file has {page.total})"
+    estimated = " (~: estimated)" if any(not line.exact for line in page.rows) else ""
+    return f"rows {page.rows[0].number}-{page.rows[-1].number} of {page.total}; token lengths: {page.lengths}{estimated}"
+
+
+def rows_markdown(page: RowsPage) -> str:
+    """The page as a Markdown table: row, its columns, tokens, what the run does with it."""
+    keys = list(dict.fromkeys(k for line in page.rows for k in line.columns))
+    head = ["row", *keys, "tokens", "the run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for line in page.rows:
+        cells = [str(line.number), *(_plain(line.columns.get(k, "")) for k in keys), _length(line), _plain(line.fate)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return page_header(page) + "\n\n" + "\n".join(lines)
+
+
+def rows_html(page: RowsPage) -> str:
+    """The page as an HTML table (the notebook)."""
+    keys = list(dict.fromkeys(k for line in page.rows for k in line.columns))
+    cell = "style='padding:2px 8px;vertical-align:top;text-align:left'"
+    head = "".join(f"<th {cell}>{html.escape(h)}</th>" for h in ["row", *keys, "tokens", "the run"])
+    body = "".join("<tr>" + "".join(f"<td {cell}>{html.escape(c)}</td>" for c in
+                                    [str(line.number), *(line.columns.get(k, "") for k in keys), _length(line),
+                                     line.fate]) + "</tr>" for line in page.rows)
+    return (f"<div><i>{html.escape(page_header(page))}</i><table class='lt-rows' style='font-size:90%;"
+            f"border-collapse:collapse'><tr>{head}</tr>{body}</table></div>")
+
+
+def page_or_error(path: str | Path, **options: Any) -> RowsPage | str:
+    """rows_page, or the reason the file cannot be used (never raises for a bad file)."""
+    try:
+        return rows_page(path, **options)
+    except (DataError, OSError, ValueError) as e:
+        return f"cannot show its rows: {e}"

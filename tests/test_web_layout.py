@@ -18,7 +18,7 @@ from contract.presets import DEFAULT
 from contract.protocol.states import RunState
 from contract.run_folder import EventLog, RunFolder
 import pytest
-from web_page import SLOW, app, browser, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
+from web_page import SLOW, app, browser, open_section, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
 
 pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
 
@@ -107,3 +107,33 @@ def test_tables_fit_the_runs_tab_shows_its_run_and_no_label_hides_a_message(app,
         return [l.getBoundingClientRect().bottom, w.getBoundingClientRect().top + w.clientTop]; }""")
     assert label <= window + 1, f"the label's bottom at {label} px, the messages' window from {window} px"
     page.close()
+
+
+def test_own_training_data_shows_a_page_of_rows_and_switches_evaluation_off_instead_of_turning_start_off(
+        app, browser, tmp_path):
+    import json
+    url, _ = app
+    data = tmp_path / "own.jsonl"
+    data.write_text("".join(json.dumps({"input": f"reverse: w{n:03d}\n", "output": f"{n:03d}w"}) + "\n"
+                            for n in range(80)))
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    try:
+        page.goto(url)
+        start = page.locator("#cfg-start")
+        start.wait_for(timeout=SLOW)
+        open_section(page, "Evaluation")
+        every = page.locator("#cfg-eval-every-n-steps input").first
+        assert every.input_value() == "100"  # the preset evaluates on the embedded task's split
+        open_section(page, "Data")
+        assert "embedded synthetic task" in page.locator("#inspect-data-train").inner_text()
+        page.locator("#cfg-data-train textarea, #cfg-data-train input").first.fill(str(data))
+        note = page.locator("#inspect-data-train")
+        wait_until(lambda: "rows 1-20 of 80" in note.inner_text(), 120, "a page of the file's rows")
+        assert "the run" in note.inner_text() and "kept" in note.inner_text()
+        wait_until(lambda: "Evaluation switched off" in page.locator("#inspect-data-eval").inner_text(), 60,
+                   "the note that evaluation is off")
+        wait_until(start.is_enabled, 60, "Start enabled with the user's data")
+        open_section(page, "Evaluation")
+        assert every.input_value() == "0"
+    finally:
+        page.close()

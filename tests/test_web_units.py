@@ -268,3 +268,42 @@ def test_own_training_data_without_evaluation_data_switches_evaluation_off_inste
     assert "pairs variant" in _idle_note("data.train", "dpo") and "chosen" in _idle_note("data.train", "dpo")
     assert "pairs variant" in _idle_note("data.train", "simpo")
     assert "instruction rows" in _idle_note("data.train", "sft") and "unpaired" in _idle_note("data.train", "kto")
+
+
+def _judged_pairs(path: Path) -> Path:
+    """25 pairs: row 4's prompt alone fills 32 tokens, row 6 is longer than 32, row 8 has chosen
+    equal to rejected (the embedded default's tokenizer: one token per character)."""
+    rows = [{"prompt": f"reverse: w{n:02d}\n", "chosen": f"{n:02d}w", "rejected": f"w{n:02d}"} for n in range(25)]
+    rows[3] = {"prompt": "reverse: " + "x" * 40 + "\n", "chosen": "a", "rejected": "b"}
+    rows[5] = {"prompt": "reverse: ab\n", "chosen": "y" * 30, "rejected": "z"}
+    rows[7] = {"prompt": "p\n", "chosen": "same", "rejected": "same"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_data_files_preview_shows_a_page_of_rows_with_token_lengths_and_what_the_run_does_with_each(tmp_path):
+    from app.data_preview import PAGE_ROWS, rows_page
+    from app.notebook.preview import preview_data
+    from app.web.configure import _inspect
+    path = _judged_pairs(tmp_path / "pairs.jsonl")
+    page = rows_page(path, max_length=32)
+    assert len(page.rows) == PAGE_ROWS == 20 and page.total == 25 and [r.number for r in page.rows] == list(range(1, 21))
+    fate = {r.number: r.fate for r in page.rows}
+    assert fate[4] == "dropped: its prompt alone fills data.max_length 32"
+    assert fate[6] == "truncated to 32 tokens" and "same answer" in fate[8] and fate[1] == "kept"
+    assert page.rows[0].tokens == len("reverse: w00\n") + 3 + 2 and page.rows[0].exact  # + the longer answer, bos, eos
+    assert rows_page(path, max_length=32, overlong="error").rows[5].fate.startswith("refused:")
+    assert rows_page(path, max_length=32, overlong="drop").rows[5].fate.startswith("dropped: longer")
+    assert [r.number for r in rows_page(path, start=20).rows] == [21, 22, 23, 24, 25]
+    # the web app's note under data.train: the page as a table (the engine's answer from its preview worker)
+    from app.web.backend import Backend
+    backend = Backend(tmp_path / "runs")
+    try:
+        note = _inspect(backend, "data.train", str(path), "auto", "dpo", 32, "truncate", "")
+    finally:
+        backend.close()
+    assert "**25 rows**, format **preference**" in note and "rows 1-20 of 25" in note
+    assert "| row | prompt | chosen | rejected | tokens | the run |" in note and "truncated to 32 tokens" in note
+    # the notebook: the same page as HTML, under the pairs side by side
+    shown = preview_data(path, max_length=32)._repr_html_()
+    assert "lt-pairs" in shown and "lt-rows" in shown and "its prompt alone fills data.max_length 32" in shown

@@ -20,6 +20,7 @@ from typing import Any
 
 import gradio as gr
 
+from app.data_preview import page_or_error
 from app.form import DEFAULT_PRESET, ENTRY_LISTS, Checked, Form, entries, entries_text
 from contract.lm_eval_names import task_names
 from app.web.access import OPERATOR, may_change
@@ -236,8 +237,8 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
                      show_progress="hidden", api_visibility="private")
     for key, note in notes.items():
         component, fmt = fields[key], fields["data.format"]
-        component.change(readable(lambda path, f, o, k=key: _inspect(backend, k, path, f, o)),
-                         inputs=[component, fmt, objective], outputs=note, trigger_mode="always_last",
+        component.change(readable(lambda path, f, o, *limits, k=key: _inspect(backend, k, path, f, o, *limits)),
+                         inputs=[component, fmt, objective, *(fields[k] for k in LIMIT_KEYS)], outputs=note, trigger_mode="always_last",
                          show_progress="minimal", api_visibility="private")
     start.click(readable(lambda given: start_run(backend, tab.values(given), run_state, tabs)),
                 inputs=tab.inputs, outputs=[run_state, tabs], api_visibility="private")
@@ -397,7 +398,11 @@ def evaluation_off(values: dict[str, Any]) -> tuple[dict[str, Any], str]:
         "Name a held-out file in data.eval and set the schedule again to evaluate.")
 
 
-def _inspect(backend: Backend, key: str, path: str, fmt: str, objective: str | None = None) -> str:
+LIMIT_KEYS = ("data.max_length", "data.overlong", "model.path")  # what a data file's page of rows is judged by
+
+
+def _inspect(backend: Backend, key: str, path: str, fmt: str, objective: str | None = None,
+             max_length: Any = 0, overlong: str = "truncate", model: str = "") -> str:
     path = (path or "").strip()
     if not path:
         return _idle_note(key, objective or "sft")
@@ -406,6 +411,16 @@ def _inspect(backend: Backend, key: str, path: str, fmt: str, objective: str | N
     try:
         if INSPECTED[key] == "model":
             return describe_model(backend.preview.model(path))
-        return describe_data(backend.preview.data(path, fmt or "auto"))
+        page = page_or_error(path, fmt=fmt or "auto", max_length=_int(max_length), overlong=overlong or "truncate",
+                             tokenizer_folder=(model or "").strip() or None)  # a page of rows, judged
+        return describe_data(backend.preview.data(path, fmt or "auto"), page)
     except PreviewError as e:
         return f"**Cannot look at it now:** {e}"
+
+
+def _int(value: Any) -> int:
+    """A number box's value as an int (0 when empty or not a number: no limit)."""
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0

@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any
 
-from app.data_preview import pairs_markdown
+from app.data_preview import RowsPage, pairs_markdown, rows_markdown
 from supervisor.launch import REPO_ROOT
 
 TIMEOUT_S = 180.0  # the first answer pays for importing torch and transformers
@@ -106,8 +106,10 @@ def describe_model(info: dict) -> str:
             f"{info.get('layers')} layers · vocab {info.get('vocab_size')} · {weights} · tokenizer {tok}{chat if info.get('tokenizer') else ''}")
 
 
-def describe_data(info: dict) -> str:
-    """A data file's preview as one short Markdown paragraph."""
+def describe_data(info: dict, page: RowsPage | str | None = None) -> str:
+    """A data file's preview as one short Markdown paragraph; with `page` (app.data_preview's
+    rows_page, or why there is none) a page of its rows, their token lengths and what the run does
+    with each, instead of the first rows."""
     if not info.get("ok"):
         return f"**Cannot use this data:** {info.get('error')}"
     text = f"**{info['rows']} rows**, format **{info['format']}** (keys: {', '.join(info['keys']) or 'none'})"
@@ -115,6 +117,10 @@ def describe_data(info: dict) -> str:
         text += f" · {info['unreadable']} unreadable rows (first: {info['unreadable_rows']})"
     if info.get("other_formats"):
         text += f" · other formats also present: {', '.join(info['other_formats'])}"
+    if isinstance(page, RowsPage):
+        return text + "\n\n" + rows_markdown(page)
+    if isinstance(page, str):
+        text += f" · {page}"
     if info.get("pairs"):  # preference rows: prompt above, chosen | rejected (KTO: completion | label)
         text += "\n\n" + pairs_markdown(info["pairs"])
     elif info.get("examples"):
