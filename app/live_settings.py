@@ -16,6 +16,8 @@ import json
 import typing
 from typing import Any
 
+import yaml
+
 from app.session import SessionError
 from contract.protocol.commands import Set
 
@@ -106,3 +108,24 @@ def present(settings: dict[str, Any] | None) -> list[tuple[str, str]]:
         if value is not None and value != {}:
             out.append((label(name), shown(value)))
     return out
+
+
+def reward_entry(text: Any) -> dict[str, Any]:
+    """A reward entry typed as a `grpo.rewards` item is written in a config (YAML or JSON:
+    `{kind: regex, pattern: 'a+', name: as, weight: 0.5}`) as `add_reward` takes it; SessionError
+    when the text is not a mapping (the command's model checks its keys)."""
+    text = str(text or "").strip()
+    try:
+        entry = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as e:
+        raise SessionError(f"Reward: not YAML or JSON: {str(e).splitlines()[0]}") from None
+    if not isinstance(entry, dict):
+        raise SessionError("Reward: type an entry as grpo.rewards takes one, e.g. {kind: regex, pattern: 'a+', "
+                           "name: as} or {function: my_rewards.py:brevity, weight: 0.2}; got " + repr(text))
+    return entry
+
+
+def weights_hint(settings: dict[str, Any] | None) -> str:
+    """The reward weights box's hint: the run's rewards and weights now (none on another run)."""
+    weights = (settings or {}).get("reward_weights") or {}
+    return ", ".join(f"{name}={shown(float(w))}" for name, w in weights.items())

@@ -7,6 +7,8 @@ after them repeats the losses and rewards bit for bit. One rank in this process,
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,27 @@ def test_the_front_ends_read_the_weights_box():
         live_settings.changes({"reward_weights": "exact_match"})
     assert ("Reward weights", "exact_match 0.5, vowel 2") in live_settings.present(
         {"reward_weights": {"exact_match": 0.5, "vowel": 2.0}})
+    assert live_settings.weights_hint({"reward_weights": {"exact_match": 0.5, "vowel": 2.0}}) == \
+        "exact_match=0.5, vowel=2"
+    # the web fold's add / remove: an entry as a config writes one (YAML or JSON)
+    assert live_settings.reward_entry("{function: my_rewards.py:brevity, weight: 0.2}") == {
+        "function": "my_rewards.py:brevity", "weight": 0.2}
+    assert live_settings.reward_entry('{"kind": "regex", "pattern": "a+"}') == {"kind": "regex", "pattern": "a+"}
+    for text in ("", "regex", "{kind: [}"):
+        with pytest.raises(SessionError, match="^Reward: "):
+            live_settings.reward_entry(text)
+
+
+def test_the_train_tab_has_the_reward_controls(tmp_path):
+    from app.web import build_app
+    from app.web.backend import Backend
+    backend = Backend(tmp_path / "runs")
+    try:
+        ids = {getattr(block, "elem_id", None) for block in build_app(backend).blocks.values()}
+    finally:
+        backend.close()
+    assert {"train-set-reward_weights", "train-set-grpo_temperature", "train-reward-entry", "train-reward-add",
+            "train-reward-name", "train-reward-remove"} <= ids
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +93,8 @@ def _train(inputs: Path, out: Path, *overrides: str, commands: dict | None = Non
     from engine.control.pending import Reply
     from engine.trainer import Trainer
 
-    temperatures, replies = {}, []
+    temperatures, replies, threads = {}, [], []
+    name = next(o.split("=", 1)[1] for o in overrides if o.startswith("run_name="))
 
     class Watch(Callback):
         def on_train_batch_end(self, trainer, loss):
@@ -79,6 +103,9 @@ def _train(inputs: Path, out: Path, *overrides: str, commands: dict | None = Non
             # the weights after the step (the loss of a first GRPO iteration is ~0 by construction)
             temperatures[f"weights-{step}"] = [float(p.detach().double().sum()) for p in trainer.engine.module.parameters()]
             for i, cmd in enumerate((commands or {}).get(step, [])):
+                if callable(cmd):  # a client's verb, over the socket: queued before this boundary
+                    _through_the_client(trainer, out / name, cmd, replies, f"{step}-{i}", threads)
+                    continue
                 trainer.control.commands.put(f"{step}-{i}", cmd, Reply(f"{step}-{i}", replies.append, cmd.returns))
 
     cfg = load_config(overrides=[
@@ -90,9 +117,31 @@ def _train(inputs: Path, out: Path, *overrides: str, commands: dict | None = Non
     trainer = Trainer(config=cfg, callbacks=[Watch()])
     trainer.train()
     trainer.close()
-    name = next(o.split("=", 1)[1] for o in overrides if o.startswith("run_name="))
+    for thread in threads:
+        thread.join(timeout=60)
     train = {e["step"]: e for e in read_events(out / name / "events.jsonl") if e["type"] == "train"}
     return train, temperatures, {r["id"]: r for r in replies if r.get("type") in ("done", "error")}
+
+
+def _through_the_client(trainer, folder: Path, verb, replies: list, request: str, threads: list) -> None:
+    """Call `verb(client)` in a thread (its answer comes at the boundary after this step) and wait
+    until the run has queued it, so it applies at this boundary, never a later one."""
+    from supervisor.client import RunClient
+    before = len(trainer.control.commands)
+
+    def call() -> None:
+        with RunClient.connect(folder) as client:
+            try:
+                replies.append({"id": request, "type": "done", "result": verb(client).model_dump()})
+            except Exception as e:  # noqa: BLE001 - the refusal, as the run words it
+                replies.append({"id": request, "type": "error", "message": str(e)})
+
+    threads.append(threading.Thread(target=call, daemon=True))
+    threads[-1].start()
+    deadline = time.monotonic() + 60
+    while len(trainer.control.commands) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(trainer.control.commands) > before, "the client's command was not queued"
 
 
 GRPO = ("objective=grpo", "grpo.num_generations=4", "grpo.max_completion_length=4", "grpo.loss_type=grpo",
@@ -107,8 +156,8 @@ def test_set_add_and_remove_rewards_live_and_a_resume_repeats_them(inputs, tmp_p
                     Set(reward_weights={"nope": 1.0}), AddReward(reward={"function": "no_such_module:f"}),
                     AddReward(reward={"function": f"{inputs / 'bad.py'}:two_args"}),
                     AddReward(reward={"kind": "format", "name": "vowel"})],
-                3: [RemoveReward(reward="exact_match"), RemoveReward(reward="nope"), RemoveReward(reward="early"),
-                    RemoveReward(reward="vowel")]}
+                3: [lambda client: client.remove_reward("exact_match"), RemoveReward(reward="nope"),
+                    RemoveReward(reward="early"), lambda client: client.remove_reward("vowel")]}
     train, seen, replies = _train(inputs, tmp_path, "run_name=a", *GRPO, commands=commands)
     assert replies["2-0"]["result"]["changes"] == {"reward_weights": {"vowel": 0.5, "exact_match": 1.0},
                                                    "grpo_temperature": 0.7}
