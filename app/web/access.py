@@ -80,7 +80,7 @@ def why_disabled(name: str | None) -> str:
 
 
 def signed_in_html(backend: Backend) -> str:
-    """"signed in as bob (viewer) · Log out", or nothing when the app has no logins."""
+    """The line `signed in as bob (viewer) · Log out`; empty when the app has no logins."""
     if not logins_on(backend):
         return ""
     name, role = asker(), backend.session.role_of()
