@@ -4,13 +4,9 @@ and the gradio_client endpoints alike, with the sentence the run refuses a viewe
 The end-to-end test serves the real app (`python -m app`) and logs in with gradio_client."""
 
 import os
-import shutil
-import signal
 import stat
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +16,7 @@ from app.session import SessionError
 from app.users import Users, UsersError, hash_password, logins, read_users, verify_password, write_users
 from contract.protocol.commands import Status
 from contract.protocol.roles import Role, refusal
-from dist_utils import free_port
+from web_page import SLOW, browser, open_tab, screenshot, served_app, wait_until  # noqa: F401 - browser: the fixture
 
 REPO = Path(__file__).resolve().parents[1]
 VIEWER_REFUSAL = "needs the operator role; this login is a viewer's"
@@ -114,53 +110,40 @@ def test_a_viewers_login_is_refused_the_pages_controls(backend):
 
 
 # -- end to end: the real app, logged in with gradio_client ----------------------------------------
-@pytest.mark.slow
-def test_the_served_app_logs_in_by_role_and_refuses_a_viewer_the_endpoints_that_change_a_run(tmp_path):
-    from gradio_client import Client
-    runs, port = tmp_path / "runs", free_port()
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The real app (`python -m app`) with logins: viewers `viewer` and `bob` in its users file, the
+    operator `boss` from the environment; yields (url, its folder, its process id)."""
+    root = tmp_path_factory.mktemp("roles")
     users = Users()
     users.add("viewer", Role.VIEWER, "pw-viewer")
-    write_users(runs / ".users", users)
-    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", PYTHONPATH=str(REPO),
-               LIVETUNE_USERNAME="boss", LIVETUNE_PASSWORD="pw-boss")
-    log = open(tmp_path / "app.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port), "--output-dir", str(runs)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=5)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("the app did not come up:\n" + (tmp_path / "app.log").read_text()[-3000:])
-                time.sleep(0.5)
-        assert "pw-boss" not in " ".join(Path(f"/proc/{proc.pid}/cmdline").read_text().split("\0"))
-        with pytest.raises(Exception):  # a wrong password: no login (gradio_client's own error)
-            Client(url, auth=("viewer", "wrong"), verbose=False)
-        viewer = Client(url, auth=("viewer", "pw-viewer"), verbose=False)
-        assert viewer.predict(api_name="/runs") == []
-        for api_name, args in (("/pause", {}), ("/set", {"lr": 0.1}), ("/start", {"config": ""}),
-                               ("/rewind", {"target": "step-1"}), ("/teach", {"prompt": "a", "answer": "b"})):
-            with pytest.raises(Exception) as refused:
-                viewer.predict(api_name=api_name, **args)
-            assert VIEWER_REFUSAL in str(refused.value), (api_name, refused.value)
-        with pytest.raises(Exception) as no_run:  # a viewer may ask the status: refused for want of a run
-            viewer.predict(api_name="/status")
-        assert "no run" in str(no_run.value)
-        boss = Client(url, auth=("boss", "pw-boss"), verbose=False)
-        with pytest.raises(Exception) as no_run:  # the operator passes the check; there is no run to pause
-            boss.predict(api_name="/pause")
-        assert "no run yet" in str(no_run.value)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    users.add("bob", Role.VIEWER, "pw-bob")
+    write_users(root / "runs" / ".users", users)
+    with served_app(root, {"LIVETUNE_USERNAME": "boss", "LIVETUNE_PASSWORD": "pw-boss"}) as (url, _runs, pid):
+        yield url, root, pid
+
+
+@pytest.mark.slow
+def test_the_served_app_logs_in_by_role_and_refuses_a_viewer_the_endpoints_that_change_a_run(served):
+    from gradio_client import Client
+    url, _, pid = served
+    assert "pw-boss" not in " ".join(Path(f"/proc/{pid}/cmdline").read_text().split("\0"))
+    with pytest.raises(Exception):  # a wrong password: no login (gradio_client's own error)
+        Client(url, auth=("viewer", "wrong"), verbose=False)
+    viewer = Client(url, auth=("viewer", "pw-viewer"), verbose=False)
+    assert viewer.predict(api_name="/runs") == []
+    for api_name, args in (("/pause", {}), ("/set", {"lr": 0.1}), ("/start", {"config": ""}),
+                           ("/rewind", {"target": "step-1"}), ("/teach", {"prompt": "a", "answer": "b"})):
+        with pytest.raises(Exception) as refused:
+            viewer.predict(api_name=api_name, **args)
+        assert VIEWER_REFUSAL in str(refused.value), (api_name, refused.value)
+    with pytest.raises(Exception) as no_run:  # a viewer may ask the status: refused for want of a run
+        viewer.predict(api_name="/status")
+    assert "no run" in str(no_run.value)
+    boss = Client(url, auth=("boss", "pw-boss"), verbose=False)
+    with pytest.raises(Exception) as no_run:  # the operator passes the check; there is no run to pause
+        boss.predict(api_name="/pause")
+    assert "no run yet" in str(no_run.value)
 
 
 def test_a_viewers_train_tab_shows_its_controls_disabled(backend):
@@ -197,7 +180,6 @@ OPERATOR_ONLY = {"Configure": ((), ("cfg-start",)),
 
 
 def _sign_in(page, url: str, name: str, password: str) -> None:
-    from web_page import SLOW
     page.goto(url)
     page.locator("input[type=text], input:not([type])").first.fill(name)
     page.locator("input[type=password]").first.fill(password)
@@ -211,21 +193,12 @@ def _control(page, elem_id: str):
 
 
 @pytest.mark.slow
-def test_a_viewer_sees_who_is_signed_in_and_every_operator_control_disabled_with_why(tmp_path):
-    from web_page import CHROMIUM_ARGS, open_tab, screenshot, served_app, wait_until
-    playwright = pytest.importorskip("playwright.sync_api")
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (./launch.sh test installs it)")
-    users = Users()
-    users.add("bob", Role.VIEWER, "pw-bob")
-    write_users(tmp_path / "runs" / ".users", users)
-    env = {"LIVETUNE_USERNAME": "boss", "LIVETUNE_PASSWORD": "pw-boss"}
-    with served_app(tmp_path, env) as (url, _runs), playwright.sync_playwright() as p:
-        log = (tmp_path / "app.log").read_text()
-        assert "logins are on (1 viewer, 1 operator)" in log, log
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+def test_a_viewer_sees_who_is_signed_in_and_every_operator_control_disabled_with_why(served, browser):
+    url, root, _ = served
+    log = (root / "app.log").read_text()
+    assert "logins are on (2 viewers, 1 operator)" in log, log
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    try:
         page.goto(url)
         screenshot(page, "login")
         _sign_in(page, url, "bob", "pw-bob")
@@ -252,4 +225,5 @@ def test_a_viewer_sees_who_is_signed_in_and_every_operator_control_disabled_with
         wait_until(lambda: _control(page, "cfg-start").is_enabled(), 60, "Start enabled for the operator")
         screenshot(page, "configure")
         assert not _control(page, "cfg-start").get_attribute("title")
-        browser.close()
+    finally:
+        page.close()

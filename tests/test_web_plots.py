@@ -15,6 +15,7 @@ from app.web.backend.views import RunView
 from app.web.plots import batch, make_plots
 from contract.run_folder import EventLog, RunFolder
 from dist_utils import free_port
+from web_page import browser, wait_until  # noqa: F401 - browser: the fixture
 
 STEPS = 1000  # a four-digit last step: its centred label would run past the picture
 
@@ -59,13 +60,7 @@ def test_the_rewards_are_drawn_once_evaluation_included_and_a_grpo_runs_mean_rew
 
 
 @pytest.mark.slow
-def test_in_the_page_the_rewards_sit_above_the_loss_smoothed_and_no_axis_label_is_cut(tmp_path):
-    from web_page import CHROMIUM_ARGS, wait_until
-    playwright = pytest.importorskip("playwright.sync_api")
-    import shutil
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("Debian's chromium is not installed (./launch.sh test installs it)")
+def test_in_the_page_the_rewards_sit_above_the_loss_smoothed_and_no_axis_label_is_cut(tmp_path, browser):
     view = _preference_run(tmp_path)
     with gr.Blocks() as demo:
         plots = make_plots("t", full=False)
@@ -73,28 +68,26 @@ def test_in_the_page_the_rewards_sit_above_the_loss_smoothed_and_no_axis_label_i
         component.value = batch(view.series()[name], None, "run", 1)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    page = browser.new_page(viewport={"width": 1300, "height": 1400})
     try:
-        with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1300, "height": 1400})
-            page.goto(f"http://127.0.0.1:{port}")
-            page.locator("#t-plot-rewards svg").wait_for(timeout=60_000)
-            page.locator("#t-plot-loss svg").wait_for(timeout=60_000)
-            top = {n: page.locator(f"#t-plot-{n}").bounding_box()["y"] for n in ("rewards", "loss")}
-            assert top["rewards"] < top["loss"], top
-            # smoothed: each train line drawn twice (faded raw under its smoothing), eval points dotted
-            faded = page.locator("#t-plot-rewards svg path[opacity='0.3']").count()
-            assert faded >= 6, faded
-            assert page.locator("#t-plot-rewards svg circle").count() >= 2
-            page.locator("#t-plot-rewards .lt-smooth input").fill("0")
-            wait_until(lambda: page.locator("#t-plot-rewards svg path[opacity='0.3']").count() == 0, 10,
-                       "smoothing off: the raw lines alone")
-            cut = page.evaluate("""() => Array.from(document.querySelectorAll('.lt-plot svg')).flatMap(svg => {
-                const box = svg.getBoundingClientRect();
-                return Array.from(svg.querySelectorAll('text.lt-tick')).map(t => [t.textContent, t.getBoundingClientRect()])
-                    .filter(([, r]) => r.right > box.right + 0.5 || r.left < box.left - 0.5).map(([s]) => s); })""")
-            assert cut == [], cut
-            assert page.locator("#t-plot-loss text.lt-tick", has_text=str(STEPS)).count() == 1
-            browser.close()
+        page.goto(f"http://127.0.0.1:{port}")
+        page.locator("#t-plot-rewards svg").wait_for(timeout=60_000)
+        page.locator("#t-plot-loss svg").wait_for(timeout=60_000)
+        top = {n: page.locator(f"#t-plot-{n}").bounding_box()["y"] for n in ("rewards", "loss")}
+        assert top["rewards"] < top["loss"], top
+        # smoothed: each train line drawn twice (faded raw under its smoothing), eval points dotted
+        faded = page.locator("#t-plot-rewards svg path[opacity='0.3']").count()
+        assert faded >= 6, faded
+        assert page.locator("#t-plot-rewards svg circle").count() >= 2
+        page.locator("#t-plot-rewards .lt-smooth input").fill("0")
+        wait_until(lambda: page.locator("#t-plot-rewards svg path[opacity='0.3']").count() == 0, 10,
+                   "smoothing off: the raw lines alone")
+        cut = page.evaluate("""() => Array.from(document.querySelectorAll('.lt-plot svg')).flatMap(svg => {
+            const box = svg.getBoundingClientRect();
+            return Array.from(svg.querySelectorAll('text.lt-tick')).map(t => [t.textContent, t.getBoundingClientRect()])
+                .filter(([, r]) => r.right > box.right + 0.5 || r.left < box.left - 0.5).map(([s]) => s); })""")
+        assert cut == [], cut
+        assert page.locator("#t-plot-loss text.lt-tick", has_text=str(STEPS)).count() == 1
     finally:
+        page.close()
         demo.close()

@@ -39,7 +39,8 @@ def end_runs(runs: Path) -> None:
 @contextlib.contextmanager
 def served_app(root: Path, env: dict[str, str] | None = None):
     """The app (`python -m app`) on a free port, runs under `root`/runs, its output in
-    `root`/app.log; `env` added to its environment. Yields (url, runs folder); ends every run."""
+    `root`/app.log; `env` added to its environment. Yields (url, runs folder, the app's pid); ends
+    every run."""
     runs, port = root / "runs", free_port()
     full_env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", LIVETUNE_HEARTBEAT_S="0.5",
                     PYTHONPATH=str(REPO), **(env or {}))
@@ -58,7 +59,7 @@ def served_app(root: Path, env: dict[str, str] | None = None):
                 pytest.fail("the app did not come up:\n" + (root / "app.log").read_text()[-3000:])
             time.sleep(1)
     try:
-        yield url, runs
+        yield url, runs, proc.pid
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -72,8 +73,8 @@ def served_app(root: Path, env: dict[str, str] | None = None):
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """The app on a free port; yields (url, runs folder)."""
-    with served_app(tmp_path_factory.mktemp("web")) as served:
-        yield served
+    with served_app(tmp_path_factory.mktemp("web")) as (url, runs, _):
+        yield url, runs
 
 
 SCREENSHOTS_ENV = "LIVETUNE_SCREENSHOTS"  # set (to 1) to write the docs' pictures (docs/img/)
