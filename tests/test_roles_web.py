@@ -225,5 +225,14 @@ def test_a_viewer_sees_who_is_signed_in_and_every_operator_control_disabled_with
         wait_until(lambda: _control(page, "cfg-start").is_enabled(), 60, "Start enabled for the operator")
         screenshot(page, "configure")
         assert not _control(page, "cfg-start").get_attribute("title")
+        # an operator's disabled controls say what they wait for
+        open_tab(page, "Train")
+        wait_until(lambda: "No run yet" in (_control(page, "train-pause").get_attribute("title") or ""), 30,
+                   "Pause's tooltip: no run yet")
+        open_tab(page, "Chat")
+        page.locator("#chat-prefer-fold").click()
+        page.locator("#chat-prefer-a-better").wait_for(state="attached", timeout=30_000)
+        wait_until(lambda: "two different answers" in (_control(page, "chat-prefer-a-better").get_attribute("title")
+                                                       or ""), 30, "the A/B choice's tooltip")
     finally:
         page.close()

@@ -17,7 +17,7 @@ What a viewer sees: the page's top right says "signed in as bob (viewer)" with a
 (Gradio's own /logout route), and every operator-only control (each carries the OPERATOR class)
 is disabled, with a tooltip saying why. Gradio 6 has no tooltip argument, so the reason is the
 control's `title` attribute, set in the page by TOOLTIP_HEAD from the signed-in line's
-`data-why`; the disabling itself is the server's (`interactive=False` on the page's load, and
+`data-why` (for an operator, a disabled control's tooltip says what it waits for instead); the disabling itself is the server's (`interactive=False` on the page's load, and
 every handler that enables such a control asks `may_change` first), and the session refuses a
 viewer's click anyway.
 """
@@ -55,12 +55,34 @@ def use_logins(backend: Backend, users: Users) -> None:
 
 
 OPERATOR = "lt-op"  # elem_classes of every control only an operator may use (Start, Pause, Teach, ...)
-TOOLTIP_HEAD = ("<script>(() => { const mark = () => { const who = document.querySelector('#signed-in "
-                "[data-role=viewer]'); if (!who) return; document.querySelectorAll('." + OPERATOR + "').forEach("
-                "e => { const c = e.matches('button, input, textarea, select') ? e : e.querySelector('button, input, "
-                "textarea, select'); for (const t of [e, c]) if (t && t.title !== who.dataset.why) t.title = "
-                "who.dataset.why; }); }; new MutationObserver(mark).observe(document.documentElement, {subtree: true, "
-                "childList: true}); })();</script>")
+# Why a disabled operator-only control is disabled, as its tooltip: a viewer's role (the signed-in
+# line's data-why), else what it waits for: a valid config (Start), two different answers (the A/B
+# choices), a training checkpoint picked, or another run state (the status line's chip). Marked
+# controls carry data-lt-why, so a control enabled again loses the tooltip we gave it.
+TOOLTIP_HEAD = """<script>(() => {
+  const WAITS = [[/(^|-)start$|slurm-submit$/, () => 'Fix the problems the Configure tab lists first'],
+                 [/prefer-[ab]-better$/, () => 'Ask for two different answers first (Two answers)'],
+                 [/^ckpt-resume$/, () => 'Pick a training checkpoint first (the final model has no trainer state)']];
+  const state = () => { const s = document.getElementById('run-state'); return s ? s.innerText.trim() : ''; };
+  const why = (id) => {
+    const viewer = document.querySelector('#signed-in [data-role=viewer]');
+    if (viewer) return viewer.dataset.why;
+    const found = WAITS.find(([re]) => re.test(id || ''));
+    if (found) return found[1]();
+    return state() ? `Not now: the run is ${state()}` : 'No run yet: start one, or open one in the Runs tab';
+  };
+  const mark = () => document.querySelectorAll('.%s').forEach(e => {
+    const c = e.matches('button, input, textarea, select') ? e : e.querySelector('button, input, textarea, select');
+    if (!c) return;
+    const text = c.disabled ? why(e.id) : '';
+    for (const t of [e, c]) {
+      if (text && t.title !== text) { t.title = text; t.dataset.ltWhy = '1'; }
+      else if (!text && t.dataset.ltWhy) { t.removeAttribute('title'); delete t.dataset.ltWhy; }
+    }
+  });
+  new MutationObserver(mark).observe(document.documentElement, {subtree: true, childList: true, attributes: true,
+                                                                attributeFilter: ['disabled']});
+})();</script>""" % OPERATOR
 
 
 def logins_on(backend: Backend) -> bool:
