@@ -37,6 +37,8 @@ from contract.protocol.base import Command, ProtocolError
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop, Subscribe, command_from_wire
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, SourceFormat, Teach
+from contract.protocol.rating_commands import Rate, RateAnswer
+from contract.protocol.frames import Done, Error, EventLine, Frame, Token
 from contract.protocol.reward_commands import AddReward, RemoveReward, RewardsAnswer
 from contract.protocol.roles import Role
 from contract.run_folder import read_events
@@ -64,20 +66,19 @@ class Generation(Generic[A]):
     (contract.protocol.answers: generate's `text`, `step` the training step it was answered at,
     `base` with compare_base)."""
 
-    def __init__(self, answers: "queue.Queue[dict]", timeout: float | None, returns: type[A]):
+    def __init__(self, answers: "queue.Queue[Frame]", timeout: float | None, returns: type[A]):
         self._answers, self._timeout, self._returns = answers, timeout, returns
         self.result: A | None = None
 
     def __iter__(self) -> Iterator[Chunk]:
         while self.result is None:
-            message = next_answer(self._answers, self._timeout)
-            kind = message["type"]
-            if kind == "token":
-                yield Chunk(message["text"], message.get("model", "current"))
-            elif kind == "done":
-                self.result = parsed(self._returns, message["result"])
-            elif kind == "error":
-                raise CommandError(message["message"])
+            frame = next_answer(self._answers, self._timeout)
+            if isinstance(frame, Token):
+                yield Chunk(frame.text, frame.model)
+            elif isinstance(frame, Done):
+                self.result = parsed(self._returns, frame.result)
+            elif isinstance(frame, Error):
+                raise CommandError(frame.message)
 
     def wait(self) -> A:
         for _ in self:
@@ -255,6 +256,14 @@ class Verbs:
         """Stop training on inbox entry `entry_id` from the next step on."""
         return self.send(self.build(lambda: Forget(id=entry_id)))
 
+    def rate(self, step: int, sample: int, score: float | str = "up") -> RateAnswer:
+        """Rate sample `sample` of step `step` of a GRPO run (the numbers of its `samples` event):
+        "up" (1), "down" (-1) or a score in [-1, 1]. In the run's inbox durably before the answer;
+        the next step trains the sample's group once more with a `human` reward. `forget(answer.id)`
+        takes it back."""
+        given: dict[str, Any] = {"step": step, "sample": sample, "score": score}  # up / down: Rate's words
+        return self.send(self.build(lambda: Rate(**given)))
+
     def status(self, ranks: bool = False) -> StatusAnswer:
         """Step, epoch, state, last metrics, queue length and memory (rank 0's at once; with
         `ranks`, every rank's, gathered at the next boundary)."""
@@ -298,13 +307,13 @@ class RunClient(Verbs):
         for attempt in (1, 2):
             answers = self.connection.request(command)
             while True:
-                message = next_answer(answers, timeout)
-                if message["type"] == "done":
-                    return parsed(type(command).returns, message["result"])
-                if message["type"] == "error":
-                    if message.get("lost") and attempt == 1 and isinstance(command, Status):
+                frame = next_answer(answers, timeout)
+                if isinstance(frame, Done):
+                    return parsed(type(command).returns, frame.result)
+                if isinstance(frame, Error):
+                    if frame.lost and attempt == 1 and isinstance(command, Status):
                         break
-                    raise CommandError(message["message"])
+                    raise CommandError(frame.message)
         raise AssertionError("unreachable: the second try returns or raises")
 
     def stream(self, command: Command, timeout: float | None = None) -> Generation[Any]:
@@ -331,12 +340,12 @@ class RunClient(Verbs):
         next_line = from_line
         while follow:
             try:
-                for message in self.connection.subscribe(Subscribe(from_line=next_line), reconnect_timeout):
-                    if message.get("type") == "event" and message["line"] >= next_line:
-                        next_line = message["line"] + 1
-                        yield {**message["event"], "line": message["line"]}
-                    elif message.get("type") == "error":
-                        raise CommandError(message["message"])
+                for frame in self.connection.subscribe(Subscribe(from_line=next_line), reconnect_timeout):
+                    if isinstance(frame, EventLine) and frame.line >= next_line:
+                        next_line = frame.line + 1
+                        yield {**frame.event, "line": frame.line}
+                    elif isinstance(frame, Error):
+                        raise CommandError(frame.message)
             except RunGone:
                 break
             except OSError:

@@ -1,6 +1,6 @@
 """The connection of a RunClient to a run: its address and key (control.json / viewer.json),
-one socket for commands with a reader thread that hands every answering message to the sink of
-the request it belongs to, reconnecting after a lost connection, and fresh sockets for event
+one socket for commands with a reader thread that parses every line once into its frame model
+(contract.protocol.frames) and hands each answering frame to the sink of the request it belongs to, reconnecting after a lost connection, and fresh sockets for event
 streams. The verbs (pause, set, teach ...) are supervisor.client's; this file knows messages, not
 commands' meanings. Torch-free."""
 
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from contract.events import run_state
-from contract.protocol.base import Command
+from contract.protocol.base import Command, ProtocolError
+from contract.protocol.frames import Done, Error, Frame, parse_frame
 from contract.protocol.roles import Role
 from contract.protocol.states import RunState
 from contract.protocol.wire import encode
@@ -30,7 +31,7 @@ TERMINAL_STATES = tuple(s.value for s in RunState if s.final)
 class Answers(Protocol):
     """Where the messages answering one request go (a queue.Queue, or an event loop's hand-over)."""
 
-    def put(self, message: dict) -> None: ...
+    def put(self, message: Frame) -> None: ...
 
 
 class CommandError(RuntimeError):
@@ -41,7 +42,7 @@ class RunGone(ConnectionError):
     """The run's control server is not there (the run ended, or never started)."""
 
 
-def next_answer(answers: "queue.Queue[dict]", timeout: float | None) -> dict:
+def next_answer(answers: "queue.Queue[Frame]", timeout: float | None) -> Frame:
     try:
         return answers.get(timeout=timeout)
     except queue.Empty:
@@ -72,8 +73,8 @@ class Connection:
         with self._lock:
             self._ensure_connected()
 
-    def subscribe(self, command: Command, timeout: float | None) -> Iterator[dict]:
-        """A fresh connection sending `command` (a subscribe): every message it gets back, until
+    def subscribe(self, command: Command, timeout: float | None) -> Iterator[Frame]:
+        """A fresh connection sending `command` (a subscribe): every frame it gets back, until
         the connection ends. Raises RunGone when there is no server to connect to."""
         sock = self._open(timeout)
         try:
@@ -86,9 +87,9 @@ class Connection:
         return {"token": self._address()["token"], "id": f"{self._prefix}-{next(self._ids)}",
                 **command.to_wire()}
 
-    def request(self, command: Command, answers: Answers | None = None) -> "queue.Queue[dict]":
-        """Send `command`; its answer's messages go to `answers`, else to a new queue (returned)."""
-        mine: queue.Queue[dict] = queue.Queue()
+    def request(self, command: Command, answers: Answers | None = None) -> "queue.Queue[Frame]":
+        """Send `command`; its answer's frames go to `answers`, else to a new queue (returned)."""
+        mine: queue.Queue[Frame] = queue.Queue()
         sink: Answers = mine if answers is None else answers
         with self._lock:
             sock = self._ensure_connected()
@@ -126,15 +127,15 @@ class Connection:
     def _read_loop(self, sock: socket.socket) -> None:
         """Route each answer to the queue of the request it belongs to."""
         try:
-            for message in _lines(sock):
-                req_id = str(message.get("id"))
+            for frame in _lines(sock):
+                req_id = str(frame.id)
                 with self._lock:
                     waiting = self._waiting.get(req_id)
-                    if message.get("type") in ("done", "error"):
+                    if isinstance(frame, (Done, Error)):
                         self._waiting.pop(req_id, None)
                 if waiting is not None:
-                    waiting[1].put(message)
-        except (OSError, ValueError):
+                    waiting[1].put(frame)
+        except (OSError, ValueError, ProtocolError):
             pass
         with self._lock:  # every request sent on this connection learns its answer will not come
             if self._sock is sock:
@@ -142,8 +143,7 @@ class Connection:
             ids = [k for k, (s, _) in self._waiting.items() if s is sock]
             lost = [self._waiting.pop(k)[1] for k in ids]
         for answers in lost:
-            answers.put({"type": "error", "lost": True,
-                         "message": "the connection to the run was lost before the answer came"})
+            answers.put(Error(lost=True, message="the connection to the run was lost before the answer came"))
 
     def _address_file(self) -> Path:
         """The file this client takes its address and key from (see the module's docstring)."""
@@ -221,14 +221,14 @@ class Connection:
             self._drop_connection()
 
 
-def _lines(sock: socket.socket) -> Iterator[dict]:
-    """The JSON messages arriving on `sock`, until the server ends the connection."""
+def _lines(sock: socket.socket) -> Iterator[Frame]:
+    """The frames arriving on `sock`, until the server ends the connection."""
     sock.settimeout(None)
     reader = sock.makefile("rb")
     try:
         for raw in reader:
             if raw.strip():
-                yield json.loads(raw)
+                yield parse_frame(json.loads(raw))
     finally:
         reader.close()
 

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 
 from contract.protocol.answers import CompleteAnswer
 from contract.protocol.completion_commands import Complete
+from contract.protocol.frames import Done, Error, Frame, Token
 from supervisor.client import CommandError, parsed
 
 
@@ -34,12 +35,12 @@ class LoopAnswers:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float):
         self._loop, self._timeout = loop, timeout
-        self._queue: asyncio.Queue[dict] = asyncio.Queue()
+        self._queue: asyncio.Queue[Frame] = asyncio.Queue()
         self.result: CompleteAnswer | None = None
         self.answered_by: tuple[int | None, int | None] = (None, None)  # (step, seed) of the weights
         # and sample, from the first piece on
 
-    def put(self, message: dict) -> None:
+    def put(self, message: Frame) -> None:
         """From any thread: hand `message` to the loop (gone with its server: nobody waits)."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, message)
@@ -52,19 +53,18 @@ class LoopAnswers:
                 message = await asyncio.wait_for(self._queue.get(), self._timeout)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"no answer from the run within {self._timeout} s") from None
-            kind = message.get("type")
-            if kind == "token":
-                if "step" in message:
-                    self.answered_by = (message["step"], message.get("seed"))
-                yield str(message["text"])
-            elif kind == "done":
+            if isinstance(message, Token):
+                if message.step is not None:
+                    self.answered_by = (message.step, message.seed)
+                yield message.text
+            elif isinstance(message, Done):
                 try:
-                    self.result = parsed(CompleteAnswer, message["result"])
+                    self.result = parsed(CompleteAnswer, message.result)
                 except CommandError as e:  # a run of another version
                     raise RunFailed(str(e)) from None
                 self.answered_by = (self.result.step, self.result.seed)
-            elif kind == "error":
-                raise RunFailed(str(message.get("message")))
+            elif isinstance(message, Error):
+                raise RunFailed(message.message)
 
     def answer(self) -> CompleteAnswer:
         """The run's answer, once `texts()` has ended."""

@@ -2,7 +2,8 @@
 they are used through the enum, never spelled as string literals (a typo in a literal compares
 false forever; a typo in an enum member fails at import). Commands' answers are models
 (contract.protocol.answers): app/ and supervisor/ read their fields, never `answer["step"]`. Events
-are written through their models (contract.events), never as a dict."""
+are written through their models (contract.events), never as a dict; so are the control socket's
+frames (contract.protocol.frames: ack, token, done, error, event)."""
 
 import ast
 from pathlib import Path
@@ -147,3 +148,27 @@ def test_no_event_written_as_a_dict():
 def test_the_check_finds_an_event_written_as_a_dict():
     tree = ast.parse('log.emit({"type": "x"})\nself.events.emit(dict(type="x"))\nctx.emit(TrainEvent(step=1))\n')
     assert _emits_a_dict(tree) == [1, 2]
+
+
+FRAME_TYPES = {"ack", "token", "done", "error", "event"}
+
+
+def frames_spelled_as_dicts(tree: ast.AST) -> list[int]:
+    """Each `{"type": "done", ...}`-style dict literal: a frame is built as its model, so a missing
+    or misspelt field fails where it is made, not in a client."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Dict)
+            and any(isinstance(k, ast.Constant) and k.value == "type" and isinstance(v, ast.Constant)
+                    and v.value in FRAME_TYPES for k, v in zip(node.keys, node.values))]
+
+
+def test_no_frame_spelled_as_a_dict():
+    found = []
+    for package in ("app", "supervisor", "engine"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT)}:{line}" for line in frames_spelled_as_dicts(ast.parse(path.read_text()))]
+    assert found == []
+
+
+def test_the_check_finds_a_frame_spelled_as_a_dict():
+    tree = ast.parse('send({"type": "done", "result": {}})\nx = {"type": "train"}\nsend(Done(result={}))\n')
+    assert frames_spelled_as_dicts(tree) == [1]

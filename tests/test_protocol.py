@@ -281,3 +281,28 @@ def test_the_tailer_reads_raw_lines_in_bounded_chunks(tmp_path):
     assert [n for n, _ in got] == list(range(10, 101))
     assert all(json.loads(raw)["step"] == n for n, raw in got)
     assert tail.read() == [] and tail.line == 101
+
+
+def test_frames_are_models_on_both_ends_of_the_wire():
+    """What the run sends (engine.control.pending.Reply, the server's event feed) is what the client
+    parses (supervisor.connection): each kind its model, and a line that is no frame is refused."""
+
+    from contract.protocol.frames import Ack, Done, Error, EventLine, Token, event_frame_bytes, parse_frame
+    from contract.protocol.wire import encode
+    from engine.control.pending import Reply
+
+    sent: list[dict] = []
+    reply = Reply("r-1", sent.append, Status.returns)
+    reply.ack(2)
+    reply.token("he", "base")
+    reply.error("no")
+    frames = [parse_frame(json.loads(encode(m))) for m in sent]
+    assert frames == [Ack(id="r-1", queued=2), Token(id="r-1", text="he", model="base"), Error(id="r-1", message="no")]
+    assert "step" not in sent[1] and sent[2]["id"] == "r-1"  # unset optional fields stay off the wire
+    assert parse_frame(Done(id="x", result={"step": 3}).wire()).result == {"step": 3}
+    raw = json.dumps({"type": "train", "step": 4}).encode()
+    line = parse_frame(json.loads(event_frame_bytes(7, raw)))
+    assert isinstance(line, EventLine) and line.line == 7 and line.event["step"] == 4
+    for bad in ({"type": "dun", "id": "x"}, {"type": "token", "id": "x"}, {"type": "ack", "queued": -1}):
+        with pytest.raises(ProtocolError, match="not a message of the control protocol"):
+            parse_frame(bad)

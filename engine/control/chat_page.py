@@ -18,11 +18,13 @@ import itertools
 import json
 import queue
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from engine.control.server import ControlServer
 from contract.protocol.commands import parse_command
+from contract.protocol.frames import Ack, Done, Error, Frame, Token, parse_frame
 from contract.protocol.wire import MAX_MESSAGE_BYTES
 from contract.protocol.base import ProtocolError
 
@@ -146,12 +148,12 @@ class _PageHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Cache-Control", "no-store")
         self.end_headers()
-        for message in _until_final(answers):
-            if message["type"] == "token" and message.get("model") == "current":
-                self.wfile.write(message["text"].encode())
+        for frame in _until_final(answers):
+            if isinstance(frame, Token) and frame.model == "current":
+                self.wfile.write(frame.text.encode())
                 self.wfile.flush()
-            elif message["type"] == "error":
-                self.wfile.write(f"\n[error: {message['message']}]".encode())
+            elif isinstance(frame, Error):
+                self.wfile.write(f"\n[error: {frame.message}]".encode())
 
     def _command(self, cmd: str, args: dict) -> None:
         if cmd == "status" and not self._token_ok(self.headers.get("X-Token", "")):
@@ -161,8 +163,8 @@ class _PageHandler(BaseHTTPRequestHandler):
         except ProtocolError as e:
             return self._reply(400, "application/json", json.dumps({"error": str(e)}).encode())
         final = list(_until_final(answers))[-1]
-        payload = final.get("result") if final["type"] == "done" else {"error": final.get("message")}
-        self._reply(200 if final["type"] == "done" else 409, "application/json", json.dumps(payload).encode())
+        payload = final.result if isinstance(final, Done) else {"error": getattr(final, "message", "")}
+        self._reply(200 if isinstance(final, Done) else 409, "application/json", json.dumps(payload).encode())
 
     def _token_ok(self, token: str) -> bool:
         return hmac.compare_digest(token.encode(), self.server.control.token.encode())
@@ -175,17 +177,17 @@ class _PageHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def _until_final(answers: "queue.Queue[dict]"):
-    """The messages of one request up to its done / error (acks skipped)."""
+def _until_final(answers: "queue.Queue[dict]") -> Iterator[Frame]:
+    """The frames of one request up to its done / error (acks skipped)."""
     while True:
         try:
-            message = answers.get(timeout=ANSWER_TIMEOUT_S)
+            frame = parse_frame(answers.get(timeout=ANSWER_TIMEOUT_S))
         except queue.Empty:
-            yield {"type": "error", "message": "no answer in time"}
+            yield Error(message="no answer in time")
             return
-        if message["type"] != "ack":
-            yield message
-        if message["type"] in ("done", "error"):
+        if not isinstance(frame, Ack):
+            yield frame
+        if isinstance(frame, (Done, Error)):
             return
 
 

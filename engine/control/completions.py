@@ -188,8 +188,7 @@ def _stream(control: Plane, job: Job) -> Callable[[str], None] | None:
     from the first, as OpenAI's streams carry it)."""
     if control.rank == 0 and job.cmd.stream and len(job.rows) == 1:
         step, seed = control.trainer.state.global_step, job.params["seed"]
-        return lambda text, reply=job.reply: reply.send({"type": "token", "text": text, "model": "current",
-                                                          "step": step, "seed": seed})
+        return lambda text, reply=job.reply: reply.token(text, "current", step=step, seed=seed)
     return None
 
 

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
+from contract.protocol.frames import Error
 from contract.protocol.wire import MAX_MESSAGE_BYTES, encode
 from contract.run_folder import EventTail
 from engine.control.limits import KERNEL_SNDBUF, SEND_HIGH_WATER, Limits
@@ -146,7 +147,7 @@ class Connection(asyncio.Protocol):
             self.drop(f"more than {self.server.limits.send_buffer_max} bytes waited to be sent to it")
 
     def send_error(self, req_id: Any, message: str) -> None:
-        self.write(encode({"type": "error", "id": req_id, "message": message}))
+        self.write(encode(Error(id=req_id, message=message).wire()))
 
     # -- ending --------------------------------------------------------------------------------------
     def drop(self, why: str) -> None:
@@ -159,7 +160,7 @@ class Connection(asyncio.Protocol):
         self.server.dropped.append({"peer": self.peer, "ids": list(self.ids), "reason": reason,
                                     "time": time.time()})
         assert self.transport is not None
-        self.transport.write(encode({"type": "error", "id": None, "message": reason}))
+        self.transport.write(encode(Error(message=reason).wire()))
         self.transport.close()  # sends what is buffered, then closes; cut after a grace period
         self.loop.call_later(self.server.limits.drop_grace, self.transport.abort)
 
@@ -176,7 +177,7 @@ class Connection(asyncio.Protocol):
         limit = self.server.limits.max_connections
         message = (f"refused: {limit} connections to this run are open (the limit); "
                    "close one and try again" if not self.server.closing else "refused: the run is ending")
-        self.transport.write(encode({"type": "error", "id": None, "message": message}))
+        self.transport.write(encode(Error(message=message).wire()))
         self.transport.write_eof()
         self.loop.call_later(2.0, self.transport.abort)
 

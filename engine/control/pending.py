@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from contract.protocol.answers import Answer
 from contract.protocol.base import Command
 from contract.protocol.commands import command_from_wire
+from contract.protocol.frames import Ack, Done, Error, Frame, Token
 
 Sink = Callable[[dict], None]
 
@@ -30,19 +31,19 @@ class Reply:
     def __init__(self, req_id: str, sink: Sink | None, returns: type[Answer] = Answer):
         self.id, self._sink, self.finished, self.returns = req_id, sink, False, returns
 
-    def send(self, message: dict) -> None:
+    def send(self, frame: Frame) -> None:
         if self._sink is None:
             return
         try:
-            self._sink({**message, "id": self.id})
+            self._sink(frame.to(self.id).wire())
         except Exception:  # noqa: BLE001 - the sender is gone; the command still completes
             self._sink = None
 
     def ack(self, queued: int) -> None:
-        self.send({"type": "ack", "queued": queued})
+        self.send(Ack(queued=queued))
 
-    def token(self, text: str, model: str = "current") -> None:
-        self.send({"type": "token", "text": text, "model": model})
+    def token(self, text: str, model: str = "current", step: int | None = None, seed: int | None = None) -> None:
+        self.send(Token(text=text, model=model, step=step, seed=seed))
 
     def done(self, result: Answer | dict) -> None:
         """Answer with the command's answer model, built here from a handler's result (a result
@@ -54,11 +55,11 @@ class Reply:
             answer = result if isinstance(result, self.returns) else self.returns.model_validate(result)
         except ValidationError as e:
             return self.error(f"the run's answer does not fit {self.returns.__name__}: {e}")
-        self.send({"type": "done", "result": answer.wire()})
+        self.send(Done(result=answer.wire()))
 
     def error(self, message: str) -> None:
         self.finished = True
-        self.send({"type": "error", "message": message})
+        self.send(Error(message=message))
 
 
 NO_REPLY = Reply("", None)  # the other ranks execute commands but answer nobody

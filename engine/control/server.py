@@ -41,6 +41,7 @@ from engine.control.connection import Connection
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
 from engine.control.limits import CLOSE_GRACE_S, LISTEN_BACKLOG, MAX_ID_CHARS, FEED_TURN_BYTES, SWEEP_S, Limits
 from contract.protocol.commands import Subscribe, parse_command
+from contract.protocol.frames import Ack, event_frame_bytes
 from contract.protocol.wire import decode, encode
 from contract.protocol.base import Command, ProtocolError
 from contract.protocol.roles import Role, refusal
@@ -209,7 +210,7 @@ class ControlServer:
     def _subscribe(self, conn: Connection, req_id: str, from_line: int) -> None:
         if conn.events is not None:
             return conn.send_error(req_id, "refused: this connection is already subscribed; open another")
-        conn.write(encode({"type": "ack", "id": req_id, "queued": 0}))
+        conn.write(encode(Ack(id=req_id, queued=0).wire()))
         conn.events = EventTail(self.folder.events, from_line)
         self.feed(conn)
 
@@ -228,7 +229,7 @@ class ControlServer:
             lines = conn.events.read()
             if not lines:
                 return
-            data = b"".join(b'{"type": "event", "line": %d, "event": %s}\n' % (n, raw) for n, raw in lines)
+            data = b"".join(event_frame_bytes(n, raw) for n, raw in lines)
             sent += len(data)
             conn.write(data)
 
