@@ -2,7 +2,9 @@
 changes the reward weights and the sampling settings, `add_reward` / `remove_reward` change the
 reward functions, each from the next step on (the step's metrics show it); a refusal names the
 field; every change is a `set` event, kept in the checkpoints, and a resume from a checkpoint taken
-after them repeats the losses and rewards bit for bit. One rank in this process, a tiny Llama."""
+after them repeats the losses, rewards and weights bit for bit. Commands go in as the server queues
+them, through RunClient's verbs and through the terminal's `command` (each waited for until queued,
+so it applies at the boundary meant). One rank in this process, a tiny Llama."""
 
 from __future__ import annotations
 
@@ -124,7 +126,7 @@ def _train(inputs: Path, out: Path, *overrides: str, commands: dict | None = Non
 
 
 def _through_the_client(trainer, folder: Path, verb, replies: list, request: str, threads: list) -> None:
-    """Call `verb(client)` in a thread (its answer comes at the boundary after this step) and wait
+    """Call `verb(client, folder)` in a thread (its answer comes at the boundary after this step) and wait
     until the run has queued it, so it applies at this boundary, never a later one."""
     from supervisor.client import RunClient
     before = len(trainer.control.commands)
@@ -132,7 +134,9 @@ def _through_the_client(trainer, folder: Path, verb, replies: list, request: str
     def call() -> None:
         with RunClient.connect(folder) as client:
             try:
-                replies.append({"id": request, "type": "done", "result": verb(client).model_dump()})
+                answer = verb(client, folder)
+                replies.append({"id": request, "type": "done",
+                                "result": answer if isinstance(answer, dict) else answer.model_dump()})
             except Exception as e:  # noqa: BLE001 - the refusal, as the run words it
                 replies.append({"id": request, "type": "error", "message": str(e)})
 
@@ -144,6 +148,14 @@ def _through_the_client(trainer, folder: Path, verb, replies: list, request: str
     assert len(trainer.control.commands) > before, "the client's command was not queued"
 
 
+def _terminal(folder: Path, *argv: str) -> dict:
+    """`./launch.sh command FOLDER ...` (app.cli_command): its printed answer."""
+    from app.cli_command import command
+    said: list[str] = []
+    assert command([str(folder), *argv], lambda text, *style: said.append(text)) == 0, said
+    return json.loads(said[-1])
+
+
 GRPO = ("objective=grpo", "grpo.num_generations=4", "grpo.max_completion_length=4", "grpo.loss_type=grpo",
         "grpo.temperature=1.0",
         "grpo.rewards=[{kind: regex, pattern: '[aeiou]', name: vowel}, {kind: exact_match, column: answer}]")
@@ -152,12 +164,14 @@ GRPO = ("objective=grpo", "grpo.num_generations=4", "grpo.max_completion_length=
 @pytest.mark.slow  # two GRPO runs and a step of SFT, one rank in this process (~30 s)
 def test_set_add_and_remove_rewards_live_and_a_resume_repeats_them(inputs, tmp_path):
     early = {"kind": "regex", "pattern": "[a-m]", "name": "early", "weight": 1.0}
-    commands = {2: [Set(reward_weights={"vowel": 0.5}, grpo_temperature=0.7), AddReward(reward=early),
+    add_early = f"reward={json.dumps(early)}"  # from the terminal
+    commands = {2: [Set(reward_weights={"vowel": 0.5}, grpo_temperature=0.7),
+                    lambda client, folder: _terminal(folder, "add_reward", add_early),
                     Set(reward_weights={"nope": 1.0}), AddReward(reward={"function": "no_such_module:f"}),
                     AddReward(reward={"function": f"{inputs / 'bad.py'}:two_args"}),
                     AddReward(reward={"kind": "format", "name": "vowel"})],
-                3: [lambda client: client.remove_reward("exact_match"), RemoveReward(reward="nope"),
-                    RemoveReward(reward="early"), lambda client: client.remove_reward("vowel")]}
+                3: [lambda client, _: client.remove_reward("exact_match"), RemoveReward(reward="nope"),
+                    RemoveReward(reward="early"), lambda client, _: client.remove_reward("vowel")]}
     train, seen, replies = _train(inputs, tmp_path, "run_name=a", *GRPO, commands=commands)
     assert replies["2-0"]["result"]["changes"] == {"reward_weights": {"vowel": 0.5, "exact_match": 1.0},
                                                    "grpo_temperature": 0.7}
