@@ -134,9 +134,6 @@ def zero3_init(ds_config: dict) -> Iterator[None]:
         yield
 
 
-zero3_from_pretrained_context = zero3_init  # the name transformers users look for
-
-
 # -- the running engine's internals (only this layer and the assembly touch them) -----------------
 
 def refresh_master_weights(engine) -> None:
