@@ -49,6 +49,7 @@ from contract.protocol.base import WIRE, Arguments, Chat, Command, ProtocolError
 from contract.config.schema import GrpoConfig
 from contract.protocol.completion_commands import Complete
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
+from contract.protocol.rating_commands import Rate
 from contract.protocol.reward_commands import AddReward, RemoveReward
 from contract.protocol.states import RunState
 
@@ -65,9 +66,9 @@ ALLOWED_COMMANDS: dict[RunState, frozenset[str]] = {
     RunState.QUEUED: frozenset({"stop"}),  # no rank yet: Stop cancels the job (supervisor.slurm)
     RunState.STARTING: frozenset({"status", "stop"}),
     RunState.RUNNING: frozenset({"generate", "complete", "pause", "stop", "save", "evaluate", "set", "status",
-                                 "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS}),
+                                 "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS, "rate"}),
     RunState.PAUSED: frozenset({"generate", "complete", "resume", "stop", "save", "evaluate", "set", "status",
-                                "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS}),
+                                "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS, "rate"}),
     RunState.STOPPING: frozenset({"status", "stop"}),
     RunState.FINISHED: frozenset(),
     RunState.FAILED: frozenset(),
@@ -207,7 +208,6 @@ class Set(Command):
                                           "beta (DPO, SimPO, KTO; an SFT run's live pairs).")
     serving_budget: float | None = Field(default=None, ge=0.0, le=1.0, description="Share of the training time the "
                                          "OpenAI-compatible API's requests may take (control.serving_budget).")
-
     # a GRPO run's (engine.objectives.grpo_live): any other run refuses them, naming the field
     reward_weights: dict[str, float] | None = Field(default=None, description="A GRPO run's reward weights by "
                                                     "reward name (the reward is their weighted sum).")
@@ -217,6 +217,7 @@ class Set(Command):
     grpo_max_completion_length: int | None = _grpo_setting("max_completion_length")
     grpo_beta: float | None = _grpo_setting("beta")
     grpo_epsilon: float | None = _grpo_setting("epsilon")
+
     @field_validator("betas")
     @classmethod
     def _betas(cls, betas: list[float] | None) -> list[float] | None:
@@ -257,7 +258,7 @@ class Subscribe(Command):
 # the commands a run executes, by wire name (subscribe is a request for events, not a command)
 COMMANDS: dict[str, type[Command]] = {c.name: c for c in (
     Generate, Pause, Resume, Stop, Save, Evaluate, Set, Status, Rewind, Branch, Snapshot, Branches,
-    AddSource, SetWeight, RemoveSource, Teach, Inbox, Forget, Complete, AddReward, RemoveReward)}
+    AddSource, SetWeight, RemoveSource, Teach, Inbox, Forget, Complete, Rate, AddReward, RemoveReward)}
 REQUESTS: dict[str, type[Command]] = {**COMMANDS, Subscribe.name: Subscribe}
 # the requests rank 0 may answer from its server thread (status only without `ranks`)
 IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate)

@@ -2,13 +2,13 @@
 answer declared beside it. Import it through contract.protocol.commands (COMMANDS).
 
 The sample is named as the `samples` event names it: the step that sampled it and its number in
-that step. Up is 1, down -1, or any score in [-1, 1]."""
+that step. `score` is up (1), down (-1), or any score in [-1, 1]."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from contract.protocol.answers import Answer, Stepped
 from contract.protocol.base import Command
@@ -33,4 +33,12 @@ class Rate(Command):
     returns: ClassVar[type[Answer]] = RateAnswer
     step: int = Field(ge=1, le=2**63 - 1, description="The step that sampled it (the samples event's step).")
     sample: int = Field(ge=0, le=1 << 30, description="Its number in that step (the samples event's `number`).")
-    score: float = Field(ge=-1.0, le=1.0, description="The rating: 1 (up), -1 (down), or any score in between.")
+    score: float = Field(ge=-1.0, le=1.0, description="The rating: up (1), down (-1), or any score in between.")
+
+    @field_validator("score", mode="before")
+    @classmethod
+    def _up_or_down(cls, score: Any) -> Any:
+        if not isinstance(score, str):
+            return score
+        word = score.strip().lower()  # a box's text: " Up", "down ", "0.5"
+        return {"up": UP, "down": DOWN}.get(word, word)

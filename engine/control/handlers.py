@@ -25,6 +25,7 @@ from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import Command
 from contract.protocol.completion_commands import Complete
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop
+from contract.protocol.rating_commands import Rate
 from contract.protocol.reward_commands import AddReward, RemoveReward
 from contract.protocol.states import RunState
 from engine.checkpoint import rewind as rewinding
@@ -38,6 +39,7 @@ from engine.control import live_fields
 from engine.control.settings import REPLACED
 from engine.generation.generate import fresh_seed
 from engine.generation.generate import generate as generate_text
+from engine.objectives import grpo_samples
 from engine.objectives import grpo_live
 
 
@@ -326,10 +328,35 @@ def _data(handler: Callable[..., dict]) -> Handler:
     return run
 
 
+# -- a GRPO run's ratings (engine.objectives.grpo_samples) -------------------------------------------
+def rate(control: Plane, cmd: Rate, reply: Reply) -> dict:
+    """Rate a kept sample of a GRPO run (in the inbox before the answer); any other run refuses."""
+    ratings = grpo_samples.ratings_of(control.trainer)
+    if ratings is None:
+        raise CommandRefused("rate: only a GRPO run's samples can be rated (preference.objective=grpo)")
+    try:
+        return ratings.rate(control.trainer, cmd, control.rank, lambda v: data_commands._from_rank0(control, v))
+    except grpo_samples.RatingRefused as e:
+        raise CommandRefused(str(e)) from None
+
+
+def forget(control: Plane, cmd: Forget, reply: Reply) -> dict:
+    """Forget a rating (a GRPO run's), else a taught entry (data_commands.forget)."""
+    ratings = grpo_samples.ratings_of(control.trainer)
+    if ratings is not None:
+        try:
+            answer = ratings.forget(control.trainer, cmd, control.rank, lambda v: data_commands._from_rank0(control, v))
+        except grpo_samples.RatingRefused as e:
+            raise CommandRefused(str(e)) from None
+        if answer is not None:
+            return answer
+    return _data(data_commands.forget)(control, cmd, reply)
+
+
 DATA_HANDLERS: dict[type[Command], Handler] = {
     AddSource: _data(data_commands.add_source), SetWeight: _data(data_commands.set_weight),
     RemoveSource: _data(data_commands.remove_source), Teach: _data(data_commands.teach),
-    Inbox: _data(data_commands.inbox), Forget: _data(data_commands.forget)}
+    Inbox: _data(data_commands.inbox), Forget: forget, Rate: rate}
 
 
 # one handler per command type (the model class, not its name, picks it)

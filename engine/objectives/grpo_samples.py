@@ -203,13 +203,15 @@ class Ratings(Callback):
         trainer.emit(SamplesEvent(step=step, samples=table, count=len(kept), text_limit=TEXT_LIMIT))
 
     def on_save_checkpoint(self, trainer) -> Any:
-        return {"step": trainer.state.global_step}
+        return {"step": trainer.state.global_step, "inbox": str(_inbox(trainer))}
 
     def on_load_checkpoint(self, trainer, state: Any) -> None:
-        """Replay: the ratings given at the checkpoint's step and not forgotten then are pending."""
+        """Replay: the ratings given at the checkpoint's step and not forgotten then are pending
+        (read from the checkpoint's run's inbox: a resume into another folder replays them too)."""
         step = int(state["step"])
         self.kept, self.step_samples = {}, None
-        self.pending = [Rating.of(r) for r in inbox_file.read_ratings(_inbox(trainer))
+        path = Path(state.get("inbox") or _inbox(trainer))
+        self.pending = [Rating.of(r) for r in inbox_file.read_ratings(path)
                         if r.get("step") == step and (r["forgotten_at"] is None or r["forgotten_at"] > step)]
 
     # -- the commands (engine.control.handlers) -------------------------------------------------------
