@@ -39,6 +39,7 @@ class RunHistory:
     eval: dict[str, list[Point]] = field(default_factory=dict)
     settings: list[dict] = field(default_factory=list)   # each `set` event: step and changes
     commands: list[dict] = field(default_factory=list)   # each command's final record
+    samples: dict | None = None                          # a GRPO run's latest `samples` event (app.samples)
     _times: list[tuple[int, float]] = field(default_factory=list)  # (step, time) of train records
     version: int = 0                                     # grows with every event folded in
 
@@ -56,6 +57,8 @@ class RunHistory:
                 self.settings.append({"step": event.get("step"), **event.get("changes", {})})
             elif kind == EventType.COMMAND and event.get("status") in (CommandStatus.DONE, CommandStatus.FAILED):
                 self.commands.append(event)
+            elif kind == EventType.SAMPLES:
+                self.samples = event
         self.version += len(events)
         return len(events)
 

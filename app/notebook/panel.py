@@ -30,6 +30,7 @@ from app.notebook.extras import BranchControls, DataControls, SettingsControls
 from app.notebook.fallback import with_note
 from app.notebook.form import ConfigForm
 from app.notebook.plots import render_png
+from app.notebook.samples import SamplesControls
 from app.notebook.watch import Watcher
 from app.series import RunHistory, format_seconds
 from app.lr_box import lr_from_box
@@ -96,9 +97,12 @@ class RunPanel:
         self.branches = BranchControls(lambda: self.run, self._command, self._error)
         self.data = DataControls(lambda: self.run, self._command, self._error)
         self.settings = SettingsControls(lambda: self.run, self._command, self._error)
-        extras = widgets.Accordion(children=[self.branches.widget, self.data.widget, self.settings.widget],
+        self.samples = SamplesControls(lambda: self.run, self._command, self._error, lambda: self.history)
+        extras = widgets.Accordion(children=[self.branches.widget, self.data.widget, self.settings.widget,
+                                             self.samples.widget],
                                    titles=("branches: rewind, branch, snapshot", "data: sources, weights, inbox",
-                                           "more live settings: optimizer, clipping, intervals, beta, serving"))
+                                           "more live settings: optimizer, clipping, intervals, beta, serving",
+                                           "samples (GRPO): the latest answers, their rewards; rate one"))
         self.picker = widgets.Dropdown(description="run", layout=widgets.Layout(width="520px"))
         self.refresh_button = button("Refresh", "refresh", self.refresh_runs)
         self.attach_button = button("Attach", "link", lambda: self.picker.value and self.attach(self.picker.value))
@@ -150,6 +154,7 @@ class RunPanel:
         self.branches.refresh()
         self.data.refresh()
         self.settings.refresh()
+        self.samples.refresh()
         return run
 
     def detach(self) -> None:
@@ -245,6 +250,7 @@ class RunPanel:
             self.plot.value = render_png(history)
             self._plotted_at = time.monotonic()
             self.plots_drawn += 1
+        self.samples.show(history)
         if changed:
             self._update_buttons(s.state)
             if s.final:
@@ -264,6 +270,7 @@ class RunPanel:
         self.branches.enable(state)
         self.data.enable(state)
         self.settings.enable(state)
+        self.samples.enable(state)
 
     # -- messages -------------------------------------------------------------------------------
     def _say(self, text: str, error: bool = False) -> None:

@@ -21,7 +21,7 @@ import gradio as gr
 from app.lr_box import lr_from_box
 from app.session import SessionError, allowed
 from app.web.access import OPERATOR
-from app.web import chat_side, data, feed, settings_fold
+from app.web import chat_side, data, feed, samples, settings_fold
 from app.web.backend import Backend
 from app.web.configure import ConfigureTab, start_run
 from app.web.plots import Plots, make_plots
@@ -114,6 +114,7 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs, configure: Confi
     side_shown.change(lambda on: gr.Column(visible=on), inputs=side_shown, outputs=side.column, queue=False,
                       api_visibility="private", show_progress="hidden")
     data.build(backend, run_state)  # sources, weights, samples drawn, the inbox
+    samples.build(backend, run_state)  # a GRPO run's latest samples, rated here
     with gr.Accordion("Log tail (rank 0)", open=False):
         log = gr.Code("", language="shell", lines=14, interactive=False, elem_id="train-log")
     seen = gr.State(None)  # what this page was sent (see refresh)
