@@ -8,7 +8,7 @@
 #   ./launch.sh export SOURCE TARGET [--merge-lora] [--format gguf --dtype f32|f16|bf16|q8_0]
 #                                    a checkpoint, adapter or model folder to a Hugging Face folder,
 #                                    or to GGUF + an Ollama Modelfile (docs/checkpoints.md)
-#   ./launch.sh preview DATA_FILE [format=F]  a data file's rows and format (preference pairs side by side)
+#   ./launch.sh preview DATA_FILE [format=F max_length=N start=N ...]  a page of a data file's rows
 #   ./launch.sh submit [CONFIG.yaml] --slurm [--nodes N] [--procs-per-node N] [--partition P]
 #                    [--time T] [--account A] [key=value ...]   submit the run to Slurm (sbatch)
 #   ./launch.sh serve [--runs DIR] [--host H] [--port P]   the runs in DIR (default runs/) behind an

@@ -54,7 +54,7 @@ HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TRAIN_HELP = """usage: ./launch.sh train [--detach] [CONFIG.yaml] [key=value ...]
        ./launch.sh watch RUN_FOLDER
        ./launch.sh stop RUN_FOLDER [save=false]
-       ./launch.sh preview DATA_FILE [format=...]   (rows, format; preference pairs side by side)
+       ./launch.sh preview DATA_FILE [format=... max_length=N start=N ...]   (a page of rows: tokens, kept / truncated / dropped)
        ./launch.sh command RUN_FOLDER NAME [key=value ...]   (pause, set lr=1e-4, status ...: its answer)
 
 Train from the terminal. No config: the embedded default task. Overrides are dotted field names

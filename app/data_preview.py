@@ -4,15 +4,20 @@ The engine's own code reads the file (`python -m engine.preview`, op `data`, in 
 the app never imports torch). For preference data its answer holds `pairs`, the first rows as text
 columns: {"prompt", "chosen", "rejected"}, or KTO's {"prompt", "completion", "label"}. This module
 lays them out as a two-column view, the prompt above and chosen | rejected under it (a KTO row:
-its completion beside its label), as Markdown (the web app), HTML (the notebook) and rows for a
-terminal table (app.cli's `preview`).
+its completion beside its label), as Markdown (the web app, when no page can be shown) and HTML
+(the notebook).
 
     info = data_preview("pairs.jsonl")      # {"ok": True, "rows", "format", "pairs", ...}
     pairs_markdown(info["pairs"])
 
 A page of rows as the run would take them (`rows_page`): each row's number, its columns, its length
 in tokens and what the run does with it at a given data.max_length and data.overlong (kept,
-truncated, dropped and why, or refused). It reads the file with the pre-flight check's own code
+truncated, dropped and why, or refused), and why a run would refuse the whole file (rows of
+another kind than preference.objective trains on, a row too long under data.overlong error): at
+start and by a live add_source alike, which read a file the same way; a row that is too long is
+also marked as refused if taught live (teach refuses it whatever data.overlong). The web app,
+the notebook and the terminal (`./launch.sh preview FILE start=20`) all show this page. It reads
+the file with the pre-flight check's own code
 (contract.data_check: the same row checks as the engine, lengths estimated from characters at the
 ratio the model's tokenizer.json measures, exact for the embedded default's one token per
 character and for pre-tokenized rows), in this process: no torch.
@@ -31,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contract.data_check import (SPECIAL_TOKENS, DataScan, chars_per_token, overlong_rows, prompt_filling_rows,
-                                 scan_file)
+from contract.data_check import (SPECIAL_TOKENS, DataScan, chars_per_token, named_rows, objective_problem,
+                                 overlong_rows, prompt_filling_rows, scan_file)
 from contract.data_files import read_rows
-from contract.data_rows import DataError
+from contract.data_rows import PREFERENCE_FORMATS, DataError, preference_columns
 from supervisor.launch import REPO_ROOT
 
 TIMEOUT_S = 120.0  # reading a file is quick; the engine's data modules import in about a second
@@ -139,44 +144,81 @@ class RowLine:
 
 @dataclass(frozen=True)
 class RowsPage:
-    """A page of a file's rows, and how their lengths were found."""
+    """A page of a file's rows, how their lengths were found, and why a run would refuse the
+    whole file (None: it would not)."""
     rows: list[RowLine]
     total: int
     start: int
     lengths: str  # how the token counts were found (measured ratio, estimate, exact)
+    refused: str | None = None
+
+
+# Rows a person can also teach in the chat (an answer, a pair): taught live, a sample longer than
+# data.max_length is refused whatever data.overlong says (engine.data.inbox.encode_pair).
+TEACHABLE = ("input_output", "chat", "preference", "unpaired")
 
 
 def rows_page(path: str | Path, fmt: str = "auto", max_length: int = 0, overlong: str = "truncate",
-              tokenizer_folder: str | None = None, start: int = 0, size: int = PAGE_ROWS) -> RowsPage:
+              tokenizer_folder: str | None = None, start: int = 0, size: int = PAGE_ROWS,
+              objective: str | None = None) -> RowsPage:
     """Rows `start`..`start + size` of the file as the run would take them at `max_length`
     (0: no limit) and `overlong` (data.overlong); `tokenizer_folder` the model's folder (None:
-    the embedded default). DataError (naming the file) for a file the run could not use."""
+    the embedded default); `objective` (preference.objective; None: not judged) refuses rows of
+    another kind. What the page says a run does with a row holds at start and for a live
+    add_source alike (the same reading); `refused` says why either would refuse the whole file.
+    DataError (naming the file) for a file the run could not use at all."""
     scan = scan_file(str(path), fmt)
     ratio, how = chars_per_token(tokenizer_folder, scan)
     fates = _fates(scan, max_length, overlong, ratio)
     _, numbered = read_rows(Path(path))
+    refused = _refusal(scan, fates, objective, max_length, overlong)
     lines = []
     for number, row in numbered[start:start + size]:
         size_ = scan.chars.get(number)
         tokens = None if size_ is None else size_ if scan.exact_tokens else math.ceil(size_ / ratio) + SPECIAL_TOKENS
-        columns = {k: _cell(v) for k, v in row.items()} if isinstance(row, dict) else {"row": _cell(row)}
+        columns = {k: _cell(v) for k, v in _columns(row, scan.format).items()}
         lines.append(RowLine(number, columns, tokens, scan.exact_tokens or tokenizer_folder is None,
-                             fates.get(number, "kept")))
-    return RowsPage(lines, scan.rows, start, "exact" if scan.exact_tokens else how)
+                             fates.get(number, "refused with the file" if refused else "kept")))
+    return RowsPage(lines, scan.rows, start, "exact" if scan.exact_tokens else how, refused)
 
 
 def _fates(scan: DataScan, max_length: int, overlong: str, ratio: float) -> dict[int, str]:
     """What the run does with each row that it does not simply keep."""
     fates = {number: f"dropped: {why}" for number, why in scan.dropped}
     if max_length > 0:
-        too_long = {"truncate": f"truncated to {max_length} tokens",
-                    "drop": f"dropped: longer than data.max_length {max_length}",
-                    "error": f"refused: longer than data.max_length {max_length} (data.overlong error stops the run)"}
+        live = " (taught live: refused)" if scan.format in TEACHABLE else ""
+        too_long = {"truncate": f"truncated to {max_length} tokens{live}",
+                    "drop": f"dropped: longer than data.max_length {max_length}{live}",
+                    "error": f"refused: longer than data.max_length {max_length} (data.overlong error: "
+                             "the whole file is refused)"}
         for number in overlong_rows(scan, max_length, ratio):
             fates[number] = too_long[overlong]
         for number in prompt_filling_rows(scan, max_length, ratio):
             fates[number] = f"dropped: its prompt alone fills data.max_length {max_length}"
     return fates
+
+
+def _refusal(scan: DataScan, fates: dict[int, str], objective: str | None, max_length: int,
+             overlong: str) -> str | None:
+    """Why the run refuses the whole file, at start and live (add_source: the run goes on
+    without it), in the engine's words where it has them; None when it takes the file."""
+    problem = objective_problem(objective, scan.format, Path(scan.path).name) if objective else None
+    if problem:
+        return problem
+    refused = sorted(n for n, fate in fates.items() if fate.startswith("refused:"))
+    if refused:
+        return (f"{named_rows(refused)} longer than data.max_length {max_length} under data.overlong "
+                "error; set it to truncate or drop, or raise data.max_length")
+    if sum(fate.startswith("dropped") for fate in fates.values()) >= scan.rows:
+        return "no row is left to train on"
+    return None
+
+
+def _columns(row: Any, fmt: str) -> dict[str, Any]:
+    """A row's columns as the page shows them: a preference row's as text (messages as
+    "role: content" lines, a KTO label as desirable / undesirable), others as they are."""
+    shown = preference_columns(row) if fmt in PREFERENCE_FORMATS else None
+    return shown or (row if isinstance(row, dict) else {"row": row})
 
 
 def _cell(value: Any) -> str:
@@ -190,11 +232,14 @@ def _length(line: RowLine) -> str:
 
 
 def page_header(page: RowsPage) -> str:
-    """'rows 1-20 of 300; token lengths: ...'."""
+    """'rows 1-20 of 300; token lengths: ...', and why a run would refuse the file, if it would."""
+    refused = (f"; refused as a whole, at start and by a live add_source (the run goes on without it): "
+               f"{page.refused}") if page.refused else ""
     if not page.rows:
-        return f"no rows from {page.start + 1} (the file has {page.total})"
+        return f"no rows from {page.start + 1} (the file has {page.total}){refused}"
     estimated = " (~: estimated)" if any(not line.exact for line in page.rows) else ""
-    return f"rows {page.rows[0].number}-{page.rows[-1].number} of {page.total}; token lengths: {page.lengths}{estimated}"
+    return (f"rows {page.rows[0].number}-{page.rows[-1].number} of {page.total}; token lengths: "
+            f"{page.lengths}{estimated}{refused}")
 
 
 def rows_markdown(page: RowsPage) -> str:

@@ -6,7 +6,8 @@ The app process never imports torch, so it asks this module in a child process:
 
 Requests: ``{"op": "deepspeed", "config": {...}}`` (the DeepSpeed config after "auto" filling),
 ``{"op": "model", "path": "..."}`` (what a model folder holds), ``{"op": "data", "path": "...",
-"format": "auto"}`` (rows and format of a data file). Every answer is ``{"ok": true, ...}`` or
+"format": "auto"}`` (rows and format of a data file), ``{"op": "task", "objective": "dpo"}`` (the files
+of the embedded synthetic task's variant that objective trains on, written once). Every answer is ``{"ok": true, ...}`` or
 ``{"ok": false, "error": "...", "problems": [[field, message], ...]}``; nothing here starts a
 process group or touches a run folder.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import hub
-from contract.config.schema import ConfigError, RunConfig
+from contract.config.schema import OBJECTIVE_FORMATS, OBJECTIVES, ConfigError, RunConfig
 from contract.config.load import load_config
 from contract.data_rows import PREFERENCE_FORMATS, preference_columns
 from contract import deepspeed_config
@@ -133,9 +134,21 @@ def _shorten(row: dict, limit: int = 120) -> dict:
     return {k: (v[:limit] + "..." if isinstance(v, str) and len(v) > limit else v) for k, v in row.items()}
 
 
+def task_files(objective: str) -> dict:
+    """The embedded synthetic task's files for `objective` (preference.objective), as a run with
+    no data.train reads them: {"train", "eval"} paths and the variant's `format` (input_output for
+    sft, preference for dpo / orpo / simpo, unpaired for kto, prompt for grpo)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"preference.objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
+    from engine.data import default_task
+    train, held_out = default_task.sources_for(default_task.ensure_default_assets(), objective)
+    return {"train": str(train), "eval": str(held_out), "format": OBJECTIVE_FORMATS.get(objective, "input_output")}
+
+
 OPS = {"deepspeed": lambda r: deepspeed_preview(r["config"]),
        "model": lambda r: model_preview(r["path"]),
-       "data": lambda r: data_preview(r["path"], r.get("format", "auto"))}
+       "data": lambda r: data_preview(r["path"], r.get("format", "auto")),
+       "task": lambda r: task_files(str(r.get("objective", "sft")))}
 
 
 def answer(request: dict) -> dict:

@@ -127,12 +127,12 @@ def test_the_data_preview_shows_chosen_and_rejected_side_by_side(files):
     assert "<th" in shown and ">chosen</th>" in shown and ">rejected</th>" in shown
     assert "<td colspan='2'" in shown and "wdock</td><td" in shown and "kcodw</td></tr>" in shown
     assert pairs_html(info["pairs"]) in shown
-    # the terminal: both answers on one line of the table
+    # the terminal: the page of rows, both answers on one line of its table
     console = Console(record=True, width=100, force_terminal=False)
     assert preview([str(files / "pairs.jsonl")], console) == 0
     text = console.export_text()
-    assert "2 rows, format preference" in text
-    assert any("wdock" in line and line.index("wdock") < line.index("kcodw") for line in text.splitlines()), text
+    assert "2 rows, format preference" in text and "rows 1-2 of 2; token lengths: the embedded default" in text
+    assert any("wdock" in line and line.index("wdock") < line.rindex("kcodw") for line in text.splitlines()), text
     assert any("A|B" in line and "a|b" in line for line in text.splitlines()), text
 
     # KTO rows: the completion beside its label
@@ -144,11 +144,51 @@ def test_the_data_preview_shows_chosen_and_rejected_side_by_side(files):
     console = Console(record=True, width=100, force_terminal=False)
     assert preview([str(files / "judged.jsonl"), "format=unpaired"], console) == 0
     assert any("cba" in line and "undesirable" in line for line in console.export_text().splitlines())
+    console = Console(record=True, width=100, force_terminal=False)  # a DPO run would refuse them
+    assert preview([str(files / "judged.jsonl"), "objective=dpo"], console) == 1
+    said = " ".join(console.export_text().split())
+    assert "refused as a whole" in said and "preference.objective dpo trains on preference rows" in said, said
+    assert "refused with the" in said and "kept" not in said
 
     # not a file, and bad usage
     console = Console(record=True, width=100)
     assert preview([str(files / "missing.jsonl")], console) == 1 and "no such file" in console.export_text()
     assert preview([], console) == 2 and preview(["a", "b"], console) == 2
+    assert preview(["a", "start=x"], console) == 2 and preview(["a", "overlong=cut"], console) == 2
+    assert preview(["a", "objective=ppo"], console) == 2 and "max_length=N" in console.export_text()
+
+
+def _long_rows(path):
+    """45 input/output rows; row 3 is longer than 32 tokens (one token per character + bos, eos)."""
+    rows = [{"input": f"reverse: w{n:02d}\n", "output": f"{n:02d}w"} for n in range(45)]
+    rows[2] = {"input": "reverse: " + "x" * 30 + "\n", "output": "x" * 30}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_terminal_preview_shows_a_page_of_rows_with_token_lengths_and_pages_on(tmp_path):
+    from app.data_preview import rows_page
+    path = _long_rows(tmp_path / "io.jsonl")
+    console = Console(record=True, width=120, force_terminal=False)
+    assert preview([str(path), "max_length=32"], console) == 0
+    text = console.export_text()
+    page = rows_page(path, max_length=32)  # the page the web app and the notebook show
+    assert "45 rows, format input_output" in text and "rows 1-20 of 45; token lengths: the embedded default" in text
+    shown = [line for line in text.splitlines() if line.strip().startswith("│")]
+    for row in page.rows:  # every row of the page, its token count and its fate on its line
+        line = next(line for line in shown if line.split("│")[1].strip() == str(row.number))
+        assert f" {row.tokens} " in line and row.fate.split(" (")[0] in line, (row, line)
+    assert "truncated to 32 tokens" in text and page.rows[2].tokens == 9 + 31 + 30 + 2
+    assert "next page: start=20" in text
+    console = Console(record=True, width=120, force_terminal=False)
+    assert preview([str(path), "start=40", "overlong=drop", "max_length=32"], console) == 0
+    text = console.export_text()
+    assert "rows 41-45 of 45" in text and "next page" not in text
+    console = Console(record=True, width=120, force_terminal=False)  # under data.overlong error
+    assert preview([str(path), "max_length=32", "overlong=error"], console) == 1
+    assert "row 3 longer than data.max_length 32" in " ".join(console.export_text().split())
+    console = Console(record=True, width=120, force_terminal=False)  # the config's default: 512 tokens
+    assert preview([str(path)], console) == 0 and "truncated" not in console.export_text()
 
 
 def test_the_inbox_lists_a_preference_with_its_rejected_answer_and_margins(tmp_path):

@@ -251,7 +251,7 @@ def test_every_field_has_a_human_label_and_the_common_ones_come_first():
 
 
 def test_own_training_data_without_evaluation_data_switches_evaluation_off_instead_of_blocking_start(form, tmp_path):
-    from app.web.configure import _idle_note, evaluation_off
+    from app.web.field_notes import evaluation_off, idle_note
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"reverse: {w}\n", "chosen": w[::-1], "rejected": w}) + "\n"
                             for w in (f"w{n:03d}x" for n in range(80))))
@@ -265,9 +265,9 @@ def test_own_training_data_without_evaluation_data_switches_evaluation_off_inste
     assert evaluation_off({**values, "data.eval": str(data)}) == ({}, "")  # evaluation data given: kept
     assert evaluation_off({**values, "data.train": ""}) == ({}, "")        # the embedded task: its own split
     # with no file yet, the note names the variant of the embedded task the objective trains on
-    assert "pairs variant" in _idle_note("data.train", "dpo") and "chosen" in _idle_note("data.train", "dpo")
-    assert "pairs variant" in _idle_note("data.train", "simpo")
-    assert "instruction rows" in _idle_note("data.train", "sft") and "unpaired" in _idle_note("data.train", "kto")
+    assert "pairs variant" in idle_note("data.train", "dpo") and "chosen" in idle_note("data.train", "dpo")
+    assert "pairs variant" in idle_note("data.train", "simpo")
+    assert "instruction rows" in idle_note("data.train", "sft") and "unpaired" in idle_note("data.train", "kto")
 
 
 def _judged_pairs(path: Path) -> Path:
@@ -282,24 +282,32 @@ def _judged_pairs(path: Path) -> Path:
 
 
 def test_a_data_files_preview_shows_a_page_of_rows_with_token_lengths_and_what_the_run_does_with_each(tmp_path):
-    from app.data_preview import PAGE_ROWS, rows_page
+    from app.data_preview import PAGE_ROWS, page_header, rows_page
     from app.notebook.preview import preview_data
-    from app.web.configure import _inspect
+    from app.web.field_notes import field_note
     path = _judged_pairs(tmp_path / "pairs.jsonl")
     page = rows_page(path, max_length=32)
     assert len(page.rows) == PAGE_ROWS == 20 and page.total == 25 and [r.number for r in page.rows] == list(range(1, 21))
     fate = {r.number: r.fate for r in page.rows}
     assert fate[4] == "dropped: its prompt alone fills data.max_length 32"
-    assert fate[6] == "truncated to 32 tokens" and "same answer" in fate[8] and fate[1] == "kept"
+    assert fate[6] == "truncated to 32 tokens (taught live: refused)" and "same answer" in fate[8] and fate[1] == "kept"
     assert page.rows[0].tokens == len("reverse: w00\n") + 3 + 2 and page.rows[0].exact  # + the longer answer, bos, eos
     assert rows_page(path, max_length=32, overlong="error").rows[5].fate.startswith("refused:")
     assert rows_page(path, max_length=32, overlong="drop").rows[5].fate.startswith("dropped: longer")
     assert [r.number for r in rows_page(path, start=20).rows] == [21, 22, 23, 24, 25]
+    # what a run refuses as a whole, at start and by a live add_source: rows of another objective's
+    # kind (the engine's own words), a row too long under data.overlong error
+    assert page.refused is None and rows_page(path, max_length=32, objective="dpo").refused is None
+    kto = rows_page(path, max_length=32, objective="kto")
+    assert "preference.objective kto trains on unpaired rows" in kto.refused
+    assert "refused as a whole, at start and by a live add_source" in page_header(kto)
+    assert "row 6 longer than data.max_length 32 under data.overlong error" in \
+        rows_page(path, max_length=32, overlong="error").refused
     # the web app's note under data.train: the page as a table (the engine's answer from its preview worker)
     from app.web.backend import Backend
     backend = Backend(tmp_path / "runs")
     try:
-        note = _inspect(backend, "data.train", str(path), "auto", "dpo", 32, "truncate", "")
+        note = field_note(backend, "data.train", str(path), "auto", "dpo", 32, "truncate", "")
     finally:
         backend.close()
     assert "**25 rows**, format **preference**" in note and "rows 1-20 of 25" in note
@@ -307,3 +315,24 @@ def test_a_data_files_preview_shows_a_page_of_rows_with_token_lengths_and_what_t
     # the notebook: the same page as HTML, under the pairs side by side
     shown = preview_data(path, max_length=32)._repr_html_()
     assert "lt-pairs" in shown and "lt-rows" in shown and "its prompt alone fills data.max_length 32" in shown
+
+
+def test_without_a_file_the_note_shows_the_embedded_tasks_rows_of_the_objectives_variant(tmp_path):
+    from app.web.backend import Backend
+    from app.web.field_notes import field_note
+    backend = Backend(tmp_path / "runs")
+    try:
+        notes = {o: field_note(backend, "data.train", "", "auto", o, 32, "truncate", "") for o in ("sft", "dpo", "kto", "grpo")}
+        first_pair = json.loads(Path(backend.preview.task("dpo")["train"]).read_text().splitlines()[0])
+        assert backend.preview.task("nosuch")["ok"] is False
+    finally:
+        backend.close()
+    dpo = notes["dpo"]  # the engine's own pairs variant, its first pair in the table, judged at 32 tokens
+    assert "pairs variant" in dpo and "rows 1-20 of 50000; token lengths: the embedded default" in dpo, dpo
+    assert "| row | prompt | chosen | rejected | tokens | the run |" in dpo
+    assert f"| {first_pair['chosen']} | {first_pair['rejected']} |" in dpo and "| kept |" in dpo
+    assert "unpaired variant" in notes["kto"] and "| row | prompt | completion | label |" in notes["kto"]
+    assert "| undesirable |" in notes["kto"] and "of 100000" in notes["kto"]
+    assert "prompts variant" in notes["grpo"] and "| row | prompt | answer |" in notes["grpo"]
+    assert "instruction rows" in notes["sft"] and "| row | input | output |" in notes["sft"]
+    assert not any("Cannot" in note or "refused" in note for note in notes.values())

@@ -45,11 +45,13 @@ class DataPreview:
 
 
 def preview_data(path: str | Path, format: str = "auto", max_length: int = 0, overlong: str = "truncate",
-                 model: str | None = None, start: int = 0, size: int = PAGE_ROWS) -> DataPreview:
+                 model: str | None = None, start: int = 0, size: int = PAGE_ROWS,
+                 objective: str | None = None) -> DataPreview:
     """What the run would read from `path` (`format` as data.format takes it): rows, format, the
     first rows side by side, and rows `start`..`start + size` with their token lengths (measured
     with `model`'s tokenizer.json; None: the embedded default) and what a run at `max_length`
-    (data.max_length; 0: no limit) and `overlong` (data.overlong) does with each."""
+    (data.max_length; 0: no limit) and `overlong` (data.overlong) does with each; with `objective`
+    (preference.objective), whether a run of it refuses the file's rows."""
     page = page_or_error(path, fmt=format, max_length=max_length, overlong=overlong, tokenizer_folder=model,
-                         start=start, size=size)
+                         start=start, size=size, objective=objective)
     return DataPreview(data_preview(path, format), page)

@@ -20,19 +20,18 @@ from typing import Any
 
 import gradio as gr
 
-from app.data_preview import page_or_error
 from app.form import DEFAULT_PRESET, ENTRY_LISTS, Checked, Form, entries, entries_text
 from contract.lm_eval_names import task_names
 from app.web.access import OPERATOR, may_change
 from app.web.backend import Backend
 from app.web import slurm
-from app.web.backend.preview import PreviewError, describe_data, describe_model
+from app.web.backend.preview import PreviewError
+from app.web.field_notes import EVAL_KEYS, INSPECTED, LIMIT_KEYS, evaluation_off, field_note, idle_note
 from app.web.widgets import problems_html, provenance_html, readable
 from contract.presets import PRESETS
 from contract.run_folder import RunFolder
 from supervisor.launch import launch_command
 
-INSPECTED = {"model.path": "model", "data.train": "data", "data.eval": "data"}
 COLUMNS = 3
 
 
@@ -138,7 +137,7 @@ def _rows(fields: list[dict], values: dict[str, Any], first: Checked, inputs: di
                 gr.HTML("")
         for f in chunk:
             if f["key"] in INSPECTED:
-                notes[f["key"]] = gr.Markdown(_idle_note(f["key"], values.get("preference.objective") or "sft"),
+                notes[f["key"]] = gr.Markdown(idle_note(f["key"], values.get("preference.objective") or "sft"),
                                               elem_classes="inspect-note",
                                               elem_id=f"inspect-{slug(f['key'])}")
 
@@ -164,9 +163,10 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
     notes: dict[str, gr.Markdown] = {}
     # one sub-tab per section: the browser draws a tab's fields only when it is opened, which
     # keeps the page quick to load (the summary above names every problem, wherever it is)
+    sections: dict[str, gr.Tab] = {}
     with gr.Tabs(elem_id="cfg-sections"):
         for group, title, common, advanced in form.sections():
-            with gr.Tab(title, id=f"cfg-{group}", elem_id=f"cfg-group-{group}"):
+            with gr.Tab(title, id=f"cfg-{group}", elem_id=f"cfg-group-{group}") as sections[group]:
                 _section(common, advanced, values, first, fields, notes, group)
     with gr.Accordion("Preview: resolved run config, DeepSpeed config, launch command", open=False,
                       elem_id="cfg-preview") as preview_acc:
@@ -232,14 +232,16 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
     fields["data.train"].change(readable(own_data), inputs=tab.inputs,
                                 outputs=[*(fields[k] for k in EVAL_KEYS), notes["data.eval"]],
                                 trigger_mode="always_last", show_progress="hidden", api_visibility="private")
-    objective.change(lambda path, name: gr.update() if str(path or "").strip() else _idle_note("data.train", name),
-                     inputs=[fields["data.train"], objective], outputs=notes["data.train"],
-                     show_progress="hidden", api_visibility="private")
     for key, note in notes.items():
         component, fmt = fields[key], fields["data.format"]
-        component.change(readable(lambda path, f, o, *limits, k=key: _inspect(backend, k, path, f, o, *limits)),
-                         inputs=[component, fmt, objective, *(fields[k] for k in LIMIT_KEYS)], outputs=note, trigger_mode="always_last",
-                         show_progress="minimal", api_visibility="private")
+        judged_by = [fmt, objective, *(fields[k] for k in LIMIT_KEYS)]
+        # a data note follows what judges its rows, and fills in when its section is opened (the
+        # embedded task's rows of the objective's variant: no file to wait for)
+        triggers = [component.change] + ([c.change for c in judged_by] + [sections[_group(form, key)].select]
+                                          if INSPECTED[key] == "data" else [])
+        gr.on(triggers, readable(lambda path, f, o, *limits, k=key: field_note(backend, k, path, f, o, *limits)),
+              inputs=[component, *judged_by], outputs=note, trigger_mode="always_last",
+              show_progress="minimal", api_visibility="private")
     start.click(readable(lambda given: start_run(backend, tab.values(given), run_state, tabs)),
                 inputs=tab.inputs, outputs=[run_state, tabs], api_visibility="private")
     slurm_fold.button.click(
@@ -365,62 +367,7 @@ def _deepspeed(backend: Backend, values: dict[str, Any]) -> str:
     return head + warnings + "\n" + json.dumps(answer["config"], indent=2)
 
 
-# what the embedded task gives each objective (engine/data/default_task.py sources_for)
-TASK_VARIANTS = {
-    "sft": "its instruction rows (input → output)",
-    "dpo": "its pairs variant: each prompt with the right answer chosen over a wrong one "
-           "(prompt `reverse: abc`, chosen `cba`, rejected a near miss such as `bca`)",
-    "kto": "its unpaired variant: each prompt's right answer marked desirable, a wrong one undesirable",
-    "grpo": "its prompts variant: each prompt with its right answer, which exact match rewards",
-}
-EVAL_KEYS = ("eval.every_n_steps", "eval.every_n_epochs")
-
-
-def _idle_note(key: str, objective: str = "sft") -> str:
-    if key == "model.path":
-        return "Empty: the embedded tiny Llama (2 layers, hidden 128, character tokenizer)."
-    if key == "data.train":
-        variant = TASK_VARIANTS.get(objective, TASK_VARIANTS["dpo"])  # orpo, simpo: pairs as dpo
-        return f"Empty: the embedded synthetic task (reverse / sort / upper a word), {variant}."
-    return "Empty: the default task's held-out split, or no evaluation data."
-
-
-def evaluation_off(values: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """When the user's own training data comes without evaluation data while the form schedules
-    evaluations (a preset made for the embedded task, which has a held-out split): the schedule
-    switched off, and the note that says so; ({}, "") otherwise. Start then stays possible."""
-    scheduled = [k for k in EVAL_KEYS if values.get(k)]
-    if not (str(values.get("data.train") or "").strip() and scheduled) or str(values.get("data.eval") or "").strip():
-        return {}, ""
-    was = ", ".join(f"{k} {values[k]}" for k in scheduled)
-    return {k: 0 for k in scheduled}, (
-        f"**Evaluation switched off** ({was} → 0): your training data comes without evaluation data. "
-        "Name a held-out file in data.eval and set the schedule again to evaluate.")
-
-
-LIMIT_KEYS = ("data.max_length", "data.overlong", "model.path")  # what a data file's page of rows is judged by
-
-
-def _inspect(backend: Backend, key: str, path: str, fmt: str, objective: str | None = None,
-             max_length: Any = 0, overlong: str = "truncate", model: str = "") -> str:
-    path = (path or "").strip()
-    if not path:
-        return _idle_note(key, objective or "sft")
-    if not Path(path).exists():
-        return f"**Cannot use it:** no such {'folder' if key == 'model.path' else 'file or folder'}: `{path}`"
-    try:
-        if INSPECTED[key] == "model":
-            return describe_model(backend.preview.model(path))
-        page = page_or_error(path, fmt=fmt or "auto", max_length=_int(max_length), overlong=overlong or "truncate",
-                             tokenizer_folder=(model or "").strip() or None)  # a page of rows, judged
-        return describe_data(backend.preview.data(path, fmt or "auto"), page)
-    except PreviewError as e:
-        return f"**Cannot look at it now:** {e}"
-
-
-def _int(value: Any) -> int:
-    """A number box's value as an int (0 when empty or not a number: no limit)."""
-    try:
-        return int(value or 0)
-    except (TypeError, ValueError):
-        return 0
+def _group(form: Form, key: str) -> str:
+    """The section (sub-tab) a field is in."""
+    return next(group for group, _, common, advanced in form.sections()
+                if any(f["key"] == key for f in common + advanced))

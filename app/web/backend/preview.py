@@ -56,6 +56,10 @@ class PreviewWorker:
     def data(self, path: str, fmt: str = "auto") -> dict:
         return self.ask("data", path=path, format=fmt)
 
+    def task(self, objective: str) -> dict:
+        """The embedded task's files of the variant `objective` trains on: {"train", "eval", "format"}."""
+        return self.ask("task", objective=objective)
+
     def _ensure(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
