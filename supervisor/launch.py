@@ -21,6 +21,7 @@ from contract.config.layout_checks import is_local_only, parse_hostfile
 from contract.run_folder import RunFolder
 
 from supervisor import remote_stop
+from supervisor.remote import LAUNCH_MARKER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,6 +167,8 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
     if die_with_parent:
         cmd = [sys.executable, "-m", "supervisor.guard", *cmd]
     log = open(folder.logs / "launcher.log", "ab")
+    log.write(f"{LAUNCH_MARKER}\n".encode())  # what came before is an earlier launch's (supervisor.remote)
+    log.flush()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=str(REPO_ROOT), env=env, start_new_session=True)
     log.close()

@@ -14,7 +14,7 @@ from contract.run_folder import RunFolder, tail_lines
 from contract.protocol.states import RunState
 
 from supervisor.procs import read_proc, running
-from supervisor.remote import wait_status
+from supervisor.remote import LAUNCH_MARKER, wait_status
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,17 @@ _TORCHRUN_FAILED = re.compile(r"exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
 _SPAWNED = re.compile(r"^\[[^\]]*\].*\[launch\.py:\d+:main\] process (\d+) spawned with command: .*'--local_rank=(\d+)'")
 
 
+def _launch_starts(lines: list[str]) -> list[int]:
+    """Indexes of the lines where a launch begins (spawn's marker, the DeepSpeed runner's line)."""
+    return [i for i, line in enumerate(lines)
+            if line == LAUNCH_MARKER or _LAUNCH_START.search(line) and line.startswith("[")]
+
+
 def launcher_spawned(folder: RunFolder) -> dict[int, int]:
     """rank -> pid of the ranks the run's launcher on this machine started in its latest launch
     (DeepSpeed's launch.py logs each; on one machine a rank is its local rank)."""
     lines = tail_lines(folder.logs / "launcher.log", 400)
-    starts = [i for i, line in enumerate(lines) if _LAUNCH_START.search(line) and line.startswith("[")]
+    starts = _launch_starts(lines)
     found = {}
     for line in lines[starts[-1] if starts else 0:]:
         if (m := _SPAWNED.match(line)) is not None:
@@ -99,7 +105,7 @@ def launcher_reported_failure(folder: RunFolder) -> tuple[int | None, int | None
     """(wait status, pid or None) of the first rank the run's own launcher reported failing on
     this machine; (None, None) when it reported none."""
     lines = tail_lines(folder.logs / "launcher.log", 400)
-    starts = [i for i, line in enumerate(lines) if _LAUNCH_START.search(line) and line.startswith("[")]
+    starts = _launch_starts(lines)
     for line in lines[starts[-1] if starts else 0:]:
         if (ds := _DS_FAILED.match(line)) is not None:
             return wait_status(int(ds[1])), None

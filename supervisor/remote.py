@@ -9,10 +9,13 @@ launching machine's launcher.log, and adds its own line when a machine's ssh ses
 (`pdsh@here: node-b: ssh exited with exit code 247`).
 
 `RemoteLog` follows launcher.log and turns those lines into `RemoteExit`s: which rank, on which
-machine, with which wait status. Only the latest launch counts (a resumed run appends to the
-same log). A failing machine with several ranks is named, but not which of its ranks failed:
-DeepSpeed's launcher logs the return code without the process (its message repeats the last
-command it started), so the exit is kept with `rank=None`.
+machine, with which wait status. Only the latest launch counts (a resumed or restarted run
+appends to the same log): `supervisor.launch.spawn` writes `LAUNCH_MARKER` before each launcher
+starts, so a relaunch is told apart at once, not only once its runner logs its command seconds
+later (until then the previous launch's dead rank would be taken for one of the new launch).
+A failing machine with several ranks is named, but not which of its ranks failed: DeepSpeed's
+launcher logs the return code without the process (its message repeats the last command it
+started), so the exit is kept with `rank=None`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 _HOST_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+): (?P<text>.*)$")
 _PDSH_LINE = re.compile(r"^pdsh@[^:]*: (?P<host>[A-Za-z0-9_.\-]+): ssh exited with exit code (?P<code>-?\d+)")
 _NEW_LAUNCH = re.compile(r"\[runner\.py:\d+:main\] cmd = ")
+LAUNCH_MARKER = "=== livetune: a launch of this run begins ==="  # spawn's line (no host prefix)
 _MAPPING = re.compile(r"global_rank_mapping=defaultdict\(<class 'list'>, (?P<map>\{.*\})\)")
 _SPAWNED = re.compile(r"process (?P<pid>\d+) spawned with command: .*'--local_rank=(?P<local>\d+)'")
 _FAILED = re.compile(r"exits with return code = (?P<code>-?\d+)")
@@ -78,7 +82,7 @@ class RemoteLog:
         return list(self.exits.values())
 
     def _read_line(self, line: str) -> None:
-        if _NEW_LAUNCH.search(line) and not _HOST_LINE.match(line):
+        if line == LAUNCH_MARKER or _NEW_LAUNCH.search(line) and not _HOST_LINE.match(line):
             self._reset()  # the runner's own line: a new launch of this run begins
             return
         pdsh = _PDSH_LINE.match(line)
