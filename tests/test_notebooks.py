@@ -14,11 +14,11 @@ from nb_utils import REPO, errors_in, run_notebook
 pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
 
 NOTEBOOKS = REPO / "notebooks"
-REQUIRED = ("quickstart", "lora_local_model", "lomo", "trainer_api", "preference")
+REQUIRED = ("quickstart", "lora_local_model", "lomo", "trainer_api", "preference", "rewards")
 # what the tests set after a notebook's parameters cell (papermill's convention: a cell tagged
 # "parameters", the values injected in a cell after it): a user's run is long enough to watch,
 # the tests' short
-PARAMETERS = {"quickstart": "WATCH_STEPS = 20", "preference": "WATCH_STEPS = 8"}
+PARAMETERS = {"quickstart": "WATCH_STEPS = 20", "preference": "WATCH_STEPS = 8", "rewards": "WATCH_STEPS = 8"}
 
 
 def parameters_cell(nb: nbformat.NotebookNode) -> int | None:
