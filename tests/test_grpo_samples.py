@@ -4,8 +4,7 @@ advantage (TRL's NaN-aware total and advantages over the rated group with a `hum
 one short real run (one rank in this process, a tiny Llama) where the samples arrive each step, a
 rating is answered only once it is in the inbox, the next step trains the rated group with
 `rewards/human/mean`, a forgotten rating trains nothing, a resume from the checkpoint before the
-rating replays it bit for bit, and the web Train tab's and the notebook panel's samples tables show
-the step's samples and rate one through the verbs."""
+rating replays it bit for bit. The front ends' tables and ratings: tests/test_samples_front.py."""
 
 from __future__ import annotations
 
