@@ -64,6 +64,7 @@ class RunHandle:
         self._cleanup: threading.Thread | None = None
         self._remote = RemoteLog(folder.logs / "launcher.log")  # ranks on other machines
         self._launch_env: dict[str, str] = {}  # the extra environment of its launch (restarts reuse it)
+        self._launched_here = False  # this handle started the run: only then does it restart it
         self.restarts = 0  # times this handle relaunched the group (supervisor.restart)
 
     def mark_launched(self, env: dict[str, str] | None = None) -> None:
@@ -71,6 +72,7 @@ class RunHandle:
         `env`: the extra environment it was started with (a restart starts it so again)."""
         with self._lock:
             self._seen_alive = True
+            self._launched_here = True
             self._launch_env = dict(env or {})
 
     # -- reading --------------------------------------------------------------------------------
@@ -287,7 +289,11 @@ class RunHandle:
     def _restart(self, failure: Failure) -> bool:
         """Relaunch the whole group from the latest complete checkpoint when `fault.max_restarts`
         allows (supervisor.restart); False: the failure is the run's final one (its message then
-        says why no restart came)."""
+        says why no restart came). Only the handle that started the run restarts it: it knows the
+        launch's environment, and a second watcher of the run (another front end) must not
+        launch the group a second time."""
+        if not self._launched_here:
+            return False
         try:
             cfg = load_config(self.folder.config)
             cfg.fault.max_restarts  # noqa: B018 - a config of this run's version has the section
