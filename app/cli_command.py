@@ -1,6 +1,7 @@
 """`./launch.sh command RUN_FOLDER NAME [key=value ...]`: send one command of the protocol
 (contract.protocol: pause, resume, save, evaluate, set, status, rewind, branch, snapshot,
-branches, add_source, set_weight, remove_source, teach, inbox, forget) to a running run through
+branches, add_source, set_weight, remove_source, teach, inbox, forget, and a GRPO run's
+add_reward, remove_reward, rate) to a running run through
 the one Python client (supervisor.client.RunClient.command), and print its answer as JSON. The
 values are JSON (lr=1e-4, save=false, stop='["a"]'; anything else is a string), checked by the
 command's model: a bad one gets the same words as in the web app, the notebook and Python."""

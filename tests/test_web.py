@@ -213,6 +213,15 @@ def test_gradio_client_start_chat_set_stop(app):
     assert [e["answer"] for e in client.predict(run="api-run", api_name="/inbox")["entries"]] == ["qux"]
     with pytest.raises(Exception, match="no source named 'nope'"):
         client.predict(source="nope", weight=1.0, run="api-run", api_name="/set_weight")
+    # a GRPO run's endpoints: this SFT run refuses them, saying why (after the command's own checks)
+    with pytest.raises(Exception, match="only a GRPO run's samples can be rated"):
+        client.predict(step=1, sample=0, score="up", run="api-run", api_name="/rate")
+    with pytest.raises(Exception, match="'score' must be"):
+        client.predict(step=1, sample=0, score="sideways", run="api-run", api_name="/rate")
+    with pytest.raises(Exception, match="Reward: type an entry"):
+        client.predict(reward="just words", run="api-run", api_name="/add_reward")
+    with pytest.raises(Exception, match="remove_reward: needs a GRPO run"):
+        client.predict(reward="exact_match", run="api-run", api_name="/remove_reward")
 
     # no `save` given: the contract's Stop default, as the Stop button and the notebook's stop()
     stopped = client.predict(run="api-run", api_name="/stop")

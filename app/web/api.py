@@ -1,8 +1,9 @@
 """The named Gradio API endpoints, for `gradio_client` scripts (documented in the README):
 
     /start   /stop   /pause   /resume   /set   /save   /evaluate   /chat   /status   /runs
-    /rewind  /branch /snapshot /branches                    
-    /add_source  /set_weight  /remove_source  /teach  /inbox  /forget  
+    /rewind  /branch /snapshot /branches
+    /add_source  /set_weight  /remove_source  /teach  /inbox  /forget
+    /add_reward  /remove_reward  /rate                      (a GRPO run's)
 
 (A "path" in a run's answer is called "file" here, as the run info's is "folder".)
 
@@ -24,6 +25,7 @@ import gradio as gr
 from pydantic import BaseModel
 
 from app.form import DEFAULT_PRESET, config_from_text
+from app.live_settings import reward_entry
 from app.session import SessionError
 from app.session_verbs import SessionVerbs
 from app.web.backend import Backend
@@ -116,7 +118,7 @@ def register(backend: Backend) -> None:
                      (_set_endpoint(verbs), "set"), (save, "save"), (evaluate, "evaluate"), (chat, "chat"),
                      (status, "status"), (runs, "runs")):
         gr.api(fn, api_name=name, concurrency_limit=None)
-    for fn in _tree_and_data(verbs):
+    for fn in [*_tree_and_data(verbs), *_rewards(verbs)]:
         gr.api(fn, api_name=fn.__name__, concurrency_limit=None)
 
 
@@ -198,6 +200,26 @@ def _tree_and_data(verbs: Callable[[str], SessionVerbs]) -> list:
         return _answer(lambda: verbs(run).forget(id))
 
     return [rewind, branch, snapshot, branches, add_source, set_weight, remove_source, teach, inbox, forget]
+
+
+def _rewards(verbs: Callable[[str], SessionVerbs]) -> list:
+    """A GRPO run's reward endpoints (any other run refuses them, saying why)."""
+    def add_reward(reward: str, run: str = "") -> dict:
+        """Score the samples with one more reward from the next step on: an entry as grpo.rewards
+        takes one, as YAML or JSON ({kind: regex, pattern: 'a+', name: as, weight: 0.5} or
+        {function: my_rewards.py:brevity})."""
+        return _answer(lambda: verbs(run).add_reward(reward_entry(reward)))
+
+    def remove_reward(reward: str, run: str = "") -> dict:
+        """Stop scoring with the reward named `reward` from the next step on."""
+        return _answer(lambda: verbs(run).remove_reward(reward))
+
+    def rate(step: int, sample: int, score: str = "up", run: str = "") -> dict:
+        """Rate sample `sample` of step `step` (the samples event's numbers): up, down or a score
+        in [-1, 1]; the next step trains its group with a `human` reward."""
+        return _answer(lambda: verbs(run).rate(step, sample, score))
+
+    return [add_reward, remove_reward, rate]
 
 
 def _no_paths(value: Any) -> Any:
