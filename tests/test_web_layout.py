@@ -125,11 +125,29 @@ def test_own_training_data_shows_a_page_of_rows_and_switches_evaluation_off_inst
         every = page.locator("#cfg-eval-every-n-steps input").first
         assert every.input_value() == "100"  # the preset evaluates on the embedded task's split
         open_section(page, "Data")
-        assert "embedded synthetic task" in page.locator("#inspect-data-train").inner_text()
-        page.locator("#cfg-data-train textarea, #cfg-data-train input").first.fill(str(data))
         note = page.locator("#inspect-data-train")
+        assert "embedded synthetic task" in note.inner_text()
+        # opened, the section shows the embedded task's rows (the preset's objective: its instruction rows)
+        wait_until(lambda: "rows 1-20 of 50000" in note.inner_text(), 120, "a page of the embedded task's rows")
+        assert "reverse: " in note.inner_text() or "sort: " in note.inner_text()
+        # DPO: the note follows the objective to the pairs variant and shows its pairs
+        open_section(page, "Objective (SFT or preferences)")
+        page.locator("#cfg-preference-objective input").click()
+        page.get_by_role("option", name="dpo", exact=True).click()
+        open_section(page, "Data")
+        wait_until(lambda: "pairs variant" in note.inner_text() and "rejected" in note.inner_text(), 120,
+                   "a page of the embedded task's pairs")
+        assert "rows 1-20 of 50000" in note.inner_text()
+        page.locator("#cfg-data-train textarea, #cfg-data-train input").first.fill(str(data))
         wait_until(lambda: "rows 1-20 of 80" in note.inner_text(), 120, "a page of the file's rows")
-        assert "the run" in note.inner_text() and "kept" in note.inner_text()
+        # SFT rows under DPO: the page says a run refuses the file, at start and live
+        assert "refused as a whole, at start and by a live add_source" in note.inner_text()
+        open_section(page, "Objective (SFT or preferences)")
+        page.locator("#cfg-preference-objective input").click()
+        page.get_by_role("option", name="sft", exact=True).click()
+        open_section(page, "Data")
+        wait_until(lambda: "kept" in note.inner_text() and "refused" not in note.inner_text(), 120, "rows kept by SFT")
+        assert "the run" in note.inner_text() and "rows 1-20 of 80" in note.inner_text()
         wait_until(lambda: "Evaluation switched off" in page.locator("#inspect-data-eval").inner_text(), 60,
                    "the note that evaluation is off")
         wait_until(start.is_enabled, 60, "Start enabled with the user's data")

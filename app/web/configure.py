@@ -235,13 +235,18 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> ConfigureTab:
     for key, note in notes.items():
         component, fmt = fields[key], fields["data.format"]
         judged_by = [fmt, objective, *(fields[k] for k in LIMIT_KEYS)]
-        # a data note follows what judges its rows, and fills in when its section is opened (the
-        # embedded task's rows of the objective's variant: no file to wait for)
-        triggers = [component.change] + ([c.change for c in judged_by] + [sections[_group(form, key)].select]
-                                          if INSPECTED[key] == "data" else [])
-        gr.on(triggers, readable(lambda path, f, o, *limits, k=key: field_note(backend, k, path, f, o, *limits)),
-              inputs=[component, *judged_by], outputs=note, trigger_mode="always_last",
-              show_progress="minimal", api_visibility="private")
+        show = readable(lambda path, f, o, *limits, k=key: field_note(backend, k, path, f, o, *limits))
+        wiring = dict(inputs=[component, *judged_by], outputs=note, trigger_mode="always_last",
+                      show_progress="minimal", api_visibility="private")
+        component.change(show, **wiring)
+        if key == "data.train":  # its rows follow what judges them; the embedded task's rows come when
+            # its section is opened (no file to wait for: the note is filled once somebody looks)
+            gr.on([c.change for c in judged_by] + [sections[_group(form, key)].select], show, **wiring)
+        elif key == "data.eval":  # a file's rows follow the limits; empty, the note stays as it is
+            # (it may say that evaluation was switched off)
+            gr.on([c.change for c in judged_by if c is not objective],
+                  lambda path, *rest, show=show: show(path, *rest) if str(path or "").strip() else gr.update(),
+                  **wiring)
     start.click(readable(lambda given: start_run(backend, tab.values(given), run_state, tabs)),
                 inputs=tab.inputs, outputs=[run_state, tabs], api_visibility="private")
     slurm_fold.button.click(
