@@ -22,6 +22,8 @@ def test_the_site_builds_strictly(tmp_path):
     assert (tmp_path / "site" / "support" / "index.html").is_file()
     page = (tmp_path / "site" / "config-reference" / "index.html").read_text()
     assert "optim.lr" in page
+    # the loss formulas typeset by the arithmatex extension, not plain text
+    assert 'class="arithmatex"' in (tmp_path / "site" / "preferences" / "index.html").read_text()
 
 
 def test_the_nav_lists_each_page_once():
@@ -34,3 +36,17 @@ def test_the_readme_is_a_front_door():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
     assert "./launch.sh" in readme and "./launch.sh test" in readme
+
+
+def test_the_site_carries_the_screenshots_and_links_its_feature_pages():
+    """Issue 33's docs: the pictures the tests' browser takes are on the pages, the home page links
+    Preferences, the API and Access, web.md's tabs are sections (not a table of walls of text), the
+    API's examples name both ports (the formulas: test_the_site_builds_strictly)."""
+    pages = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.md")}
+    shown = {(name, img) for name, text in pages.items()
+             for img in ("login", "viewer", "configure", "ab-chat", "rewards") if f"(img/{img}.png)" in text}
+    assert {img for _, img in shown} == {"login", "viewer", "configure", "ab-chat", "rewards"}, shown
+    assert all((ROOT / "docs" / "img" / f"{img}.png").stat().st_size > 10_000 for _, img in shown)
+    assert all(f"]({page})" in pages["index.md"] for page in ("preferences.md", "openai-api.md", "access.md"))
+    assert all(f"\n## {tab}\n" in pages["web.md"] for tab in ("Configure", "Train", "Chat", "Checkpoints", "Runs"))
+    assert "127.0.0.1:7860/v1" in pages["openai-api.md"] and "127.0.0.1:8000/v1" in pages["openai-api.md"]
