@@ -104,10 +104,11 @@ def _after_restart(events: list[dict]) -> list[dict]:
 @pytest.mark.slow  # two 1-rank starts through the DeepSpeed launcher
 def test_a_killed_rank_restarts_from_the_checkpoint_and_the_run_finishes(tmp_path):
     """Where the rank dies is set by the run's own pauses, not by the machine's speed: the run
-    saves a checkpoint while paused at step p, trains on and is paused again at q > p, and its
-    rank is killed there. The manager records the failure, relaunches the group from step p in
-    the same folder, the steps p+1..q trained again repeat the first run's losses exactly, and a
-    stop after them finishes the run."""
+    saves a checkpoint while paused at step p (a live `set` just before it), trains on and is
+    paused again at q > p, and its rank is killed there. The manager records the failure,
+    relaunches the group from step p in the same folder, the steps p+1..q trained again repeat
+    the first run's losses exactly, the live setting is in force again, and a stop sent by the
+    same client (it finds the new group by itself) finishes the run."""
     task = task_files(tmp_path / "task")
     cfg = load_config(overrides=[
         "run_name=r", "nproc=1", "max_steps=100000", "batch_size=8", "data.max_length=32",
@@ -121,24 +122,26 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_the_run_finishes(tmp_pat
         client = RunClient.connect(handle.folder.root, timeout=300)
         _wait_for(path, lambda ev: _losses(ev))
         saved_at = client.pause().step
+        client.set(weight_decay=0.2)  # a live change before the checkpoint: in force after the restart
         saved = client.save()
         client.resume()
         _wait_for(path, lambda ev: _losses(ev)[-1][0] >= saved_at + 3)
         killed_at = client.pause().step
-        client.close()
         ranks = handle.rank_pids()
         assert ranks, "no rank seen"
         os.kill(ranks[0], signal.SIGKILL)
-        # the relaunched group trains past the step it died at; then it is stopped
+        # the relaunched group trains past the step it died at; the same client, never told of
+        # the restart, reaches the new group (a new control file) and stops it
         _wait_for(path, lambda ev: any(s > killed_at for s, _ in _losses(_after_restart(ev))))
-        again = RunClient.connect(handle.folder.root, timeout=300)
-        again.stop(save=False)
-        again.close()
+        settings = client.status().settings
+        client.stop(save=False)
+        client.close()
         events = _wait_for(path, lambda ev: any(e.get("state") in ("finished", "failed")
                                                 for e in _after_restart(ev)))
         assert handle.wait(timeout=120), "the run's processes did not end"
         info = handle.info()
     assert info.state.value == "finished", (info, [e for e in events if e["type"] in ("state", "rank_failed")])
+    assert settings["weight_decay"] == 0.2, settings
     assert saved.step == saved_at and killed_at >= saved_at + 3
     (failed,) = [e for e in events if e["type"] == "rank_failed"]
     (restarted,) = [e for e in events if e["type"] == "restart"]
