@@ -1,6 +1,6 @@
 """What a new user sees of the web app's layout, measured in a real browser (Debian's Chromium)
-at 1440 px wide against the app's real entry point: the Runs and Checkpoints tables keep every
-header on one line and their long paths inside the table; the Runs tab shows its preselected run
+at 1440 px wide against the app's real entry point: the Runs, Checkpoints and inbox tables keep
+every header on one line and their long paths, margins and last columns inside the table; the Runs tab shows its preselected run
 (plot and config) without Open; a chat's label floats over no message. No engine is started: the
 run folders are written as a finished run leaves them (its event log, config and checkpoints).
 
@@ -14,6 +14,7 @@ import pytest
 
 from contract.config.load import config_from_dict
 from contract.events import EventType
+from contract.inbox import add_entry, inbox_path
 from contract.presets import DEFAULT
 from contract.protocol.states import RunState
 from contract.run_folder import EventLog, RunFolder
@@ -49,6 +50,13 @@ def finished_run(runs) -> RunFolder:
     log.emit({"type": EventType.SETUP.value, "total_steps": STEPS, "time": now - 55})
     for s in range(1, STEPS + 1):
         log.emit({"type": EventType.TRAIN.value, "step": s, "loss": 4.0 - s / 20, "lr": 1e-3, "time": now - 50 + s})
+    # two taught pairs (the A/B fold's), one checked: the inbox table's columns, margins and learned
+    for n, (chosen, rejected) in enumerate((("wdock", "kcodw"), ("ABCDEFGH", "Abcdefgh")), 1):
+        log.emit({"type": "teach", "step": 10, "id": f"t{n}", "answer": chosen, "rejected": rejected,
+                  "margin": -0.123456, "time": now - 40})
+        add_entry(inbox_path(folder.root), f"t{n}", f"<s>reverse: {rejected.lower()}\n", chosen, 10, rejected=rejected)
+    log.emit({"type": "teach_check", "step": 20, "id": "t1", "old": "", "new": "wdoc", "learned": False,
+              "margin_before": -0.123456, "margin_after": 0.654321, "prefers": "chosen", "time": now - 30})
     log.emit({"type": EventType.STATE.value, "state": RunState.FINISHED.value, "time": now})
     log.close()
     for name, complete in (("step-30", True), ("step-20", False)):
@@ -96,6 +104,13 @@ def test_tables_fit_the_runs_tab_shows_its_run_and_no_label_hides_a_message(app,
     wait_until(lambda: str(folder.checkpoints / "step-30") in page.locator("#ckpt-table").inner_text(), 60,
                "the checkpoints of the run")
     table_fits(page, "ckpt-table")
+
+    # Train: the inbox's headers on one line each, its margins and removed column in view (no scrolling)
+    open_tab(page, "Train")
+    page.locator("#data-fold").click()
+    wait_until(lambda: "kcodw" in page.locator("#data-inbox").inner_text(), 60, "the run's inbox")
+    assert "answer (chosen)" in page.locator("#data-inbox").inner_text()
+    table_fits(page, "data-inbox")
 
     # Chat: the label sits above the messages' window, not over the messages
     open_tab(page, "Chat")
