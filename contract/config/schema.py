@@ -235,6 +235,12 @@ class TrainConfig(Section):
         True, "Run the output head only at the positions that carry a label (prompt and padding "
         "skipped: less time and memory with a wide vocabulary); the loss is the same within fp32 "
         "rounding. false: logits at every position, as the Hugging Face Trainer computes them.")
+    logits_chunk_rows: int = _f(
+        1024, "With logits_at_labels: when a micro-batch has more labelled positions than this, the "
+        "output head and its cross-entropy run this many positions at a time, each chunk's logits "
+        "recomputed in the backward (only one chunk's logits in memory, for one more head product "
+        "per chunk; a model that soft-caps or scales its logits is never chunked). 0: all at once.",
+        minimum=0)
 
 
 class ParallelConfig(Section):

@@ -31,12 +31,27 @@ loss is that plain causal-LM cross-entropy and its forward slices by a mask (tra
 `slice_logits_to_keep`: nearly every model of the library); elsewhere (a model of one's own, a
 `loss_fn`, the prompt-learning PEFT methods, whose virtual tokens shift the positions) the model
 computes every position's logits, as before.
+
+The cross-entropy in chunks (`train.logits_chunk_rows`, default 1024): with more labelled rows
+than that in a micro-batch, the head's input at those rows (taken by a pre-hook on the output
+head, which then runs on no row) goes through the head a chunk of rows at a time, each chunk's
+summed cross-entropy under `torch.utils.checkpoint` -- its logits are freed after the forward and
+recomputed in the backward, so no more than one chunk's (rows, vocab) logits exist at once, at the
+price of one more head product per chunk. The head is called as the module it is, so ZeRO-3's
+gathering, a LoRA on the head and AutoTP's sharded head work as in the model's forward; under
+ZeRO-3 each call gathers the head's weights collectively, so the ranks first agree on the number
+of chunks (the most any rank needs; one all-reduce of a number per micro-batch) and a rank with
+fewer labelled rows calls the head on empty chunks. The sum
+over chunks equals the one cross-entropy within fp32 rounding. A model whose forward does
+something to the logits after the head (Gemma's soft-capping, Cohere's and Granite's scaling:
+`plain_head` reads the forward's source) keeps the unchunked path, which lets the model apply it.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -44,6 +59,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 IGNORE_INDEX = -100  # transformers' label value for "not a target"
@@ -156,6 +172,12 @@ def _slices_by_mask(model_class: type) -> bool:
     return getattr(sys.modules.get(model_class.__module__), "slice_logits_to_keep", None) is not None
 
 
+def _hf_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model behind a DeepSpeed engine or a PEFT wrapper."""
+    module = getattr(module, "module", module)  # a DeepSpeed engine's model
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
 def head_at_labels(module: torch.nn.Module) -> bool:
     """Whether the model behind `module` (a DeepSpeed engine, a PEFT wrapper or the model) can
     run its head at the labelled positions only, its own loss being the plain causal-LM one."""
@@ -163,35 +185,144 @@ def head_at_labels(module: torch.nn.Module) -> bool:
     peft = getattr(module, "active_peft_config", None)
     if peft is not None and getattr(peft, "is_prompt_learning", False):
         return False  # virtual tokens in front: the labels' positions are not the logits'
-    if hasattr(module, "get_base_model"):
-        module = module.get_base_model()
+    module = _hf_model(module)
     return getattr(module, "loss_function", None) is ForCausalLMLoss and _slices_by_mask(type(module))
 
 
-def labelled_loss(forward: Callable, batch: dict, window: Window = PER_MICRO_BATCH) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _plain_forward(model_class: type, head_name: str) -> bool:
+    """Whether the class's forward returns the head's output as its logits untouched: one line
+    `x = self.<head>(...)` and no later line of the forward assigning to x (soft-capping,
+    scaling, a bias, a slice)."""
+    try:
+        lines = inspect.getsource(model_class.forward).splitlines()
+    except (OSError, TypeError):
+        return False
+    calls = [i for i, line in enumerate(lines)
+             if re.fullmatch(rf"\s*\w+ = self\.{re.escape(head_name)}\([^()]*\)\s*", line)]
+    if len(calls) != 1:
+        return False
+    name = lines[calls[0]].split("=")[0].strip()
+    changed = re.compile(rf"^\s*{name}\s*(=|\[|[-+*/]=)")
+    for line in lines[calls[0] + 1:]:
+        if line.strip().startswith("return"):
+            return True  # its output (where `logits=logits` is a keyword, not a change)
+        if changed.match(line):
+            return False
+    return True
+
+
+def plain_head(module: torch.nn.Module) -> bool:
+    """Whether the model's logits are its output head's output as they are (nothing applied
+    after the head), so the head may be run by chunks outside its forward."""
+    model = _hf_model(module)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    name = next((n for n, m in model.named_children() if m is head), None) if head is not None else None
+    return name is not None and _plain_forward(type(model), name)
+
+
+def _chunk_sum(head: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(head: Callable, hidden: torch.Tensor, targets: torch.Tensor, rows: int,
+                          chunks: int | None = None) -> torch.Tensor:
+    """The summed cross-entropy of `head(hidden)` (hidden: (n, hidden size)) against `targets`
+    (n), `rows` rows at a time; each chunk's logits are recomputed in the backward
+    (torch.utils.checkpoint), so at most one chunk's logits exist at once. `chunks`: that many
+    head calls (the last ones empty when the rows run out; default: as many as the rows need)."""
+    total = hidden.new_zeros((), dtype=torch.float32)
+    count = chunks if chunks is not None else -(-targets.numel() // rows)
+    for start in range(0, count * rows, rows):
+        end = start + rows
+        total = total + checkpoint(_chunk_sum, head, hidden[start:end], targets[start:end], use_reentrant=False)
+    return total
+
+
+def _partition_group(head: torch.nn.Module):
+    """The process group over which ZeRO-3 partitions the head's weights (each call of the head
+    gathers them there, collectively), or None when they are whole on every rank."""
+    return next((p.ds_process_group for p in head.parameters() if hasattr(p, "ds_id")), None)
+
+
+def _chunk_count(head: torch.nn.Module, labelled: int, rows: int) -> int:
+    """How many head calls the cross-entropy takes: as many as `labelled` rows need, or, where
+    ZeRO-3 partitions the head, the most any rank of its group needs (every call is a collective
+    gather, so every rank calls it as often; the others' last chunks are empty)."""
+    count = -(-labelled // rows)
+    group = _partition_group(head)
+    if group is None or not dist.is_initialized():
+        return count
+    device = next(head.parameters()).device
+    agreed = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return int(agreed.item())
+
+
+def labelled_cross_entropy(head: Callable, hidden: torch.Tensor, targets: torch.Tensor,
+                           chunk_rows: int = 0) -> torch.Tensor:
+    """The summed cross-entropy of `head(hidden)` against `targets`: in chunks of `chunk_rows`
+    when there are more rows than that (and `chunk_rows` > 0), else at once."""
+    if 0 < chunk_rows < targets.numel():
+        return chunked_cross_entropy(head, hidden, targets, chunk_rows)
+    return _chunk_sum(head, hidden, targets)
+
+
+def _head_input(forward: Callable, inputs: dict, keep: torch.Tensor, module: torch.nn.Module) -> tuple:
+    """(the output head's input at the kept positions, the head): the model's forward runs with
+    `logits_to_keep=keep` and a pre-hook takes the head's input and hands the head no row."""
+    head = _hf_model(module).get_output_embeddings()
+    taken: list[torch.Tensor] = []
+
+    def take(_module, args):
+        taken.append(args[0])
+        return (args[0][:0], *args[1:])
+    handle = head.register_forward_pre_hook(take)
+    try:
+        forward(**inputs, use_cache=False, logits_to_keep=keep)
+    finally:
+        handle.remove()
+    if len(taken) != 1:
+        raise RuntimeError(f"the output head ran {len(taken)} times in one forward; "
+                           "set train.logits_chunk_rows=0 for this model")
+    return taken[0], head
+
+
+def labelled_loss(forward: Callable, batch: dict, window: Window = PER_MICRO_BATCH,
+                  module: torch.nn.Module | None = None, chunk_rows: int = 0) -> torch.Tensor:
     """The micro-batch's causal-LM loss with the head run at the labelled positions only: the
     sum of its token losses over the window's label tokens, or without a count their mean (as
-    the model's own: NaN for a micro-batch without a label, as in transformers)."""
+    the model's own: NaN for a micro-batch without a label, as in transformers). With more than
+    `chunk_rows` (> 0) labelled rows and a plain head, the cross-entropy is taken in chunks."""
     keep, targets = label_positions(batch["labels"], window.shifted)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = forward(**inputs, use_cache=False, logits_to_keep=keep).logits  # (kept, vocab)
-    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets, reduction="sum")
+    model = module if module is not None else forward
+    chunks = 0
+    if chunk_rows > 0 and plain_head(model):  # type: ignore[arg-type]
+        chunks = _chunk_count(_hf_model(model).get_output_embeddings(), targets.numel(), chunk_rows)  # type: ignore[arg-type]
+    if chunks > 1:
+        hidden, head = _head_input(forward, inputs, keep, model)  # type: ignore[arg-type]
+        total = chunked_cross_entropy(head, hidden, targets, chunk_rows, chunks)
+    else:
+        logits = forward(**inputs, use_cache=False, logits_to_keep=keep).logits  # (kept, vocab)
+        total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets, reduction="sum")
     return total / (window.num_items if window.num_items is not None else targets.numel())
 
 
 def model_loss(forward: Callable, batch: dict, device, loss_fn: Callable | None,
                window: Window = PER_MICRO_BATCH, module: torch.nn.Module | None = None,
-               at_labels: bool = False) -> torch.Tensor:
+               at_labels: bool = False, chunk_rows: int = 0) -> torch.Tensor:
     """Forward one micro-batch through `forward` (the engine, or the bare module) and return its
     loss for `window`: the model's own, or `loss_fn`'s. `module`: the model behind `forward`,
     asked whether it takes `num_items_in_batch` (default: `forward` itself). `at_labels`
-    (`train.logits_at_labels`): the head only at the labelled positions, where the model allows."""
+    (`train.logits_at_labels`): the head only at the labelled positions, where the model allows;
+    `chunk_rows` (`train.logits_chunk_rows`): its cross-entropy that many rows at a time."""
     # No KV cache in training: it is wasted work, and with one transformers treats a packed
     # row as one sequence (samples would attend to each other).
     batch = {k: v.to(device) for k, v in batch.items()}
     model = module if module is not None else forward
     if loss_fn is None and at_labels and head_at_labels(model):  # type: ignore[arg-type]
-        return labelled_loss(forward, batch, window)
+        return labelled_loss(forward, batch, window, model, chunk_rows)  # type: ignore[arg-type]
     if loss_fn is None:
         if window.num_items is None:
             return forward(**batch, use_cache=False).loss
