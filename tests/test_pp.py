@@ -97,6 +97,51 @@ def test_stage_layers_reproduce_the_model(one_process_group, family):
     assert "".join(streamed) == got[0] and len(streamed) > 1  # piece by piece as tokens arrive
 
 
+@pytest.mark.parametrize("family", ["llama", "llama-tied"])
+def test_the_last_stage_runs_the_head_at_labelled_rows_only(one_process_group, family):
+    """The head only at labelled positions on the last stage (and in chunks): the same loss and
+    gradients as the head everywhere, the head's rows are the labelled ones."""
+    from engine.objectives.losses import Window
+    from engine.parallel.pipeline import pipe_inputs, stage_forward
+
+    tok = make_tiny_tokenizer()
+    _, engine = build_pair(family, tok)
+    module, loss_fn = engine.module.train(), engine.module.loss_fn
+    torch.manual_seed(2)
+    ids = torch.randint(8, len(tok), (3, 12))
+    labels = ids.clone()
+    labels[0, :5], labels[1, :3], labels[2, 9:] = -100, -100, -100  # prompts and padding: 24 targets
+    inputs, labels = pipe_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}, "cpu")
+    rows: list[int] = []
+    head = dict(module.local_parts())["lm_head" if family == "llama" else "model.embed_tokens"]
+    hook = (head.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.shape[0])) if family == "llama"
+            else None)
+
+    def loss_and_grads(at_labels: bool, chunk_rows: int = 0):
+        module.zero_grad()
+        loss_fn.window = Window(num_items=30, scale=1.0)
+        loss_fn.labelled(at_labels, chunk_rows)
+        try:
+            loss = loss_fn(stage_forward(engine, inputs), labels)
+        finally:
+            loss_fn.labelled(False)
+        loss.backward()
+        return float(loss), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    everywhere, want = loss_and_grads(False)
+    for chunk_rows in (0, 5):
+        rows.clear()
+        got, grads = loss_and_grads(True, chunk_rows)
+        assert got == pytest.approx(everywhere, rel=1e-6)
+        assert grads.keys() == want.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
+        if hook is not None:  # 24 labelled rows: at once, or 5, 5, 5, 5, 4 and again in the backward
+            assert rows == ([24] if chunk_rows == 0 else [5, 5, 5, 5, 4, 4, 5, 5, 5, 5])
+    if hook is not None:
+        hook.remove()
+
+
 def test_weights_keep_their_hugging_face_names(one_process_group):
     tok = make_tiny_tokenizer()
     for family in ("llama", "llama-tied"):

@@ -29,6 +29,7 @@ ONE_RANK = {
     "b1": "batch_size=4,train.grad_accum=1,zero_stage=2",
     "m4": "batch_size=1,train.grad_accum=4,zero_stage=2,train.loss_average=micro_batch",
     "l4": "method=lomo,batch_size=4",
+    "c4": "batch_size=1,train.grad_accum=4,zero_stage=2,train.logits_chunk_rows=3",  # the cross-entropy in chunks
 }
 HF = "hf4:1:4;hfm4:1:4:mean"  # the HF Trainer: micro 1 x accumulation 4, default and forced means
 TWO_RANKS = {  # the pipeline last: a data-parallel engine built after DeepSpeed's pipeline fails
@@ -36,8 +37,12 @@ TWO_RANKS = {  # the pipeline last: a data-parallel engine built after DeepSpeed
     "z0": "zero_stage=0,batch_size=1,train.grad_accum=2",
     "z2": "zero_stage=2,batch_size=1,train.grad_accum=2",
     "z3": "zero_stage=3,batch_size=1,train.grad_accum=2",
+    "z3c": "zero_stage=3,batch_size=1,train.grad_accum=2,train.logits_chunk_rows=3",
+    "tpc": "parallel.tp_size=2,batch_size=1,train.grad_accum=4,train.logits_chunk_rows=3",
     "ppa": "parallel.pp_size=2,batch_size=1,train.grad_accum=4",
     "ppb": "parallel.pp_size=2,batch_size=4,train.grad_accum=1",
+    "ppe": "parallel.pp_size=2,batch_size=1,train.grad_accum=4,train.logits_at_labels=false",
+    "ppc": "parallel.pp_size=2,batch_size=1,train.grad_accum=4,train.logits_chunk_rows=3",
 }
 
 
@@ -91,6 +96,7 @@ def same_run(got: dict, ref: dict, weights: bool = True, norms: bool = True) -> 
 def test_accumulation_invariance_one_rank(work):
     """micro 1 x accumulation 4 == micro 4 x accumulation 1: losses, grad norms, weights."""
     same_run(load(work, "b1"), load(work, "a4"))
+    same_run(load(work, "c4"), load(work, "a4"))  # the head's cross-entropy 3 rows at a time
 
 
 def test_matches_the_hf_trainer(work):
@@ -107,15 +113,22 @@ def test_matches_the_hf_trainer(work):
 
 @pytest.mark.slow
 def test_split_invariance_two_ranks(work):
-    """2 ranks x accumulation 2 x micro 1 under ZeRO-0, 2 and 3 == 1 rank x accumulation 4;
+    """2 ranks x accumulation 2 x micro 1 under ZeRO-0, 2 and 3 (and 3 with the cross-entropy in
+    chunks; tp 2 with it too, within tp's rounding) == 1 rank x accumulation 4;
     the pipeline (pp 2) with micro 1 x accumulation 4 == micro 4 x accumulation 1; LOMO on
     2 ranks x micro 2 == 1 rank x micro 4 (its own averaging over the ranks)."""
     launch(work, 2, TWO_RANKS)
     ref = load(work, "a4")
     same_run(load(work, "z0"), ref, norms=False)  # ZeRO-0's engine keeps no global norm
-    for name in ("z2", "z3"):
+    for name in ("z2", "z3", "z3c"):  # z3c: the cross-entropy in chunks of 3 rows under ZeRO-3
         same_run(load(work, name), ref)
+    tp = load(work, "tpc")  # AutoTP's sharded head called chunk by chunk; tp reorders each matmul's sums
+    assert tp["losses"] == pytest.approx(ref["losses"], rel=2e-5), list(zip(tp["losses"], ref["losses"]))
     same_run(load(work, "ppb"), load(work, "ppa"), norms=False)  # the pipeline engine keeps no norm
+    # pp's last stage runs the head at labelled rows only (ppa, the default) and in chunks (ppc):
+    # the losses and weights of the head everywhere (ppe)
+    for name in ("ppa", "ppc"):
+        same_run(load(work, name), load(work, "ppe"), norms=False)
     same_run(load(work, "l2"), load(work, "l4"))
 
 

@@ -71,7 +71,8 @@ class DataParallel:
     def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None,
                      window: Window = PER_MICRO_BATCH) -> torch.Tensor:
         return model_loss(forward, batch, run.engine.device, loss_fn, window, module=run.engine.module,
-                          at_labels=run.config.train.logits_at_labels)
+                          at_labels=run.config.train.logits_at_labels,
+                          chunk_rows=run.config.train.logits_chunk_rows)
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
@@ -165,7 +166,8 @@ class TensorParallel(_Split):
     def compute_loss(self, run: RunContext, batch: dict, forward: Callable, loss_fn: Callable | None,
                      window: Window = PER_MICRO_BATCH) -> torch.Tensor:
         return model_loss(forward, batch, run.engine.device, loss_fn, window, module=run.engine.module,
-                          at_labels=run.config.train.logits_at_labels)
+                          at_labels=run.config.train.logits_at_labels,
+                          chunk_rows=run.config.train.logits_chunk_rows)
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return hf_generate(run, prompts, **options)
@@ -212,7 +214,8 @@ class Pipeline(_Split):
                      window: Window = PER_MICRO_BATCH) -> torch.Tensor:
         # the stages hold different layers: the batch goes from stage to stage (evaluation only;
         # training weighs its micro-batches in the schedule's loss, pipeline.PipelineStep)
-        return pipeline.eval_loss(run.engine, batch)
+        return pipeline.eval_loss(run.engine, batch, run.config.train.logits_at_labels,
+                                  run.config.train.logits_chunk_rows)
 
     def generate(self, run: RunContext, prompts: list[str], **options) -> list[str]:
         return pipeline_generate(run, prompts, **options)

@@ -11,6 +11,14 @@ embedding and the head are one DeepSpeed tied layer: the first and the last stag
 and DeepSpeed sums its gradients over them. DeepSpeed partitions the specs by parameter count
 or uniformly (parallel.pp_partition); the loss is applied on the last stage.
 
+The head only at labelled positions (`train.logits_at_labels`, as engine.objectives.losses does
+for the other layouts): during a training step and an evaluation loss, the last stage's head
+layer hands the final norm's hidden states on untouched and tells the loss how to compute its
+logits; the loss (`CausalLMLoss`) runs the head at the rows that predict a label only, in chunks of
+`train.logits_chunk_rows` when there are more (engine.objectives.losses.labelled_cross_entropy).
+The gradients reach the head's weight (or the tied embedding, which DeepSpeed then reduces over
+the first and last stage) through the loss, as they did through the layer.
+
 Between stages a micro-batch travels as (hidden or input ids, 2-D attention mask, position
 ids); every decoder layer builds its causal mask and rotary embedding from the last two as the
 whole model would. A packed batch has no attention mask (transformers derives per-sample masks
@@ -29,6 +37,7 @@ replicas never wait for each other (DeepSpeed's eval_batch has a world-wide barr
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -36,9 +45,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from engine.data import count_tokens
-from engine.objectives.losses import PER_MICRO_BATCH, Window, custom_loss
+from engine.objectives.losses import PER_MICRO_BATCH, Window, custom_loss, label_positions, labelled_cross_entropy
 from engine.steps import step_window
 
 NO_MASK = -1  # an attention mask row of this value stands for "no mask" (packed batches)
@@ -104,23 +114,35 @@ class NormPipe(nn.Module):
 
 
 class HeadPipe(nn.Module):
-    """hidden -> logits (an output head of its own)."""
+    """hidden -> logits (an output head of its own); the hidden itself while `loss` takes the
+    head to the labelled positions (`loss.takes_hidden`)."""
 
-    def __init__(self, lm_head: nn.Module):
+    def __init__(self, lm_head: nn.Module, loss: "CausalLMLoss | None" = None):
         super().__init__()
-        self.lm_head = lm_head
+        self.lm_head, self.loss = lm_head, loss
 
     @property
     def wrapped(self) -> nn.Module:
         return self.lm_head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.loss is not None and self.loss.takes_hidden:
+            self.loss.head = self.lm_head
+            return hidden
         return self.lm_head(hidden)
 
 
-def tied_head(embed: EmbedPipe, hidden: torch.Tensor) -> torch.Tensor:
+def tied_logits(embed: EmbedPipe, hidden: torch.Tensor) -> torch.Tensor:
     """The output head of a tied model: the embedding matrix, as nn.Linear without bias uses it."""
     return F.linear(hidden, embed.embed_tokens.weight)
+
+
+def tied_head(loss: "CausalLMLoss | None", embed: EmbedPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied head layer's forward: the logits, or the hidden while `loss` takes the head."""
+    if loss is not None and loss.takes_hidden:
+        loss.head = partial(tied_logits, embed)
+        return hidden
+    return tied_logits(embed, hidden)
 
 
 def mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
@@ -149,15 +171,31 @@ class CausalLMLoss:
     steps: the schedule divides each backward by the accumulation steps and DeepSpeed averages
     gradients and the reported loss over the data-parallel ranks). Outside a training step
     (evaluation) the window is the per-micro-batch mean.
+
+    `takes_hidden` (set by `labelled`, where the loss is the plain causal-LM one): the head layer
+    hands the hidden states and its head (`head`) instead of the logits, and the head runs at the
+    labelled positions only, `chunk_rows` at a time.
     """
 
     def __init__(self, model_loss: Callable, vocab_size: int, loss_fn: Callable | None = None):
         self.model_loss, self.vocab_size, self.loss_fn = model_loss, vocab_size, loss_fn
         self.window: Window = PER_MICRO_BATCH
+        self.takes_hidden, self.chunk_rows = False, 0
+        self.head: Callable | None = None
+
+    def labelled(self, at_labels: bool, chunk_rows: int = 0) -> None:
+        """Take the head to the labelled positions (where the loss is the model's causal-LM
+        cross-entropy), or back to every position (`at_labels` false)."""
+        self.takes_hidden = at_labels and self.loss_fn is None and self.model_loss is ForCausalLMLoss
+        self.chunk_rows = chunk_rows
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         window = self.window
-        if self.loss_fn is None:
+        if self.takes_hidden:  # `logits` are the final norm's hidden states
+            keep, targets = label_positions(labels, window.shifted)
+            total = labelled_cross_entropy(self.head, logits[keep], targets, self.chunk_rows)  # type: ignore[arg-type]
+            loss = total / (window.num_items if window.num_items is not None else targets.numel())
+        elif self.loss_fn is None:
             loss = self.model_loss(logits=logits, labels=labels, vocab_size=self.vocab_size,
                                    num_items_in_batch=window.num_items)
         else:
@@ -171,6 +209,7 @@ def build_pipeline_module(model: nn.Module, *, topology, partition: str = "param
     calls it with the same model). `loss_fn`: the trainer's custom loss, if any."""
     config = model.config
     base = getattr(model, model.base_model_prefix)
+    loss = CausalLMLoss(model.loss_function, config.vocab_size, loss_fn)
     tied = model.lm_head.weight is base.embed_tokens.weight
     embed = (TiedLayerSpec("embed", EmbedPipe, base.embed_tokens, tied_weight_attr=["embed_tokens.weight"])
              if tied else LayerSpec(EmbedPipe, base.embed_tokens))
@@ -182,13 +221,12 @@ def build_pipeline_module(model: nn.Module, *, topology, partition: str = "param
     specs.append(LayerSpec(NormPipe, base.norm))
     prefixes.append(f"{model.base_model_prefix}.norm")
     if tied:
-        specs.append(TiedLayerSpec("embed", EmbedPipe, base.embed_tokens, forward_fn=tied_head,
+        specs.append(TiedLayerSpec("embed", EmbedPipe, base.embed_tokens, forward_fn=partial(tied_head, loss),
                                    tied_weight_attr=["embed_tokens.weight"]))
         prefixes.append(prefixes[0])
     else:
-        specs.append(LayerSpec(HeadPipe, model.lm_head))
+        specs.append(LayerSpec(HeadPipe, model.lm_head, loss))
         prefixes.append("lm_head")
-    loss = CausalLMLoss(model.loss_function, config.vocab_size, loss_fn)
     return HFPipelineModule(specs, prefixes, config, topology=topology, loss_fn=loss,
                             partition_method=partition, dynamic_shape=True)
 
@@ -270,12 +308,14 @@ class PipelineStep:
             window = replace(window, scale=window.scale * len(micro_batches))
         loss_fn = trainer.engine.module.loss_fn
         loss_fn.window = window
+        loss_fn.labelled(trainer.config.train.logits_at_labels, trainer.config.train.logits_chunk_rows)
         try:
             # the step's loss (the schedule's mean over the micro-batches, averaged over the
             # data-parallel replicas), on every stage
             loss = trainer.engine.train_batch(data_iter=batches)
         finally:
             loss_fn.window = PER_MICRO_BATCH
+            loss_fn.labelled(False)
         return loss.detach().float(), sum(count_tokens(b) for b in micro_batches)
 
 
@@ -309,12 +349,18 @@ def broadcast_from_last_stage(engine, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def eval_loss(engine, batch: dict) -> torch.Tensor:
+def eval_loss(engine, batch: dict, at_labels: bool = False, chunk_rows: int = 0) -> torch.Tensor:
     """The loss of one batch under pipeline parallelism, known on every stage (collective over
-    the pipeline): what `Trainer.compute_loss` returns with one stage."""
+    the pipeline): what `Trainer.compute_loss` returns with one stage. `at_labels`, `chunk_rows`:
+    the head at the labelled positions only (CausalLMLoss.labelled)."""
     inputs, labels = pipe_inputs(batch, engine.device)
-    logits = stage_forward(engine, inputs)
-    loss = torch.zeros(1, dtype=torch.float32, device=engine.device)
-    if logits is not None:
-        loss[0] = engine.module.loss_fn(logits, labels).float()
+    loss_fn = engine.module.loss_fn
+    loss_fn.labelled(at_labels, chunk_rows)
+    try:
+        logits = stage_forward(engine, inputs)
+        loss = torch.zeros(1, dtype=torch.float32, device=engine.device)
+        if logits is not None:
+            loss[0] = loss_fn(logits, labels).float()
+    finally:
+        loss_fn.labelled(False)
     return broadcast_from_last_stage(engine, loss)[0]
