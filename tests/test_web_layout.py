@@ -19,7 +19,7 @@ from contract.presets import DEFAULT
 from contract.protocol.states import RunState
 from contract.run_folder import EventLog, RunFolder
 import pytest
-from web_page import SLOW, app, browser, open_section, open_tab, wait_until  # noqa: F401  (app, browser: fixtures)
+from web_page import SLOW, app, browser, open_section, open_tab, screenshot, wait_until  # noqa: F401  (app, browser: fixtures)
 
 pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
 
@@ -153,6 +153,7 @@ def test_own_training_data_shows_a_page_of_rows_and_switches_evaluation_off_inst
         wait_until(lambda: "pairs variant" in note.inner_text() and "rejected" in note.inner_text(), 120,
                    "a page of the embedded task's pairs")
         assert "rows 1-20 of 50000" in note.inner_text()
+        screenshot(page, "data-preview", "#inspect-data-train")  # the docs' picture (LIVETUNE_SCREENSHOTS=1)
         page.locator("#cfg-data-train textarea, #cfg-data-train input").first.fill(str(data))
         wait_until(lambda: "rows 1-20 of 80" in note.inner_text(), 120, "a page of the file's rows")
         # SFT rows under DPO: the page says a run refuses the file, at start and live

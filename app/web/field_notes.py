@@ -20,7 +20,8 @@ INSPECTED = {"model.path": "model", "data.train": "data", "data.eval": "data"}  
 TASK_VARIANTS = {
     "sft": "its instruction rows (input → output)",
     "dpo": "its pairs variant: each prompt with the right answer chosen over a wrong one "
-           "(prompt `reverse: abc`, chosen `cba`, rejected a near miss such as `bca`)",
+           "(prompt `reverse: abc`, chosen `cba`, rejected what a half-trained model says, here the word "
+           "echoed: `abc`)",
     "kto": "its unpaired variant: each prompt's right answer marked desirable, a wrong one undesirable",
     "grpo": "its prompts variant: each prompt with its right answer, which exact match rewards",
 }
