@@ -44,8 +44,8 @@ def test_the_site_carries_the_screenshots_and_links_its_feature_pages():
     API's examples name both ports (the formulas: test_the_site_builds_strictly)."""
     pages = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.md")}
     shown = {(name, img) for name, text in pages.items()
-             for img in ("login", "viewer", "configure", "ab-chat", "rewards") if f"(img/{img}.png)" in text}
-    assert {img for _, img in shown} == {"login", "viewer", "configure", "ab-chat", "rewards"}, shown
+             for img in ("login", "viewer", "configure", "ab-chat", "rewards", "data-preview") if f"(img/{img}.png)" in text}
+    assert {img for _, img in shown} == {"login", "viewer", "configure", "ab-chat", "rewards", "data-preview"}, shown
     assert all((ROOT / "docs" / "img" / f"{img}.png").stat().st_size > 10_000 for _, img in shown)
     assert all(f"]({page})" in pages["index.md"] for page in ("preferences.md", "openai-api.md", "access.md"))
     assert all(f"\n## {tab}\n" in pages["web.md"] for tab in ("Configure", "Train", "Chat", "Checkpoints", "Runs"))
