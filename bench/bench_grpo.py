@@ -242,7 +242,7 @@ def memory(a) -> None:
     print("| objective | peak memory (MiB) | x SFT | tokens a step | mean answer tokens (GRPO) |\n|---|---|---|---|---|")
     for name, r in (("sft", sft), ("grpo, beta 0", results["grpo"])):
         print(f"| {name} | {r['peak_mib']:.0f} | {r['peak_mib'] / sft['peak_mib']:.2f} | {r['tokens']:.0f} "
-              f"| {r['answer_tokens'] or '-'} |")
+              f"| {f'{r["answer_tokens"]:.1f}' if r['answer_tokens'] else '-'} |")
 
 
 def _shared(a) -> list[str]:

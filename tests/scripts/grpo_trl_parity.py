@@ -46,7 +46,7 @@ def settings(a) -> list[str]:
             f"grpo.epsilon={EPSILON}", f"grpo.epsilon_high={EPSILON_HIGH}", f"grpo.scale_rewards={a.scale}"]
 
 
-def build_ours(work: Path, a):
+def build_ours(work: Path, a, callbacks: list):
     from contract.config.load import load_config
     from engine.trainer import Trainer
     cfg = load_config(overrides=[
@@ -56,7 +56,7 @@ def build_ours(work: Path, a):
         "optim.scheduler=constant", "optim.weight_decay=0", f"zero_stage={a.zero}", "precision=fp32",
         "checkpoint.save_at_end=false", "control.enabled=false", "logging.tensorboard=false",
         f"output_dir={work / 'runs'}", f"nproc={os.environ['WORLD_SIZE']}"])
-    return Trainer(config=cfg)
+    return Trainer(config=cfg, callbacks=callbacks)
 
 
 def run_trl(work: Path, a, ds: dict) -> tuple[list[dict], list[dict]]:
@@ -145,7 +145,14 @@ def main() -> None:
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
     work = Path(a.work)
-    ours = build_ours(work, a)  # first: TRL runs under the DeepSpeed config ours resolved
+    from engine.callbacks import Callback
+    steps: list[dict] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, tr, loss):
+            steps.append({"loss": loss, **tr.train_fn.metrics})
+
+    ours = build_ours(work, a, [Record()])  # first: TRL runs under the DeepSpeed config ours resolved
     ds = dict(ours.ds_setup.config)  # in TRL's units: a micro-batch counts answers, not prompts
     ds.update(train_micro_batch_size_per_gpu=PROMPTS * G,
               train_batch_size=PROMPTS * G * a.accum * int(os.environ["WORLD_SIZE"]))
@@ -153,16 +160,6 @@ def main() -> None:
     dataset = ours.train_dataset
     index_of = {prompt: i for i, prompt in enumerate(dataset.prompts)}
     replaying(ours.train_fn, generations, ours.tokenizer, index_of, a.iterations)
-    steps: list[dict] = []
-
-    class Record:
-        def __getattr__(self, name):
-            return lambda *args: None
-
-        def on_train_batch_end(self, tr, loss):
-            steps.append({"loss": loss, **tr.train_fn.metrics})
-
-    ours.callbacks.callbacks.append(Record())
     ours.train()
     ours.close()
     if dist.get_rank() == 0:
