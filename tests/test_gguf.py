@@ -11,6 +11,7 @@ SentencePiece or BPE tokenizer, and the converter reads `tokenizer.model` for bo
 from __future__ import annotations
 
 import io
+import os
 import json
 import random
 import shutil
@@ -183,3 +184,33 @@ def test_refused_before_any_work(models, tmp_path):
     with pytest.raises(gguf.GGUFError, match="is a WordLevel model; a GGUF holds a SentencePiece or a BPE"):
         export(str(word), str(tmp_path / "out3"), fmt="gguf", dtype="f16")
     assert not (tmp_path / "out3").exists()
+
+
+@needs_converter
+def test_a_lora_runs_checkpoint_as_gguf_is_the_merged_export(models, tmp_path):
+    """A LoRA run's training checkpoint exported as GGUF (merged into the base first) loads in
+    transformers with the logits of the same checkpoint's merged Hugging Face export, exactly
+    (f32); and the adapter made a difference (the base's logits differ)."""
+    from transformers import AutoModelForCausalLM
+    run = subprocess.run(
+        [sys.executable, "-m", "app.cli", "train", "nproc=1", "max_steps=2", "batch_size=4", "method=lora",
+         "precision=fp32", "lr=0.05", f"model.path={models['llama']}", "checkpoint.every_n_steps=2",
+         "eval.every_n_steps=0", "eval.at_end=false", f"output_dir={tmp_path}", "run_name=lora",
+         "logging.progress_bar=false", "logging.tensorboard=false", "control.enabled=false"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    checkpoint = tmp_path / "lora" / "checkpoints" / "step-2"
+    done = _export_cli(checkpoint, tmp_path / "gguf", "f32")
+    assert done.returncode == 0, done.stderr
+    assert "LoRA merged into the base weights" in done.stdout
+    merged = subprocess.run([sys.executable, "-m", "engine.checkpoint", "export", str(checkpoint),
+                             str(tmp_path / "merged"), "--merge-lora"], capture_output=True, text=True, timeout=600)
+    assert merged.returncode == 0, merged.stderr
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "gguf"), gguf_file=gguf.GGUF_FILE,
+                                                   dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(str(models["llama"]), dtype=torch.float32)(ids).logits
+    assert torch.equal(got, want)
+    assert (got - base).abs().max() > 1e-4  # the adapter is in the file
