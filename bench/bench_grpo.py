@@ -242,7 +242,11 @@ def memory(a) -> None:
     print("| objective | peak memory (MiB) | x SFT | tokens a step | mean answer tokens (GRPO) |\n|---|---|---|---|---|")
     for name, r in (("sft", sft), ("grpo, beta 0", results["grpo"])):
         print(f"| {name} | {r['peak_mib']:.0f} | {r['peak_mib'] / sft['peak_mib']:.2f} | {r['tokens']:.0f} "
-              f"| {f'{r["answer_tokens"]:.1f}' if r['answer_tokens'] else '-'} |")
+              f"| {_length(r['answer_tokens'])} |")
+
+
+def _length(tokens: float) -> str:
+    return f"{tokens:.1f}" if tokens else "-"
 
 
 def _shared(a) -> list[str]:
