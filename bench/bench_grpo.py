@@ -46,8 +46,8 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_methods import PeakRSS, child_result  # noqa: E402  (beside this file)
-from bench_preference_memory import make_assets  # noqa: E402
+from bench_methods import child_result  # noqa: E402  (beside this file)
+from bench_preference_memory import make_assets, measured_train  # noqa: E402
 from bench_preference_trl import StepClock, inputs  # noqa: E402
 
 PHASES = ("generate", "score")  # timed inside the step; "train" is the rest
@@ -189,12 +189,8 @@ def speed(a) -> None:
 
 def memory_child(a) -> None:
     """One case (sft or grpo), LoRA, ZeRO 0: prints one RESULT line."""
-    import psutil
-    import torch
     from contract.config.load import load_config
-    from engine.trainer import Trainer
     grpo = a.child == "grpo"
-    cuda = torch.cuda.is_available()
     objective = ["objective=grpo", f"grpo.num_generations={a.generations}", f"grpo.max_completion_length={a.max_new}",
                  "grpo.beta=0", "grpo.rewards=[{kind: exact_match, column: answer}]"] if grpo else ["objective=sft"]
     cfg = load_config(overrides=[
@@ -203,19 +199,9 @@ def memory_child(a) -> None:
         f"data.max_length={a.seq + a.max_new}", "data.batching=random", f"precision={a.precision}",
         "optim.warmup_steps=0", "eval.at_end=false", "eval.every_n_steps=0", "checkpoint.save_at_end=false",
         "control.enabled=false", "logging.tensorboard=false", f"output_dir={a.out}", f"run_name={a.child}-{os.getpid()}"])
-    base = psutil.Process().memory_info().rss
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    with PeakRSS() as rss:
-        trainer = Trainer(config=cfg)
-        trainer.train()
-    events = [json.loads(line) for line in trainer.folder.events.read_text().splitlines()]
-    trainer.close()
-    train = [e for e in events if e["type"] == "train"]
+    peak, train = measured_train(cfg)
     print("RESULT " + json.dumps({
-        "peak_mib": (torch.cuda.max_memory_allocated() if cuda else rss.peak - base) / 2**20,
-        "memory": "CUDA peak allocated" if cuda else "peak RSS above the size before the Trainer",
-        "tokens": sum(e["tokens"] for e in train) / len(train),
+        **peak, "tokens": sum(e["tokens"] for e in train) / len(train),
         "answer_tokens": statistics.mean(e.get("completions/mean_length", 0.0) for e in train)}), flush=True)
 
 

@@ -55,12 +55,8 @@ def make_assets(root: Path, a) -> tuple[Path, Path, Path]:
 
 
 def child(a) -> None:
-    import psutil
-    import torch
     from contract.config.load import load_config
-    from engine.trainer import Trainer
     dpo = a.case == "dpo"
-    cuda = torch.cuda.is_available()
     cfg = load_config(overrides=[
         f"model.path={a.model}", f"data.train={a.data}", "method=lora", "zero_stage=0",
         f"objective={'dpo' if dpo else 'sft'}", f"max_steps={a.steps}",
@@ -68,6 +64,18 @@ def child(a) -> None:
         f"precision={a.precision}", "optim.warmup_steps=0", "eval.at_end=false", "eval.every_n_steps=0",
         "checkpoint.save_at_end=false", "control.enabled=false", "logging.tensorboard=false",
         f"output_dir={a.out}", f"run_name={a.case}-{os.getpid()}"])
+    peak, train = measured_train(cfg)
+    print("RESULT " + json.dumps({**peak, "tokens": sum(e["tokens"] for e in train) / len(train),
+                                  "loss": [round(e["loss"], 4) for e in train]}), flush=True)
+
+
+def measured_train(cfg) -> tuple[dict, list[dict]]:
+    """Train `cfg` in this process: ({peak_mib, memory: what it measures}, its train events). The
+    peak is CUDA's peak allocated on a GPU, else the peak RSS above the size before the Trainer."""
+    import psutil
+    import torch
+    from engine.trainer import Trainer
+    cuda = torch.cuda.is_available()
     base = psutil.Process().memory_info().rss
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -76,12 +84,9 @@ def child(a) -> None:
         trainer.train()
     events = [json.loads(line) for line in trainer.folder.events.read_text().splitlines()]
     trainer.close()
-    train = [e for e in events if e["type"] == "train"]
-    print("RESULT " + json.dumps({
-        "peak_mib": (torch.cuda.max_memory_allocated() if cuda else rss.peak - base) / 2**20,
-        "memory": "CUDA peak allocated" if cuda else "peak RSS above the size before the Trainer",
-        "tokens": sum(e["tokens"] for e in train) / len(train), "loss": [round(e["loss"], 4) for e in train]}),
-        flush=True)
+    return ({"peak_mib": (torch.cuda.max_memory_allocated() if cuda else rss.peak - base) / 2**20,
+             "memory": "CUDA peak allocated" if cuda else "peak RSS above the size before the Trainer"},
+            [e for e in events if e["type"] == "train"])
 
 
 def run(a, case: str, model: Path, data: Path, out: Path) -> dict:
