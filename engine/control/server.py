@@ -144,6 +144,7 @@ class ControlServer:
                 abs(raw_id) >= 1 << 63:
             return conn.send_error(None, f"field `id` must be at most {MAX_ID_CHARS} characters "
                                          "(or a 64-bit integer)")
+        raw_id = None if raw_id is None else str(raw_id)  # as parse_command names it: frames carry text
         role = self._role_of(msg.get("token")) if isinstance(msg, dict) else None
         if role is None:
             return conn.send_error(raw_id, "refused: missing or wrong token (see control.json, or viewer.json "
