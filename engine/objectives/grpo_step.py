@@ -23,6 +23,7 @@ One optimizer step, its phases in order:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from dataclasses import dataclass
@@ -37,9 +38,10 @@ from contract.rewards import Reward
 from engine.callbacks import NOTHING, Callback, Signal
 from engine.generation.generate import end_ids, generate, pad_id
 from engine.objectives.grpo import GrpoLoss, advantages_of, token_logps
+from engine.objectives.losses import by_chunks, head_chunks, head_input
 from engine.objectives.grpo_samples import Ratings
 from engine.objectives.grpo_reuse import SampleBatch, gather_batches, reused
-from engine.objectives.preference_step import _logits, _mean_present, _reduce
+from engine.objectives.preference_step import _hf_model, _keeps_logits, _logits, _mean_present, _reduce
 from engine.objectives.rewards import RewardError, metrics_of, score, total
 
 
@@ -193,7 +195,10 @@ class GrpoStep(Callback):
         ids = torch.cat([s.prompt_ids, s.completion_ids], 1).to(device)
         mask = torch.cat([s.prompt_mask, s.completion_mask], 1).to(device)
         completion, cmask = s.completion_ids.to(device), s.completion_mask.to(device)
-        logps = self.answer_logps(lambda i, m, k: _logits(engine, i, m, k), ids, mask, completion)
+        logps = chunked_answer_logps(engine, ids, mask, completion, self.config.temperature,
+                                     trainer.config.train.logits_chunk_rows)
+        if logps is None:
+            logps = self.answer_logps(lambda i, m, k: _logits(engine, i, m, k), ids, mask, completion)
         ref = None
         if self.config.beta != 0.0:
             with torch.no_grad():
@@ -221,6 +226,31 @@ class GrpoStep(Callback):
         if trainer.control is None:  # nobody could resume it: end the run instead
             return Signal(stop=True, reason=message)
         return Signal(pause=True, reason=message)
+
+
+def _chunk_logps(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    return token_logps(head(hidden), targets, temperature)
+
+
+def chunked_answer_logps(model, ids: torch.Tensor, mask: torch.Tensor, completion: torch.Tensor,
+                         temperature: float, rows: int) -> torch.Tensor | None:
+    """(B, C) log-probabilities of the answers' tokens with the output head run `rows` positions
+    at a time (`train.logits_chunk_rows`, as SFT's cross-entropy: engine.objectives.losses), each
+    chunk's logits recomputed in the backward, so one chunk's (rows, vocab) logits exist at once
+    instead of the micro-batch's (B, C, vocab) and their log-softmax. None where it does not
+    apply (few enough positions, `rows` 0, a model that keeps no logits or changes them after
+    its head): the caller computes them at once. `model`: the engine or the module; the decision
+    is the same on every rank (ZeRO-3's ranks agree on the number of head calls)."""
+    if not _keeps_logits(_hf_model(model)):
+        return None
+    chunks = head_chunks(model, completion.numel(), rows)
+    if chunks <= 1:
+        return None
+    hidden, head = head_input(model, {"input_ids": ids, "attention_mask": mask}, completion.size(1) + 1, model)
+    hidden = hidden[:, :-1].reshape(-1, hidden.size(-1))  # the positions before each answer token
+    parts = by_chunks(functools.partial(_chunk_logps, temperature=temperature), head, hidden,
+                      completion.reshape(-1), rows, chunks)
+    return torch.cat(parts).view(completion.shape)
 
 
 def sample_seed(seed: int, step: int, micro: int, dp_rank: int) -> int:

@@ -225,18 +225,34 @@ def _chunk_sum(head: Callable, hidden: torch.Tensor, targets: torch.Tensor) -> t
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
 
 
+def by_chunks(fn: Callable, head: Callable, hidden: torch.Tensor, targets: torch.Tensor, rows: int,
+              chunks: int | None = None) -> list[torch.Tensor]:
+    """`fn(head, hidden rows, target rows)` for `rows` rows at a time, each under
+    torch.utils.checkpoint: a chunk's logits are freed after its forward and recomputed in the
+    backward, so at most one chunk's logits exist at once. `chunks`: that many head calls (the
+    last ones empty when the rows run out; default: as many as the rows need)."""
+    count = chunks if chunks is not None else -(-targets.numel() // rows)
+    return [checkpoint(fn, head, hidden[start:start + rows], targets[start:start + rows], use_reentrant=False)
+            for start in range(0, count * rows, rows)]
+
+
 def chunked_cross_entropy(head: Callable, hidden: torch.Tensor, targets: torch.Tensor, rows: int,
                           chunks: int | None = None) -> torch.Tensor:
     """The summed cross-entropy of `head(hidden)` (hidden: (n, hidden size)) against `targets`
-    (n), `rows` rows at a time; each chunk's logits are recomputed in the backward
-    (torch.utils.checkpoint), so at most one chunk's logits exist at once. `chunks`: that many
-    head calls (the last ones empty when the rows run out; default: as many as the rows need)."""
+    (n), `rows` rows at a time (`by_chunks`)."""
     total = hidden.new_zeros((), dtype=torch.float32)
-    count = chunks if chunks is not None else -(-targets.numel() // rows)
-    for start in range(0, count * rows, rows):
-        end = start + rows
-        total = total + checkpoint(_chunk_sum, head, hidden[start:end], targets[start:end], use_reentrant=False)
+    for part in by_chunks(_chunk_sum, head, hidden, targets, rows, chunks):
+        total = total + part
     return total
+
+
+def head_chunks(module: torch.nn.Module, labelled: int, rows: int) -> int:
+    """How many chunks of `rows` rows the head of the model behind `module` takes for `labelled`
+    rows (`_chunk_count`: agreed among ZeRO-3's ranks), or 0 where it is not chunked (`rows` 0,
+    or a model that does something to its logits after the head). The same on every rank."""
+    if rows <= 0 or not plain_head(module):
+        return 0
+    return _chunk_count(_hf_model(module).get_output_embeddings(), labelled, rows)
 
 
 def _partition_group(head: torch.nn.Module):
@@ -268,7 +284,7 @@ def labelled_cross_entropy(head: Callable, hidden: torch.Tensor, targets: torch.
     return _chunk_sum(head, hidden, targets)
 
 
-def _head_input(forward: Callable, inputs: dict, keep: torch.Tensor, module: torch.nn.Module) -> tuple:
+def head_input(forward: Callable, inputs: dict, keep: torch.Tensor | int, module: torch.nn.Module) -> tuple:
     """(the output head's input at the kept positions, the head): the model's forward runs with
     `logits_to_keep=keep` and a pre-hook takes the head's input and hands the head no row."""
     head = _hf_model(module).get_output_embeddings()
@@ -297,11 +313,9 @@ def labelled_loss(forward: Callable, batch: dict, window: Window = PER_MICRO_BAT
     keep, targets = label_positions(batch["labels"], window.shifted)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     model = module if module is not None else forward
-    chunks = 0
-    if chunk_rows > 0 and plain_head(model):  # type: ignore[arg-type]
-        chunks = _chunk_count(_hf_model(model).get_output_embeddings(), targets.numel(), chunk_rows)  # type: ignore[arg-type]
+    chunks = head_chunks(model, targets.numel(), chunk_rows)  # type: ignore[arg-type]
     if chunks > 1:
-        hidden, head = _head_input(forward, inputs, keep, model)  # type: ignore[arg-type]
+        hidden, head = head_input(forward, inputs, keep, model)  # type: ignore[arg-type]
         total = chunked_cross_entropy(head, hidden, targets, chunk_rows, chunks)
     else:
         logits = forward(**inputs, use_cache=False, logits_to_keep=keep).logits  # (kept, vocab)
