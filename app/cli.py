@@ -186,7 +186,14 @@ def follow(handle: RunHandle, signals: Signals | None = None) -> int:
             if signals is not None and signals.received:
                 return -1
             if handle.wait(REFRESH_S):
-                break
+                # every process gone: judged now, and a failed group ended and, where
+                # fault.max_restarts allows, relaunched (supervisor.restart): then go on following
+                reported = reported or handle.evaluate()
+                handle.wait_cleaned_up()
+                if not handle.relaunched():
+                    break
+                reported = None
+                continue
             failure = handle.evaluate()
             if failure is not None and failure.kind != "hung":
                 reported = failure  # the supervisor now ends the rest of the group
@@ -194,9 +201,6 @@ def follow(handle: RunHandle, signals: Signals | None = None) -> int:
                 say(str(failure), "yellow")
         for event in events():
             shown.event(event)
-    if reported is None:  # gone before any look judged it: judged now, with every exit in (and recorded)
-        reported = handle.evaluate()
-    handle.wait_cleaned_up()
     return report(handle, reported)
 
 
@@ -288,6 +292,12 @@ class _Shown:
             say(f"warning: {event.get('message', '')}", "yellow")
         elif kind == EventType.CHECKPOINT_FAILED:
             say(f"checkpoint failed ({event.get('kind', 'save')}): {event.get('error', '')}", "red")
+        elif kind == EventType.RANK_FAILED:
+            say(f"rank {event.get('rank', '?')} failed at step {event.get('step', '?')}: "
+                f"{str(event.get('error', '')).splitlines()[0] if event.get('error') else event.get('kind', '')}", "red")
+        elif kind == EventType.RESTART:
+            say(f"restart {event.get('attempt')} of {event.get('max_restarts')}: from "
+                f"{Path(str(event.get('checkpoint', ''))).name} (step {event.get('step')})", "yellow")
         elif kind == EventType.STATE and event.get("state") in (RunState.STOPPING, RunState.PAUSED):
             say(f"{event['state']} at step {event.get('step', '?')}", "yellow")
         p.update(self.task, values=dict(self.metrics))

@@ -24,6 +24,7 @@ from contract.protocol.roles import Role
 from contract.protocol.states import RunState
 from contract.protocol.wire import encode
 from contract.run_folder import RunFolder, read_events
+from supervisor.restart import RELAUNCH_WAIT_S, relaunch_may_come
 
 TERMINAL_STATES = tuple(s.value for s in RunState if s.final)
 
@@ -179,6 +180,7 @@ class Connection:
         """A new connection to the run's server, retrying while the run may still come: until
         `timeout`, or with None for as long as its launcher or its server process lives."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        gone_since: float | None = None  # when no process of the run was first seen alive
         while True:
             try:
                 address = self._address()
@@ -192,9 +194,15 @@ class Connection:
                 problem = str(e)
             except OSError as e:
                 problem = f"cannot reach the run's control server: {e}"
-            if (deadline is not None and time.monotonic() >= deadline) or \
-                    not self._may_come_back(unknown=deadline is not None):
+            if deadline is not None and time.monotonic() >= deadline:
                 raise RunGone(f"{problem} (run state: {self.logged_state()})")
+            if not self._may_come_back(unknown=deadline is not None):
+                # none of its processes lives; a restart's group may still come (supervisor.restart)
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since > RELAUNCH_WAIT_S or not relaunch_may_come(self.folder):
+                    raise RunGone(f"{problem} (run state: {self.logged_state()})")
+            else:
+                gone_since = None
             time.sleep(0.2)
 
     def _may_come_back(self, unknown: bool) -> bool:

@@ -3,7 +3,10 @@ group, and end the whole group when the process that started it ends, however it
 
 For a run owned by a terminal (`./launch.sh train` without --detach). The kernel sends the guard
 SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG), even by SIGKILL, when no handler of the
-parent can run. A launcher alone would not do: DeepSpeed's local runner dies on SIGTERM without
+parent can run. That signal comes when the parent's *thread* ends: a guard started by a thread
+that ends first (a restart, from the thread that ended the failed group) is started with
+`--watch-parent` and looks at its parent's pid instead, every WATCH_S (it changes when the
+parent process is gone, however it ended). A launcher alone would not do: DeepSpeed's local runner dies on SIGTERM without
 passing it on, leaving its ranks behind. The guard passes the launcher's exit code on, so to
 the supervisor it is the launcher. Torch-free, and small: it lives as long as the run.
 """
@@ -15,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from supervisor.procs import live, snapshot
 
 _PR_SET_PDEATHSIG = 1
 GRACE_S = 10.0  # SIGTERM first (the launchers end their ranks on it), SIGKILL after this
+WATCH_S = 0.5  # --watch-parent: how often the parent's pid is looked at
 
 
 def _end_group(signum: int, frame: object) -> None:
@@ -55,16 +60,28 @@ def _others_alive(pgid: int) -> bool:
     return any(p.pid != os.getpid() for p in live(snapshot({pgid})[pgid]))
 
 
+def _watch_parent(parent: int) -> None:
+    """End the group once the guard's parent process is gone (its parent pid then changes)."""
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    os.kill(os.getpid(), signal.SIGTERM)  # handled by _end_group in the main thread
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m supervisor.guard LAUNCHER [ARGS...]", file=sys.stderr)
         return 2
+    watch = argv[0] == "--watch-parent"
+    argv = argv[1:] if watch else argv
     parent = os.getppid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _end_group)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if not watch:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request was in place
         _end_group(signal.SIGTERM, None)
+    if watch:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     launcher = subprocess.Popen(argv)
     code = launcher.wait()
     return 128 - code if code < 0 else code

@@ -65,15 +65,17 @@ class RunHandle:
         self._remote = RemoteLog(folder.logs / "launcher.log")  # ranks on other machines
         self._launch_env: dict[str, str] = {}  # the extra environment of its launch (restarts reuse it)
         self._launched_here = False  # this handle started the run: only then does it restart it
+        self._die_with_parent = False  # the run ends with this process (a restart's group too)
         self.restarts = 0  # times this handle relaunched the group (supervisor.restart)
 
-    def mark_launched(self, env: dict[str, str] | None = None) -> None:
+    def mark_launched(self, env: dict[str, str] | None = None, die_with_parent: bool = False) -> None:
         """This process started the run: if it dies before it is ever seen, that is news.
-        `env`: the extra environment it was started with (a restart starts it so again)."""
+        `env`, `die_with_parent`: how it was started (a restart starts it so again)."""
         with self._lock:
             self._seen_alive = True
             self._launched_here = True
             self._launch_env = dict(env or {})
+            self._die_with_parent = die_with_parent
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -292,8 +294,8 @@ class RunHandle:
         says why no restart came). Only the handle that started the run restarts it: it knows the
         launch's environment, and a second watcher of the run (another front end) must not
         launch the group a second time."""
-        if not self._launched_here:
-            return False
+        if not self._launched_here:  # the starter relaunches it, if it will: not a failure yet
+            return restart.relaunch_may_come(self.folder)
         try:
             cfg = load_config(self.folder.config)
             cfg.fault.max_restarts  # noqa: B018 - a config of this run's version has the section
@@ -307,11 +309,25 @@ class RunHandle:
                 self._failure = dataclasses.replace(failure, message=f"{failure.message} ({decision.why_not})")
             return False
         cfg = restart.prepare(self.folder, decision, failure.rank, failure.kind, failure.message, step)
-        launched = spawn(cfg, self.folder, extra_env=self._launch_env)
+        launched = spawn(cfg, self.folder, extra_env=self._launch_env, die_with_parent=self._die_with_parent,
+                         from_any_thread=True)
         adopt_child(launched.process)
         self.restarts += 1
         self._seen_alive = True
         return True
+
+    def relaunched(self, timeout: float = restart.RELAUNCH_WAIT_S) -> bool:
+        """With every process of the run gone (`wait` said so) and a failure ended
+        (`wait_cleaned_up`): whether the group runs again, relaunched by this handle or by the
+        run's starter (supervisor.restart), waiting up to `timeout` s while one may come."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.refresh()
+            if self.alive:
+                return True
+            if time.monotonic() >= deadline or not restart.relaunch_may_come(self.folder):
+                return False
+            time.sleep(0.2)
 
     def wait_cleaned_up(self, timeout: float = 30.0) -> None:
         """Wait until the ending of a failed run (started by `evaluate`) is done."""

@@ -139,11 +139,13 @@ class LaunchedRun:
 
 
 def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
-          die_with_parent: bool = False) -> LaunchedRun:
+          die_with_parent: bool = False, from_any_thread: bool = False) -> LaunchedRun:
     """Start the run's launcher in a new session; its output goes to logs/launcher.log.
     `die_with_parent`: the whole group is ended when the thread that started it ends, even by
     SIGKILL (`supervisor.guard` leads the group): for a run owned by its terminal. Call it from
-    the main thread then (Linux ties the parent-death signal to the creating thread)."""
+    the main thread then (Linux ties the parent-death signal to the creating thread), or with
+    `from_any_thread` (a restart, started by the thread that ended the failed group): the guard
+    then watches this process instead, by its parent's pid."""
     env = dict(os.environ)
     # offline unless the caller's environment allows the hub (a model by hub ID: contract.hub)
     run_env = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
@@ -165,7 +167,7 @@ def spawn(cfg: RunConfig, folder: RunFolder, extra_env: dict | None = None,
     folder.logs.mkdir(parents=True, exist_ok=True)
     (folder.logs / "command.txt").write_text(" ".join(cmd) + "\n")
     if die_with_parent:
-        cmd = [sys.executable, "-m", "supervisor.guard", *cmd]
+        cmd = [sys.executable, "-m", "supervisor.guard", *(["--watch-parent"] if from_any_thread else []), *cmd]
     log = open(folder.logs / "launcher.log", "ab")
     log.write(f"{LAUNCH_MARKER}\n".encode())  # what came before is an earlier launch's (supervisor.remote)
     log.flush()

@@ -29,7 +29,7 @@ from contract.protocol.commands import Stop
 from contract.protocol.states import RunState
 from contract.events import StateEvent
 
-from supervisor import procs
+from supervisor import procs, restart
 from supervisor.handle import RunHandle
 from supervisor.records import Failure, RunInfo, adopt_child
 from supervisor.slurm import handle_for
@@ -107,7 +107,8 @@ class RunManager:
                 log.close()
             adopt_child(launched.process)
             handle = RunHandle(folder, self.hang_timeout, self.log_lines)
-            handle.mark_launched(env)
+            handle.mark_launched(env, die_with_parent=die_with_this_process)
+            restart.record_starter(folder)  # other watchers wait for this process's restarts
             self._handles[handle.name] = handle
         return handle
 

@@ -16,8 +16,11 @@ same step, saying so. Nothing to restart from (no complete checkpoint yet) also 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from contract.config.load import load_config
 from contract.config.schema import RunConfig
@@ -26,6 +29,8 @@ from contract.protocol.states import RunState
 from contract.run_folder import EventLog, RunFolder, read_events
 
 COMPLETE = "COMPLETE.json"  # a checkpoint's completion marker (engine.checkpoint.publish)
+STARTER = "starter.json"  # the process that started the run (it alone restarts it): pid, start time
+RELAUNCH_WAIT_S = 120.0  # the longest a watcher waits for a restart's group to appear
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,45 @@ def prepare(folder: RunFolder, decision: Decision, failure_rank: int | None, fai
     finally:
         log.close()
     return cfg
+
+
+def record_starter(folder: RunFolder) -> None:
+    """Note this process as the run's starter, so that other watchers of the run (another front
+    end, a client following its events) know a relaunch may come while it lives."""
+    me = psutil.Process()
+    (folder.root / STARTER).write_text(json.dumps({"pid": me.pid, "started": me.create_time()}))
+
+
+def starter_lives(folder: RunFolder) -> bool:
+    """Whether the process that started the run still runs (the same process: its pid and its
+    start time; a pid used again by another process does not count)."""
+    try:
+        noted = json.loads((folder.root / STARTER).read_text())
+        return psutil.Process(int(noted["pid"])).create_time() == noted["started"]
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return False
+
+
+def relaunch_may_come(folder: RunFolder) -> bool:
+    """With none of the run's processes alive: whether its starter may still relaunch the group
+    (a watcher then waits for it instead of calling the run over). It may while it lives and
+    either the relaunch is under way (the log's last state is the manager's `starting`) or the
+    run failed (or died without saying so) and `decide` would restart it."""
+    if not starter_lives(folder):
+        return False
+    events = list(read_events(folder.events))
+    states = [e for e in events if e.get("type") == EventType.STATE.value]
+    last = states[-1] if states else {}
+    if last.get("state") == RunState.STARTING.value and last.get("source") == "manager":
+        return True
+    if last.get("state") == RunState.FINISHED.value or last.get("source") == "manager":
+        return False  # over: finished, or the manager recorded the failure as final
+    try:
+        max_restarts = load_config(folder.config).fault.max_restarts
+    except Exception:  # noqa: BLE001 - no readable config: nothing to restart with
+        return False
+    failures = [e for e in events if e.get("type") == EventType.RANK_FAILED.value]
+    return decide(max_restarts, failures, _last_step(folder), latest_complete(folder)).restart
 
 
 def requeued(folder: RunFolder, restart_count: int) -> str:
