@@ -2,10 +2,6 @@
 `early_stop` event; a run resumed from a checkpoint before the stop ends at the same step (the
 count of evaluations without improvement is part of the training checkpoint)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +11,6 @@ from contract.events import check_event
 from contract.run_folder import read_events
 from control_runs import task_files
 from engine.evaluation.early_stopping import EarlyStopping
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 class _Trainer:
@@ -72,41 +66,32 @@ def test_the_config_names_what_early_stopping_needs():
         load_config(overrides=["eval.early_stopping_threshold=-1"])
 
 
-SCRIPT = """
-import sys
-from contract.config.load import load_config
-from engine import Trainer
-trainer = Trainer(config=load_config(overrides=sys.argv[1:]))
-trainer.train()
-print("STOPPED_AT", trainer.state.global_step, flush=True)
-"""
-
-
-def _train(tmp_path: Path, task: dict, name: str, *extra: str) -> list[dict]:
-    env = dict(os.environ, LIVETUNE_CACHE=task["cache"], HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+def _train(tmp_path: Path, task: dict, name: str, monkeypatch, *extra: str) -> list[dict]:
+    """A 1-rank run in this process (the Trainer the worker builds from the same config; no
+    launch: what is tested is the loop's stop and its checkpointed count, not the process group)."""
+    from engine import Trainer
+    monkeypatch.setenv("LIVETUNE_CACHE", task["cache"])
     args = [f"output_dir={tmp_path / 'runs'}", f"run_name={name}", "max_steps=20", "batch_size=8",
             "data.max_length=32", f"data.train={task['train']}", f"data.eval={task['eval']}",
             "precision=fp32", "logging.tensorboard=false", "control.enabled=false", "eval.at_end=false",
             "eval.batch_size=16", "eval.max_samples=16", "eval.every_n_steps=1",
             "eval.early_stopping_patience=2", "eval.early_stopping_threshold=100",  # only the first counts
             "checkpoint.every_n_steps=2", "checkpoint.keep_last=0", "checkpoint.save_at_end=false", *extra]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with Trainer(config=load_config(overrides=args)) as trainer:
+        trainer.train()
     return list(read_events(tmp_path / "runs" / name / "events.jsonl"))
 
 
 @pytest.mark.slow
-def test_a_run_ends_early_and_a_resumed_run_ends_at_the_same_step(tmp_path):
+def test_a_run_ends_early_and_a_resumed_run_ends_at_the_same_step(tmp_path, monkeypatch):
     task = task_files(tmp_path / "task")
-    events = _train(tmp_path, task, "first")
+    events = _train(tmp_path, task, "first", monkeypatch)
     (stop,) = [e for e in events if e["type"] == "early_stop"]
     assert (stop["step"], stop["best_step"], stop["metric"]) == (3, 1, "eval/loss")
     assert max(e["step"] for e in events if e["type"] == "train") == 3
     assert [e["state"] for e in events if e["type"] == "state"][-1] == "finished"
     # resumed from step 2, after one evaluation without improvement: one more ends it at step 3
-    resumed = _train(tmp_path, task, "resumed", f"resume={tmp_path / 'runs' / 'first' / 'checkpoints' / 'step-2'}")
+    resumed = _train(tmp_path, task, "resumed", monkeypatch, f"resume={tmp_path / 'runs' / 'first' / 'checkpoints' / 'step-2'}")
     (again,) = [e for e in resumed if e["type"] == "early_stop"]
     assert (again["step"], again["best"]) == (3, stop["best"])
     assert max(e["step"] for e in resumed if e["type"] == "train") == 3
