@@ -36,13 +36,14 @@ from app.cli_preview import preview
 from app.cli_summary import end_summary, since_last_start
 from app.cli_text import console, say, show_preflight
 from contract.args import resolve_args
+from contract.presets import WARM_START_STEPS
 from contract.config.schema import ConfigError, RunConfig, SHORTCUTS
 from contract.preflight import PreflightReport, preflight
 from contract.protocol.commands import Stop
 from contract.protocol.states import RunState
 from contract.run_folder import EventTail
 from contract.events import EventType
-from supervisor import Failure, RunError, RunHandle, RunManager, RunRefused, remote_stop
+from supervisor import Failure, RunError, RunHandle, RunManager, RunRefused, remote_stop, warm_start
 from supervisor.procs import signal_group
 
 # How long a stop asked for by a signal may take before the group is ended without its save.
@@ -105,8 +106,40 @@ def train(argv: list[str]) -> int:
     show_preflight(checked)
     if not checked.ok:
         return 2
+    if warm_start.wanted(cfg):  # the embedded default's GRPO variant: from the SFT model
+        code = _warm_start(cfg)
+        if code != 0:
+            return code
+        checked = preflight(cfg)
+        if not checked.ok:
+            show_preflight(checked)
+            return 2
     if detach:
         return _start_detached(RunManager(cfg.logging.output_dir), cfg, checked)
+    return _train_here(cfg, checked)
+
+
+def _warm_start(cfg: RunConfig) -> int:
+    """0 with `cfg.model.path` set to the default task's SFT model, trained first (and followed
+    here) when the output folder has none yet (supervisor.warm_start); else the SFT run's code."""
+    found = warm_start.ready(cfg.logging.output_dir)
+    if found is None:
+        sft = warm_start.sft_config(cfg)
+        say(f"GRPO starts from the default task's SFT model (from random weights a right answer is "
+            f"almost never sampled): training it first, {WARM_START_STEPS} steps, kept in "
+            f"{cfg.logging.output_dir} for the next GRPO run ...", "yellow")
+        code = _train_here(sft, preflight(sft))
+        found = warm_start.ready(cfg.logging.output_dir)
+        if code != 0 or found is None:
+            say("the SFT run did not finish with its model: GRPO not started", "red")
+            return code or 1
+    cfg.model.path = str(found)
+    say(f"GRPO from model.path={found} (the default task's SFT model)")
+    return 0
+
+
+def _train_here(cfg: RunConfig, checked: PreflightReport) -> int:
+    """Start the run as this terminal's and follow it to its end (a stop signal stops it)."""
     signals = Signals()
     previous = {sig: signal.signal(sig, signals) for sig in HANDLED_SIGNALS}
     try:

@@ -72,9 +72,12 @@ def resolve_args(args: list[str]) -> Resolved:
     file_keys = _file_keys(config_path)
     override_keys = {SHORTCUTS.get(k.strip(), k.strip()) for k, _, _ in (o.partition("=") for o in overrides)}
     given = file_keys | override_keys
-    own = {k: v for k, v in _given_values(config_path, overrides).items() if k in ("model.path", "data.train", "data.sources")}
+    given_values = _given_values(config_path, overrides)
+    own = {k: v for k, v in given_values.items() if k in ("model.path", "data.train", "data.sources")}
     uses_preset = config_path is None and not any(own.values())
-    base: dict | None = copy.deepcopy(presets.DEFAULT) if uses_preset else None
+    # the embedded default's GRPO variant has its own preset (contract.presets.GRPO_DEFAULT)
+    preset = presets.GRPO_DEFAULT if given_values.get("preference.objective") == "grpo" else presets.DEFAULT
+    base: dict | None = copy.deepcopy(preset) if uses_preset else None
     reasons: dict[str, str] = {}
     if any(own.values()) and "data.max_length" not in given:
         fitted = fitted_max_length(own.get("model.path") or "")
@@ -82,7 +85,7 @@ def resolve_args(args: list[str]) -> Resolved:
             base = {"data": {"max_length": fitted[0]}}
             reasons["data.max_length"] = fitted[1]
     config = load_config(config_path, overrides, data=base)
-    preset_keys = _flat_keys(presets.DEFAULT) if uses_preset else set()
+    preset_keys = _flat_keys(preset) if uses_preset else set()
     sources = {}
     for entry in schema():
         key = entry["key"]
@@ -118,9 +121,10 @@ def _file_keys(config_path: str | None) -> set[str]:
 
 
 def _given_values(config_path: str | None, overrides: list[str]) -> dict[str, Any]:
-    """The values of model.path and data.train (or data.sources) as the file and the overrides give them."""
+    """The values of model.path, data.train (or data.sources) and preference.objective as the file
+    and the overrides give them."""
     raw = _file_raw(config_path)
-    values = {k: _dig(raw, k) for k in ("model.path", "data.train", "data.sources")}
+    values = {k: _dig(raw, k) for k in ("model.path", "data.train", "data.sources", "preference.objective")}
     for item in overrides:
         key, _, value = item.partition("=")
         key = SHORTCUTS.get(key.strip(), key.strip())

@@ -1,0 +1,50 @@
+"""The embedded default's GRPO variant (`./launch.sh train objective=grpo`, docs/rewards.md): its
+own preset (small groups of short answers), and a start from the default task's SFT model,
+trained first in the same output folder and kept for the next GRPO run (supervisor.warm_start).
+The reward curve it gives is bench/bench_grpo_default.py's (docs/rewards.md records it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from contract.args import resolve_args
+from contract.presets import GRPO_DEFAULT, WARM_START_STEPS
+from contract.run_folder import EventLog
+from supervisor import warm_start
+
+
+def test_the_grpo_variant_has_its_own_preset_and_asks_for_the_sft_model(tmp_path):
+    grpo = resolve_args(["objective=grpo", f"output_dir={tmp_path}"])
+    cfg = grpo.config
+    assert (cfg.train.micro_batch_size, cfg.grpo.num_generations, cfg.grpo.max_completion_length) == (
+        GRPO_DEFAULT["train"]["micro_batch_size"], 8, 16)
+    assert "from the preset" in grpo.provenance() and "grpo.max_completion_length=16" in grpo.provenance()
+    assert warm_start.wanted(cfg)
+    assert resolve_args([]).config.train.micro_batch_size == 64  # SFT keeps its own preset
+    with_model = resolve_args(["objective=grpo"]).config
+    with_model.model.path = str(tmp_path)
+    assert not warm_start.wanted(with_model)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+    assert not warm_start.wanted(resolve_args(["objective=grpo", f"data.train={tmp_path / 'p.jsonl'}"]).config)
+    assert not warm_start.wanted(resolve_args(["objective=dpo"]).config)
+    sft = warm_start.sft_config(cfg)
+    assert (sft.preference.objective, sft.train.max_steps, sft.logging.run_name) == ("sft", WARM_START_STEPS, "default-sft")
+    assert sft.checkpoint.save_at_end and sft.train.micro_batch_size == 64 and sft.logging.output_dir == str(tmp_path)
+
+
+def _sft_folder(root: Path, name: str, state: str) -> Path:
+    folder = root / name
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "config.json").write_text("{}")
+    log = EventLog(folder / "events.jsonl")
+    log.emit({"type": "state", "state": state})
+    log.close()
+    return folder / "model"
+
+
+def test_only_a_finished_sft_runs_model_is_taken(tmp_path):
+    assert warm_start.ready(tmp_path) is None
+    _sft_folder(tmp_path, "default-sft", "failed")
+    assert warm_start.ready(tmp_path) is None
+    finished = _sft_folder(tmp_path, "default-sft-2", "finished")
+    assert warm_start.ready(tmp_path) == finished
