@@ -6,9 +6,9 @@
   policy, so that the KL term is not zero).
 * Whole runs, under the DeepSpeed launcher (tests/scripts/grpo_trl_parity.py): TRL trains, its
   samples are recorded and replayed into our Trainer's step, and every step's loss and metrics
-  agree -- on 2 ranks under ZeRO-3 with gradient accumulation, and with num_iterations 2 (the
-  samples reused with importance ratios: the second iteration's loss and clip metrics depend on
-  the first's update) on 1 rank and on 2."""
+  agree -- on 2 ranks under ZeRO-3 with gradient accumulation (every loss type, one after the other
+  in one launch), and with num_iterations 2 (the samples reused with importance ratios: the second
+  iteration's loss and clip metrics depend on the first's update) on 1 rank and on 2."""
 
 import json
 
@@ -133,8 +133,9 @@ def test_objective_matches_trl(setup, loss_type, beta, scale):
         assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
 
 
-def _parity(tmp_path, nproc: int, *args: str) -> float:
-    """Run the parity script; the largest difference over every step's loss and metrics."""
+def _parity(tmp_path, nproc: int, cases: list[tuple[str, str]], *args: str) -> None:
+    """Run the parity script once for every case (LOSS, SCALE) in one launch; each case's every
+    step's loss and metrics agree with TRL's."""
     from conftest import save_tiny_llama
     from engine.data.default_task import make_examples, prompt_row
     from scripts.grpo_trl_parity import REWARDS
@@ -143,32 +144,39 @@ def _parity(tmp_path, nproc: int, *args: str) -> float:
                                                     for r in make_examples(32, seed=3)))
     (tmp_path / "parity_rewards.py").write_text(REWARDS)
     proc = run_deepspeed(SCRIPTS / "grpo_trl_parity.py", nproc=nproc, timeout=600,
-                         args=("--work", str(tmp_path), "--iterations", "2", "--steps", "4", "--beta", "0.04", *args))
-    cell = json.loads(open(parse_results(proc)[0]["path"]).read())
+                         args=("--work", str(tmp_path), "--iterations", "2", "--steps", "4", "--beta", "0.04",
+                               "--cases", ",".join(f"{loss}:{scale}" for loss, scale in cases), *args))
+    results = parse_results(proc)
+    assert [(r["loss"], r["scale"]) for r in results] == cases
+    for result in results:
+        _check_case(json.loads(open(result["path"]).read()), (result["loss"], result["scale"]))
+
+
+def _check_case(cell: dict, case: tuple[str, str]) -> None:
     ours, trl = cell["ours"], cell["trl"]
-    assert len(ours) == len(trl) == 4 and cell["generations"] == 2
+    assert len(ours) == len(trl) == 4 and cell["generations"] == 2, case
     worst = 0.0
     for step, (mine, theirs) in enumerate(zip(ours, trl)):
         shared = {k for k in theirs if k in mine}
         # TRL logs the rewards and lengths on the steps that sample (0 and 2), as we do
-        assert ("reward" in mine) == ("reward" in theirs) == (step % 2 == 0), step
-        assert {"loss", "kl", "clip_ratio/region_mean"} <= shared and set(mine) <= shared, (step, mine, theirs)
+        assert ("reward" in mine) == ("reward" in theirs) == (step % 2 == 0), (case, step)
+        assert {"loss", "kl", "clip_ratio/region_mean"} <= shared and set(mine) <= shared, (case, step, mine, theirs)
         for key in shared:
-            assert mine[key] == pytest.approx(float(theirs[key]), abs=1e-5), (step, key, mine, theirs)
+            assert mine[key] == pytest.approx(float(theirs[key]), abs=1e-5), (case, step, key, mine, theirs)
             worst = max(worst, abs(mine[key] - float(theirs[key])))
-    assert ours[1]["clip_ratio/region_mean"] > 0 and ours[3]["kl"] > 1e-4  # reused samples: ratios clipped
-    print(f"largest difference over {len(ours)} steps: {worst:.2e}")
-    return worst
+    assert ours[1]["clip_ratio/region_mean"] > 0 and ours[3]["kl"] > 1e-4, case  # reused samples: ratios clipped
+    print(f"{case}: largest difference over {len(ours)} steps: {worst:.2e}")
 
 
-@pytest.mark.parametrize("loss_type,scale", [("dapo", "group"), ("grpo", "batch"), ("dr_grpo", "none"),
-                                             ("bnpo", "group")])
-def test_two_ranks_zero3_accumulation_and_reused_samples_match_trl(tmp_path, loss_type, scale):
+def test_two_ranks_zero3_accumulation_and_reused_samples_match_trl(tmp_path):
     """2 ranks, ZeRO-3, 2 micro-batches a step, each loss type (dapo: normalized by the step's
-    tokens on every rank; scale batch: the std of every rank's rewards)."""
-    _parity(tmp_path, 2, "--zero", "3", "--accum", "2", "--loss", loss_type, "--scale", scale)
+    tokens on every rank; scale batch: the std of every rank's rewards), the four cases one after
+    the other in one launch (one process start instead of four: each case builds its own TRL
+    trainer and our Trainer from the same seed)."""
+    _parity(tmp_path, 2, [("dapo", "group"), ("grpo", "batch"), ("dr_grpo", "none"), ("bnpo", "group")],
+            "--zero", "3", "--accum", "2")
 
 
 def test_one_rank_reused_samples_match_trl(tmp_path):
     """1 rank, num_iterations 2, bnpo (each micro-batch's token mean: the split into micro-batches counts)."""
-    _parity(tmp_path, 1, "--zero", "0", "--accum", "2", "--loss", "bnpo")
+    _parity(tmp_path, 1, [("bnpo", "group")], "--zero", "0", "--accum", "2")

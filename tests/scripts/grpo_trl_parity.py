@@ -3,8 +3,9 @@ DeepSpeed config, under the DeepSpeed launcher (1 or 2 ranks): TRL trains first,
 records the samples TRL drew and scored (its generation batches, before any shuffle); our Trainer
 then trains the same steps with those samples replayed into its step in place of its own
 sampling (a test-only subclass of GrpoStep), so the comparison is of the objective: per-step
-loss and every metric TRL logs that we log. Prints one RESULT line with the path of a JSON file
-{"ours": [...], "trl": [...]}, one dict per step.
+loss and every metric TRL logs that we log. Several cases (--cases LOSS:SCALE,...) run one after
+the other in one launch, each from a fresh TRL trainer and Trainer; each prints one RESULT line
+with its loss, scale and the path of a JSON file {"ours": [...], "trl": [...]}, one dict per step.
 
 TRL shuffles a generation batch's rows before cutting it into micro-batches; here that shuffle is
 the identity (in TRL's module only), so that TRL's micro-batch k is the k-th slice of the batch,
@@ -25,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from dist_utils import report  # noqa: E402
 
 G, PROMPTS, MAX_NEW, LR = 4, 2, 5, 2e-2  # answers per prompt, prompts per micro-batch
@@ -132,19 +134,9 @@ def replaying(step, generations: list[dict], tokenizer, index_of: dict, iteratio
     step.__class__ = Replay
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--work", required=True)
-    p.add_argument("--zero", type=int, default=0)
-    p.add_argument("--accum", type=int, default=2)
-    p.add_argument("--iterations", type=int, default=1)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--loss", default="dapo")
-    p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--scale", default="group")
-    p.add_argument("--local_rank", type=int, default=0)
-    a = p.parse_args()
-    work = Path(a.work)
+def run_case(work: Path, a) -> Path:
+    """One case (a loss type and a reward scaling): TRL trains, ours replays its samples; on rank 0
+    the JSON file of both runs' steps."""
     from engine.callbacks import Callback
     steps: list[dict] = []
 
@@ -162,10 +154,33 @@ def main() -> None:
     replaying(ours.train_fn, generations, ours.tokenizer, index_of, a.iterations)
     ours.train()
     ours.close()
+    out = work / f"grpo-parity-{os.environ['WORLD_SIZE']}-{a.zero}-{a.iterations}-{a.loss}-{a.scale}.json"
     if dist.get_rank() == 0:
-        out = work / f"grpo-parity-{os.environ['WORLD_SIZE']}-{a.zero}-{a.iterations}-{a.loss}.json"
         out.write_text(json.dumps({"ours": steps, "trl": theirs, "generations": len(generations)}))
-        report(path=str(out))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--work", required=True)
+    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cases", default="dapo:group",
+                   help="comma-separated LOSS:SCALE pairs, run one after the other in this launch "
+                        "(one process start for several cases)")
+    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--local_rank", type=int, default=0)
+    a = p.parse_args()
+    work = Path(a.work)
+    for case in a.cases.split(","):
+        a.loss, _, a.scale = case.partition(":")
+        AcceleratorState._reset_state(reset_partial_state=False)  # each case's TRL trainer: its own
+        GradientState._reset_state()  # accelerator state (the process group stays)
+        out = run_case(work, a)
+        if dist.get_rank() == 0:
+            report(loss=a.loss, scale=a.scale, path=str(out))
     dist.barrier()
 
 
