@@ -3,14 +3,16 @@
     proc = run_deepspeed(SCRIPTS / "my_check.py", nproc=2, args=("--stage", "3"))
     results = parse_results(proc)          # the {"rank": ..} dicts the ranks printed
 
-The script runs under the real DeepSpeed launcher (`deepspeed --num_gpus N`, gloo on CPU); it
-must accept the `--local_rank=N` argument the launcher appends, and can report to the test by
-printing `RESULT {json}` lines (see :func:`report`). The launcher and its ranks get their own
-process group, so a timeout kills all of them and leaves no orphan.
+The script runs under the real DeepSpeed launcher (what `deepspeed --num_gpus N` starts, gloo on
+CPU; one rank is started with the launcher's environment, without it); it must accept the
+`--local_rank=N` argument the launcher appends, and can report to the test by printing
+`RESULT {json}` lines (see :func:`report`). The launcher and its ranks get their own process
+group, so a timeout kills all of them and leaves no orphan.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -36,12 +38,27 @@ def free_port() -> int:
 
 
 def deepspeed_command(script_path: str | Path, nproc: int = 2, args: Sequence[str] = ()) -> list[str]:
-    """The launcher command line: the venv's `deepspeed` script, on a free rendezvous port (other
-    tests may run at the same time, and DeepSpeed's default port would clash)."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    return [*cmd, "--num_gpus", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), str(script_path), *map(str, args)]
+    """The launcher command line, on a free rendezvous port (other tests may run at the same
+    time, and DeepSpeed's default port would clash).
+
+    It is the command `deepspeed --num_gpus N` runs for a one-host job: DeepSpeed's own
+    launcher (`deepspeed.launcher.launch`, which starts the ranks, sets their RANK / LOCAL_RANK /
+    WORLD_SIZE and appends `--local_rank=N`) with the host's slots encoded as `--world_info`.
+    Started directly, it skips the `deepspeed` runner in front of it, a Python process that only
+    imports deepspeed (~2 s of CPU) to build this line, once for each of the suite's launches.
+    """
+    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script_path), *map(str, args)]
+
+
+def one_rank_command(script_path: str | Path, args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of a one-rank run as DeepSpeed's launcher would start its one rank:
+    the same variables and `--local_rank=0`, without the launcher process in between (it only
+    imports deepspeed, ~2 s of CPU, to start this one process)."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "RANK": "0",
+           "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+    return [sys.executable, "-u", str(script_path), "--local_rank=0", *map(str, args)], env
 
 
 def run_deepspeed(script_path: str | Path, nproc: int = 2, args: Sequence[str] = (), timeout: float = 300,
@@ -53,7 +70,11 @@ def run_deepspeed(script_path: str | Path, nproc: int = 2, args: Sequence[str] =
                 "OMP_NUM_THREADS": "1",  # two ranks share few cores; more threads only contend
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                 **(env or {})}
-    cmd = deepspeed_command(script_path, nproc, args)
+    if nproc == 1:
+        cmd, rank_env = one_rank_command(script_path, args)
+        full_env.update(rank_env)
+    else:
+        cmd = deepspeed_command(script_path, nproc, args)
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
