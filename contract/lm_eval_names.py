@@ -6,8 +6,12 @@ YAML files that exist. An unknown name used to end the run at its first evaluati
 names are the harness's own index, read in this process. Building that index reads every task
 YAML the harness ships (about 14,000 files, some seconds): the names are kept in memory and in a
 file beside the other caches ($LIVETUNE_CACHE, else ~/.cache/livetune), one per harness version.
-Whether a task's dataset is in the Hugging Face cache is not checked: the harness names its
-dataset inside the task's YAML (and its includes), which only a full task load resolves.
+Offline (runs are, unless HF_HUB_OFFLINE=0: supervisor.launch), each entry's datasets must be in
+the Hugging Face cache, or the harness fails at the first evaluation trying to download them: a
+task's YAML (and its includes) names its `dataset_path` / `dataset_name`, a group lists its tasks,
+a tag is carried by its tasks; each hub dataset is looked up with `datasets.load_dataset_builder`
+in offline mode (it reads the cache only). Datasets of local files (`dataset_kwargs.data_files`,
+a folder) are checked to exist. What an entry uses is kept in a file beside the names.
 """
 
 from __future__ import annotations
@@ -55,15 +59,24 @@ def is_yaml_path(entry: str) -> bool:
     return entry.endswith(YAML_SUFFIXES)
 
 
+def offline() -> bool:
+    """Whether runs cannot download (the launcher keeps HF_HUB_OFFLINE=1 unless it is set to 0)."""
+    return os.environ.get("HF_HUB_OFFLINE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def task_problems(tasks: list[str], key: str = "eval.lm_eval_tasks") -> list[tuple[str, str]]:
     """(field, message) for each entry the harness would refuse at the first evaluation: a YAML
-    file that does not exist, a name the installed harness does not know (with close names)."""
+    file that does not exist, a name the installed harness does not know (with close names), and,
+    offline, an entry whose datasets are not in the Hugging Face cache (lm_eval_data)."""
     problems: list[tuple[str, str]] = []
     names: tuple[str, ...] | None = None
+    known: list[str] = []
     for entry in tasks:
         if is_yaml_path(entry):
             if not Path(entry).is_file():
                 problems.append((key, f"no such task YAML file: {entry}"))
+            else:
+                known.append(entry)
             continue
         if names is None:
             names = task_names()
@@ -74,4 +87,9 @@ def task_problems(tasks: list[str], key: str = "eval.lm_eval_tasks") -> list[tup
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             problems.append((key, f"{entry!r} is not a task, group or tag of the installed lm-eval "
                              f"({len(names)} names) nor a task YAML file (.yaml){hint}"))
+        else:
+            known.append(entry)
+    if known and offline():
+        from contract.lm_eval_data import missing_data  # only when there is something to look up
+        problems += [(key, message) for message in missing_data(known)]
     return problems

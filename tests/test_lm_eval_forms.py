@@ -38,7 +38,8 @@ def test_the_web_form_takes_the_tasks_as_a_list_of_entries():
     assert form.check({**values, **tab.values({box: []})}, files=False).config.eval.lm_eval_tasks == []
 
 
-def test_the_notebook_form_takes_the_tasks_as_tags(tmp_path):
+def test_the_notebook_form_takes_the_tasks_as_tags(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the names only (their data offline: test_preflight.py)
     form = ConfigForm(preset="schema defaults", validate_live=False)
     tags = form.widgets["eval.lm_eval_tasks"]
     assert isinstance(tags, widgets.TagsInput) and tags.value == []

@@ -308,9 +308,38 @@ def test_unknown_lm_eval_tasks_and_missing_task_yamls_are_refused_before_start(t
     probe = ("import sys; from contract.lm_eval_names import task_problems, task_names; "
              "assert task_problems(['arc_easy', 'mmlu']) == [] and 'nosuchtask_xyz' not in task_names(); "
              "print('torch' in sys.modules)")
-    torch_free = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True,
+    online = {**env, "HF_HUB_OFFLINE": "0"}  # names only: a run may download the datasets
+    torch_free = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=online, capture_output=True,
                                 text=True, timeout=600)
     assert torch_free.stdout.strip() == "False", torch_free.stdout + torch_free.stderr
+
+
+def test_lm_eval_entries_whose_data_is_not_there_offline_are_refused_before_start(tmp_path):
+    """Offline (the runs' default), an entry's datasets must be in the Hugging Face cache: a known
+    task, a group (mmlu: its 57 subjects), a tag and a task YAML are looked through to their
+    datasets (an empty cache here); a YAML over local data files is taken. The terminal exits 2
+    naming each, with what to do; no rank starts."""
+    rows = write_lines(tmp_path / "rows.jsonl", [{"q": "a", "a": "b"}])
+    local = tmp_path / "local.yaml"
+    local.write_text(f"task: mine\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {rows}\n"
+                     "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
+    hub = tmp_path / "hub.yaml"
+    hub.write_text("task: theirs\ndataset_path: nobody/missing_dataset_xyz\ndataset_name: main\n"
+                   "doc_to_text: !function utils.doc_to_text\n")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "app.cli", "train", f"output_dir={tmp_path / 'runs'}", "max_steps=2",
+                           f"eval.lm_eval_tasks=[arc_easy, mmlu, ai2_arc, {local}, {hub}]"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    said = [line for line in done.stderr.splitlines() if "not in the Hugging Face cache" in line]
+    assert any("'arc_easy' needs the dataset allenai/ai2_arc (ARC-Easy)," in line for line in said), said
+    assert any("'mmlu' needs the datasets cais/mmlu (abstract_algebra)" in line and "and 54 more" in line
+               for line in said), said
+    assert any("'ai2_arc' needs the datasets allenai/ai2_arc (ARC-Challenge), allenai/ai2_arc (ARC-Easy)" in line
+               for line in said), said
+    assert any(f"'{hub}' needs the dataset nobody/missing_dataset_xyz (main)" in line for line in said), said
+    assert len(said) == 4 and not any(str(local) in line for line in said), said
+    assert "HF_HUB_OFFLINE=0" in said[0] and not (tmp_path / "runs").exists()
 
 
 def test_supervisor_refuses_the_same_run(tmp_path):
@@ -351,8 +380,9 @@ def test_form_keeps_start_disabled_with_the_message_beside_the_field(tmp_path, m
     assert form.sources(form.preset_values("embedded default"))["optim.lr"] == "preset"
 
 
-def test_the_form_names_an_unknown_lm_eval_task_beside_its_field(tmp_path):
+def test_the_form_names_an_unknown_lm_eval_task_beside_its_field(tmp_path, monkeypatch):
     from app.form import Form
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the names only (the data offline: the test above)
     form = Form(output_dir=str(tmp_path / "runs"))
     values = {**form.preset_values("embedded default"), "eval.lm_eval_tasks": ["nosuchtask_xyz", "arc_easy"]}
     checked = form.check(values)
