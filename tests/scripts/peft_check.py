@@ -1,6 +1,9 @@
 """Train the default task with PEFT methods through our Trainer on the launcher's ranks; report
 the losses, how far base and adapter weights moved, and whether the adapter saved with
-`trainer.save_peft` and loaded back by peft into a plain model gives the engine's logits."""
+`trainer.save_peft` and loaded back by peft into a plain model gives the engine's logits.
+
+`--runs 0=lora,p_tuning 3=lora` trains each method under each ZeRO stage named, one Trainer
+after the other in the same process group (one launch instead of one per stage)."""
 
 import argparse
 import sys
@@ -57,8 +60,7 @@ def reload_logits(trainer, weights: dict, folder: str, probe: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--zero", type=int, required=True)
-    ap.add_argument("--methods", required=True)
+    ap.add_argument("--runs", nargs="+", required=True, help="ZERO=METHOD[,METHOD...] for each stage")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--local_rank", type=int, default=0)
@@ -69,12 +71,14 @@ def main() -> None:
     from engine.trainer import Trainer
 
     lr = {"lora": "1e-2", "prompt_tuning": "1e-1", "p_tuning": "1e-2"}
-    for method in a.methods.split(","):
+    runs = [(int(zero), method)
+            for zero, methods in (r.split("=") for r in a.runs) for method in methods.split(",")]
+    for zero, method in runs:
         cfg = load_config(overrides=[
-            f"method={method}", f"zero_stage={a.zero}", "nproc=2", f"max_steps={a.steps}", f"lr={lr[method]}",
+            f"method={method}", f"zero_stage={zero}", "nproc=2", f"max_steps={a.steps}", f"lr={lr[method]}",
             "method.adapter_name=mine", "batch_size=16", "data.max_length=32", "optim.warmup_steps=2",
             "precision=fp32", "eval.at_end=false", "checkpoint.save_at_end=false", "control.enabled=false",
-            f"output_dir={a.out}", f"run_name={method}-{a.zero}"])
+            f"output_dir={a.out}", f"run_name={method}-{zero}"])
         losses = []
 
         class Record(Callback):
@@ -88,14 +92,14 @@ def main() -> None:
         trainer.train()
         after = full_weights(module)
         frozen = [n for n in after if n not in trainable]
-        folder = str(Path(a.out) / f"adapter-{method}-{a.zero}")
+        folder = str(Path(a.out) / f"adapter-{method}-{zero}")
         trainer.save_peft(folder)
         probe = probe_batch(trainer.tokenizer)
         module.eval()
         with torch.no_grad():  # collective under ZeRO-3: every rank runs it
             engine_logits = trainer.engine(**{k: v.to(trainer.engine.device) for k, v in probe.items()}).logits.float()
         reloaded = reload_logits(trainer, after, folder, probe)
-        report(rank=trainer.env.rank, method=method, losses=losses, trainable=trainable[:4],
+        report(zero=zero, rank=trainer.env.rank, method=method, losses=losses, trainable=trainable[:4],
                only_adapter=all(f".{cfg.method.adapter_name}." in n for n in trainable),
                trainable_numel=sum(after[n].numel() for n in trainable),
                total_numel=sum(w.numel() for w in after.values()),
