@@ -42,9 +42,17 @@ def logits(model, tokenizer) -> torch.Tensor:
         return model(ids).logits.float()
 
 
-def test_zero3_checkpoint_exports_the_trained_model(tmp_path):
+@pytest.fixture(scope="module")
+def z3_run(tmp_path_factory) -> Path:
+    """One ZeRO-3 run for the command line's and the web backend's export (a 2-rank start costs
+    far more than its 3 steps); a ZeRO-2 checkpoint is exported by the LoRA test below."""
+    return train(tmp_path_factory.mktemp("z3"), "z3", "zero_stage=3")
+
+
+@pytest.mark.timeout(1200)
+def test_zero3_checkpoint_exports_the_trained_model(tmp_path, z3_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    run = train(tmp_path, "z3", "zero_stage=3")
+    run = z3_run
     target = tmp_path / "exported"
     done = export(run / "checkpoints" / "step-3", target)
     assert done.returncode == 0, done.stderr
@@ -63,13 +71,14 @@ def test_zero3_checkpoint_exports_the_trained_model(tmp_path):
     assert not (tmp_path / "merged").exists()
 
 
-def test_web_backend_exports_into_a_folder_relative_to_where_the_app_runs(tmp_path, monkeypatch):
+@pytest.mark.timeout(1200)
+def test_web_backend_exports_into_a_folder_relative_to_where_the_app_runs(tmp_path, monkeypatch, z3_run):
     """The Checkpoints tab's Export button: backend -> `python -m engine.checkpoint export`."""
     from transformers import AutoModelForCausalLM
 
     from app.session import SessionError
     from app.web.backend import Backend
-    run = train(tmp_path, "web", "zero_stage=2")
+    run = z3_run
     backend = Backend(tmp_path)
     monkeypatch.chdir(tmp_path)
     message = backend.store.export(str(run / "checkpoints" / "step-3"), "exports/mine")
