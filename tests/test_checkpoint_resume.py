@@ -16,19 +16,31 @@ import torch
 from dist_utils import SCRIPTS, parse_results, run_deepspeed
 
 
-def run(tmp_path: Path, zero: int) -> dict:
-    proc = run_deepspeed(SCRIPTS / "ckpt_resume.py", nproc=2, args=("--zero", str(zero), "--out", str(tmp_path)),
-                         timeout=900)
-    results = sorted(parse_results(proc), key=lambda r: r["rank"])
-    assert [r["rank"] for r in results] == [0, 1]
-    assert results[0]["full"] == results[1]["full"]
-    return results[0]
+STAGES = (0, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory) -> dict[int, tuple[Path, dict]]:
+    """One launch for the three stages (a 2-rank start costs more than their steps): each stage
+    trains, exports and resumes in its own Trainers and folder `zeroN`, one after the other."""
+    root = tmp_path_factory.mktemp("resume")
+    proc = run_deepspeed(SCRIPTS / "ckpt_resume.py", nproc=2,
+                         args=("--zero", *map(str, STAGES), "--out", str(root)), timeout=1500)
+    results = parse_results(proc)
+    by_stage = {}
+    for zero in STAGES:
+        ranks = sorted((r for r in results if r["zero"] == zero), key=lambda r: r["rank"])
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert ranks[0]["full"] == ranks[1]["full"]
+        by_stage[zero] = (root / f"zero{zero}", ranks[0])
+    return by_stage
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 2, 3])
-def test_resumed_runs_repeat_the_uninterrupted_losses(tmp_path, zero):
-    r = run(tmp_path, zero)
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("zero", STAGES)
+def test_resumed_runs_repeat_the_uninterrupted_losses(stages, zero):
+    tmp_path, r = stages[zero]
     full = r["full"]
     assert len(full) == 9 and full[-1] < full[0]
     # every 4 steps and at each epoch end (3 steps per epoch), and the last step

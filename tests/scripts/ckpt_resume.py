@@ -1,7 +1,10 @@
 """Exact resume on the launcher's ranks: train 9 steps (3 epochs) saving on a schedule, then
 resume in new Trainers from a mid-epoch and an epoch-end checkpoint and train to the end; report
 every run's per-step losses. Under ZeRO-3 also export the model (with reference logits for the
-test to compare) and load it back; under ZeRO-2 also a sharded export and the best-model reload."""
+test to compare) and load it back; under ZeRO-2 also a sharded export and the best-model reload.
+
+`--zero 0 2 3` does it for each stage in turn, in this one process group (one launch instead of
+one per stage), each in its own folder `OUT/zeroN`."""
 
 import argparse
 from pathlib import Path
@@ -13,19 +16,25 @@ from ckpt_common import make_task, overrides, report
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--zero", type=int, required=True)
+    p.add_argument("--zero", type=int, nargs="+", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
+    for zero in a.zero:
+        run_stage(zero, str(Path(a.out) / f"zero{zero}"))
+
+
+def run_stage(zero: int, out: str) -> None:
+    """Train, check the exports and resume twice under ZeRO `zero`, in `out`; report it all."""
     from engine import checkpoint as ck
     from engine.callbacks import Callback
     from contract.config.load import load_config
     from engine.trainer import Trainer
 
-    task = make_task(Path(a.out) / "task")
+    task = make_task(Path(out) / "task")
     extra = ["checkpoint.every_n_steps=4", "checkpoint.every_n_epochs=1", "eval.every_n_steps=2",
              "checkpoint.keep_best=1", "checkpoint.monitor=eval/loss"]
-    cfg = load_config(overrides=overrides(task, a.out, "run", a.zero, extra))
+    cfg = load_config(overrides=overrides(task, out, "run", zero, extra))
     losses: list[float] = []
 
     class Record(Callback):
@@ -37,16 +46,16 @@ def main() -> None:
     full, rank = list(losses), trainer.env.rank
     names = sorted(c["name"] for c in ck.list_checkpoints(str(trainer.folder.checkpoints)))
     results = {"full": full, "checkpoints": names}
-    if a.zero == 3:
-        results.update(export_and_reload(trainer, a.out))
-    if a.zero == 2:
-        results.update(sharded_and_best(trainer, a.out, ck))
+    if zero == 3:
+        results.update(export_and_reload(trainer, out))
+    if zero == 2:
+        results.update(sharded_and_best(trainer, out, ck))
     trainer.close()
 
     for start in ("step-4", "step-6"):
         losses.clear()
         # no schedule in the resumed runs: they must not write over the checkpoints they start from
-        quiet = load_config(overrides=overrides(task, a.out, "run", a.zero, extra + [
+        quiet = load_config(overrides=overrides(task, out, "run", zero, extra + [
             "checkpoint.every_n_steps=0", "checkpoint.every_n_epochs=0"]))
         resumed = Trainer(config=quiet, run_dir=str(trainer.folder.root), callbacks=[Record()])
         resumed.load_checkpoint(str(trainer.folder.checkpoints / start))
@@ -54,7 +63,7 @@ def main() -> None:
         resumed.train()
         results[start] = {"losses": list(losses), "position": position}
         resumed.close()
-    report(rank=rank, **results)
+    report(zero=zero, rank=rank, **results)
 
 
 def export_and_reload(trainer, out: str) -> dict:
