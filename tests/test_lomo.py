@@ -172,14 +172,28 @@ def test_step_outside_a_fused_step_leaves_gradients_alone():
 
 # -- through the Trainer on real DeepSpeed engines -----------------------------------------------
 
-def _check(zero: int, nproc: int, tmp_path, extra=()):
+def _check(nproc: int, out, extra=()) -> dict[int, list[dict]]:
+    """Both stages (0 and 3) and both methods on `nproc` ranks in one launch (a start costs more
+    than the steps): each its own Trainer and engine, one after the other; results by stage."""
     proc = run_deepspeed(SCRIPTS / "fused_check.py", nproc=nproc,
-                         args=("--zero", str(zero), "--nproc", str(nproc), "--out", str(tmp_path), *extra),
-                         timeout=1200)
+                         args=("--zero", "0", "3", "--nproc", str(nproc), "--out", str(out), *extra),
+                         timeout=1500)
     results = parse_results(proc)
-    assert sorted({r["method"] for r in results}) == ["adalomo", "lomo"]
-    assert len(results) == 2 * nproc
-    return results
+    by_stage = {z: [r for r in results if r["zero"] == z] for z in (0, 3)}
+    for stage in by_stage.values():
+        assert sorted({r["method"] for r in stage}) == ["adalomo", "lomo"]
+        assert len(stage) == 2 * nproc
+    return by_stage
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> dict[int, list[dict]]:
+    return _check(1, tmp_path_factory.mktemp("fused1"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[int, list[dict]]:
+    return _check(2, tmp_path_factory.mktemp("fused2"), extra=("--set-lr-at", "6", "--steps", "16"))
 
 
 def _assert_matches_reference(r):
@@ -206,18 +220,20 @@ def _assert_cosine_schedule(lrs, peak, warmup=2):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("zero", [0, 3])
-def test_fused_step_matches_reference_on_one_rank(tmp_path, zero):
-    for r in _check(zero, 1, tmp_path):
+def test_fused_step_matches_reference_on_one_rank(one_rank, zero):
+    for r in one_rank[zero]:
         _assert_matches_reference(r)
         _assert_cosine_schedule(r["lrs"], 5e-2 if r["method"] == "lomo" else 1e-2)
         assert r["engine_optimizer"] == ("DeepSpeedZeRoOffload" if zero == 3 else "NoneType")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("zero", [0, 3])
-def test_fused_step_on_two_ranks_averages_and_learns(tmp_path, zero):
-    results = _check(zero, 2, tmp_path, extra=("--set-lr-at", "6", "--steps", "16"))
+def test_fused_step_on_two_ranks_averages_and_learns(two_ranks, zero):
+    results = two_ranks[zero]
     for method in ("lomo", "adalomo"):
         r0, r1 = sorted((r for r in results if r["method"] == method), key=lambda r: r["rank"])
         assert r0["losses"] == r1["losses"] and r0["digest"] == r1["digest"]  # one model, not two

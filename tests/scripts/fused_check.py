@@ -83,7 +83,8 @@ def replay(method, initial, config, steps, lrs, clip):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--zero", type=int, required=True)
+    ap.add_argument("--zero", type=int, nargs="+", required=True,
+                    help="one stage after the other, in this one process group")
     ap.add_argument("--nproc", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=12)
@@ -98,13 +99,13 @@ def main() -> None:
     from engine.trainer import Trainer
 
     lrs_for = {"lomo": "5e-2", "adalomo": "1e-2"}
-    for method in a.methods.split(","):
+    for zero, method in [(z, m) for z in a.zero for m in a.methods.split(",")]:
         cfg = load_config(overrides=[
-            f"method={method}", f"zero_stage={a.zero}", f"nproc={a.nproc}", f"max_steps={a.steps}",
+            f"method={method}", f"zero_stage={zero}", f"nproc={a.nproc}", f"max_steps={a.steps}",
             f"lr={lrs_for[method]}", "optim.grad_clip=1.0", "optim.warmup_steps=2", "optim.scheduler=cosine",
             "batch_size=8", "data.max_length=32", "precision=fp32", "eval.at_end=false",
             "checkpoint.save_at_end=false", "control.enabled=false", f"output_dir={a.out}",
-            f"run_name={method}-{a.zero}-{a.nproc}"])
+            f"run_name={method}-{zero}-{a.nproc}"])
         losses, lrs, batches, asked = [], [], [], []
 
         class Record(Callback):
@@ -134,8 +135,8 @@ def main() -> None:
         moved = max(float((final[n] - initial[n]).abs().max()) for n in ref_final)
         opt = trainer.optimizer
         state_numel = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
-        report(rank=trainer.env.rank, method=method, losses=losses, ref_losses=ref_losses, lrs=lrs,
-               weight_diff=diff, weight_moved=moved, state_numel=state_numel,
+        report(zero=zero, rank=trainer.env.rank, method=method, losses=losses, ref_losses=ref_losses,
+               lrs=lrs, weight_diff=diff, weight_moved=moved, state_numel=state_numel,
                params_numel=sum(p.numel() for p in final.values()),
                grads_left=sum(1 for q in trainer.engine.module.parameters() if q.grad is not None),
                digest=[float(final[n].double().sum()) for n in sorted(final)][:8],
