@@ -26,8 +26,14 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "app.cli", "train", *args]
 
 
-def run_cli(args, tmp_path, timeout=600):
-    env = dict(os.environ, LIVETUNE_CACHE=str(tmp_path / "cache"))
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One cache of the default task's assets for every run of this module (built once)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def run_cli(args, cache: Path, timeout=600):
+    env = dict(os.environ, LIVETUNE_CACHE=str(cache))
     return subprocess.run(cli(*args), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -50,11 +56,11 @@ def group_of(pgid: int) -> list[psutil.Process]:
     return found
 
 
-def start_cli(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path, Path]:
+def start_cli(tmp_path: Path, cache: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path, Path]:
     """The terminal command in the background (its own session, as a terminal would give it),
     output to a file; returns (process, run folder, output file)."""
     out = tmp_path / f"{name}.out"
-    env = dict(os.environ, LIVETUNE_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, LIVETUNE_CACHE=str(cache))
     proc = subprocess.Popen(cli(f"output_dir={tmp_path / 'runs'}", f"run_name={name}", *SMALL, *args),
                             cwd=REPO, env=env, stdout=open(out, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -115,9 +121,9 @@ def end_everything(proc: subprocess.Popen, run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_run_end_to_end(tmp_path):
+def test_default_run_end_to_end(tmp_path, cache):
     out = run_cli(["max_steps=30", f"output_dir={tmp_path / 'runs'}", "run_name=cli",
-                   "eval.every_n_steps=15", "eval.max_samples=16"], tmp_path)
+                   "eval.every_n_steps=15", "eval.max_samples=16"], cache)
     assert out.returncode == 0, out.stdout + out.stderr
     run_dir = tmp_path / "runs" / "cli"
     for name in ("config.yaml", "events.jsonl", "logs/rank0.log", "logs/launcher.log"):
@@ -136,24 +142,24 @@ def test_default_run_end_to_end(tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_bad_config_exits_nonzero_with_every_problem(tmp_path):
-    out = run_cli(["nproc=3", "tp=2", "train.nonsense=1", "optim.lr=fast"], tmp_path, timeout=60)
+def test_bad_config_exits_nonzero_with_every_problem(tmp_path, cache):
+    out = run_cli(["nproc=3", "tp=2", "train.nonsense=1", "optim.lr=fast"], cache, timeout=60)
     assert out.returncode == 2
     for words in ("parallel.nproc", "train.nonsense", "optim.lr", "3 problems"):
         assert words in out.stderr, out.stderr
     assert not (tmp_path / "runs").exists()
 
 
-def test_missing_config_file(tmp_path):
-    out = run_cli([str(tmp_path / "nope.yaml")], tmp_path, timeout=60)
+def test_missing_config_file(tmp_path, cache):
+    out = run_cli([str(tmp_path / "nope.yaml")], cache, timeout=60)
     assert out.returncode == 2 and "file not found" in out.stderr
 
 
-def test_help_names_the_stop_rule_and_detach(tmp_path):
-    out = run_cli(["--help"], tmp_path, timeout=60)
+def test_help_names_the_stop_rule_and_detach(cache):
+    out = run_cli(["--help"], cache, timeout=60)
     assert out.returncode == 0
     assert "--detach" in out.stdout and "saving a checkpoint and the final model first" in out.stdout
-    bad = run_cli(["--nonsense"], tmp_path, timeout=60)
+    bad = run_cli(["--nonsense"], cache, timeout=60)
     assert bad.returncode == 2 and "--nonsense" in bad.stderr
 
 
@@ -190,41 +196,50 @@ def test_warnings_and_failed_saves_of_a_run_are_printed(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
-def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing(tmp_path, sig, cleanup):
-    proc, run_dir, out = start_cli(tmp_path, "signalled", "max_steps=5000")
-    cleanup.append((proc, run_dir))
-    wait_for_step(run_dir, proc, 2, out)
+def test_a_signal_to_the_terminal_stops_the_run_with_its_save_and_leaves_nothing(tmp_path, cache, cleanup):
+    """SIGHUP (the terminal closed) and SIGTERM (the command asked to end), each to a command of
+    its own: the two are started at once (one test's wait, not two) and checked alike."""
+    started = {sig: start_cli(tmp_path, cache, f"signalled-{sig.name}", "max_steps=5000")
+               for sig in (signal.SIGHUP, signal.SIGTERM)}
+    cleanup.extend((proc, run_dir) for proc, run_dir, _ in started.values())
+    for proc, run_dir, out in started.values():
+        wait_for_step(run_dir, proc, 2, out)
+    for sig, (proc, run_dir, out) in started.items():
+        stops_with_its_save_and_leaves_nothing(proc, run_dir, out, sig)
+
+
+def stops_with_its_save_and_leaves_nothing(proc: subprocess.Popen, run_dir: Path, out: Path,
+                                           sig: signal.Signals) -> None:
     pgid = launcher_pid(run_dir)
     members = group_of(pgid)
     assert len(members) >= 2, members  # the launcher and its rank
 
-    os.kill(proc.pid, sig)  # the terminal closed (SIGHUP) or the command was asked to end
+    os.kill(proc.pid, sig)
     try:
         code = proc.wait(timeout=180)
     except subprocess.TimeoutExpired:
         end_everything(proc, run_dir)
-        pytest.fail(f"the command did not end:\n{out.read_text()}")
+        pytest.fail(f"the command did not end on {sig.name}:\n{out.read_text()}")
     text = out.read_text()
-    assert code == 128 + sig, text
-    assert group_of(pgid) == [], "processes of the run were left behind"
-    assert not [p for p in members if still_running(p)]
+    assert code == 128 + sig, (sig.name, text)
+    assert group_of(pgid) == [], f"processes of the run were left behind ({sig.name})"
+    assert not [p for p in members if still_running(p)], sig.name
 
     events = events_of(run_dir)
     states = [e["state"] for e in events if e["type"] == "state"]
-    assert states[-2:] == ["stopping", "finished"], states
+    assert states[-2:] == ["stopping", "finished"], (sig.name, states)
     stopped_at = [e for e in events if e["type"] == "state"][-2]["step"]
     saved = [e for e in events if e["type"] == "checkpoint"]
-    assert saved and saved[-1]["step"] == stopped_at, saved  # Stop's default: save first
+    assert saved and saved[-1]["step"] == stopped_at, (sig.name, saved)  # Stop's default: save first
     assert (run_dir / "checkpoints" / Path(saved[-1]["path"]).name).is_dir()
-    assert "finished (stopped by the user)" in text
+    assert "finished (stopped by the user)" in text, (sig.name, text)
 
 
 @pytest.mark.slow
-def test_a_killed_command_takes_its_run_with_it(tmp_path, cleanup):
+def test_a_killed_command_takes_its_run_with_it(tmp_path, cache, cleanup):
     """SIGKILL runs no handler: the run's launcher gets SIGTERM from the kernel instead (a
     parent-death signal) and ends its rank. Nothing can be saved then; nothing is left either."""
-    proc, run_dir, out = start_cli(tmp_path, "orphan", "max_steps=5000")
+    proc, run_dir, out = start_cli(tmp_path, cache, "orphan", "max_steps=5000")
     cleanup.append((proc, run_dir))
     wait_for_step(run_dir, proc, 2, out)
     pgid = launcher_pid(run_dir)
@@ -239,11 +254,11 @@ def test_a_killed_command_takes_its_run_with_it(tmp_path, cleanup):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path, cleanup):
+def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path, cache, cleanup):
     """Rank 0 killed: the rank that writes the run's state is gone, rank 1 fails on its lost peer
     (a network error of its own), the launcher ends the rest. The report names rank 0, not rank
     1's error nor no rank, carries rank 0's last log lines and records rank 0."""
-    proc, run_dir, out = start_cli(tmp_path, "killed", "nproc=2", "max_steps=5000")
+    proc, run_dir, out = start_cli(tmp_path, cache, "killed", "nproc=2", "max_steps=5000")
     cleanup.append((proc, run_dir))
     wait_for_step(run_dir, proc, 2, out)
     pgid = launcher_pid(run_dir)
@@ -269,9 +284,9 @@ def test_a_killed_rank_is_named_with_its_signal_and_last_log_lines(tmp_path, cle
 
 
 @pytest.mark.slow
-def test_a_detached_run_outlives_its_command_is_listed_and_stopped_from_its_folder(tmp_path, cleanup):
+def test_a_detached_run_outlives_its_command_is_listed_and_stopped_from_its_folder(tmp_path, cache, cleanup):
     from supervisor import RunManager
-    proc, run_dir, out = start_cli(tmp_path, "detached", "--detach", "max_steps=5000")
+    proc, run_dir, out = start_cli(tmp_path, cache, "detached", "--detach", "max_steps=5000")
     cleanup.append((proc, run_dir))
     assert proc.wait(timeout=60) == 0, out.read_text()  # back at once: the run goes on
     assert "detached" in out.read_text() and str(run_dir) in out.read_text()
