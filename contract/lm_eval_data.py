@@ -35,11 +35,12 @@ class Data:
         return f"{self.path} ({self.name})" if self.name else self.path
 
 
-def missing_data(entries: list[str]) -> list[str]:
+def missing_data(entries: list[str], cache_file: Path) -> list[str]:
     """One message per entry (a known name or an existing YAML file) whose datasets are not all
-    available offline, naming the entry, the datasets and what to do."""
+    available offline, naming the entry, the datasets and what to do. `cache_file`: where what
+    each name uses is kept (per harness version)."""
     messages = []
-    cache = _Cache()
+    cache = _Cache(cache_file)
     for entry in entries:
         try:
             used = cache.get(entry) if not entry.endswith((".yaml", ".yml")) else _of_yaml(Path(entry))
@@ -149,11 +150,8 @@ def _load(path: Path) -> dict[str, Any]:
 class _Cache:
     """What each task name uses, kept per harness version beside the names' index."""
 
-    def __init__(self) -> None:
-        from importlib.metadata import version
-
-        from contract.lm_eval_names import _cache_file
-        self.file = _cache_file(version("lm_eval")).with_name(f"lm_eval-{version('lm_eval')}-data.json")
+    def __init__(self, file: Path) -> None:
+        self.file = file
         try:
             self.known = {k: [Data(p, n, tuple(f)) for p, n, f in v] for k, v in json.loads(self.file.read_text()).items()}
         except (OSError, ValueError, TypeError):

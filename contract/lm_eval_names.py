@@ -90,6 +90,13 @@ def task_problems(tasks: list[str], key: str = "eval.lm_eval_tasks") -> list[tup
         else:
             known.append(entry)
     if known and offline():
+        from importlib.metadata import PackageNotFoundError, version
+
         from contract.lm_eval_data import missing_data  # only when there is something to look up
-        problems += [(key, message) for message in missing_data(known)]
+        try:
+            harness = version("lm_eval")
+        except PackageNotFoundError:
+            return problems + [(key, "the lm-eval package is not installed: pip install lm-eval, or empty this list")]
+        data_cache = _cache_file(harness).with_name(f"lm_eval-{harness}-data.json")
+        problems += [(key, message) for message in missing_data(known, data_cache)]
     return problems

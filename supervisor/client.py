@@ -40,8 +40,10 @@ from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSour
 from contract.protocol.rating_commands import Rate, RateAnswer
 from contract.protocol.frames import Done, Error, EventLine, Frame, Token
 from contract.protocol.reward_commands import AddReward, RemoveReward, RewardsAnswer
+from contract.exports import GGUF_TYPES
 from contract.protocol.roles import Role
 from contract.run_folder import read_events
+from supervisor import exports
 from supervisor.connection import Answers, CommandError, Connection, RunGone, next_answer
 
 A = TypeVar("A", bound=Answer)
@@ -172,6 +174,20 @@ class Verbs:
     def save(self) -> SaveAnswer:
         """A training checkpoint of the present step, in the run's checkpoints/."""
         return self.send(Save())
+
+    def export_gguf(self, target: str | Path, dtype: str = "f16") -> str:
+        """The live model as a GGUF file for llama.cpp / Ollama, with its Modelfile, in the new
+        folder `target`: a checkpoint saved at the next step boundary (`save`: every rank takes
+        part), then converted from it by llama.cpp's converter in a process of its own while the
+        run trains on (a LoRA run's adapter merged first; supervisor.exports). `dtype`: one of
+        contract.exports.GGUF_TYPES. Returns the export's last line (where the file is)."""
+        if dtype not in GGUF_TYPES:
+            raise self.Refused(f"dtype: {dtype!r} is not one of {', '.join(GGUF_TYPES)}")
+        saved = self.save()
+        try:
+            return exports.export(saved.checkpoint, str(target), gguf=dtype)
+        except RuntimeError as e:
+            raise self.Refused(str(e)) from None
 
     def evaluate(self) -> EvaluateAnswer:
         return self.send(Evaluate())

@@ -42,6 +42,8 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
         gguf_type = gr.Dropdown(list(GGUF_TYPES), value="f16", label="GGUF type", scale=1, elem_id="ckpt-gguf-type",
                                 info="f32 and f16 keep the weights; q8_0 halves f16's size for a little accuracy")
         gguf = gr.Button("Export GGUF (llama.cpp / Ollama)", scale=2, elem_id="ckpt-gguf", elem_classes=[OPERATOR])
+        gguf_live = gr.Button("Export GGUF of the live model now", scale=2, elem_id="ckpt-gguf-live",
+                              elem_classes=[OPERATOR])
     result = gr.Markdown("", elem_id="ckpt-result")
     section = branches.build(backend, run_state)
 
@@ -62,6 +64,8 @@ def build(backend: Backend, run_state: gr.State, tabs: gr.Tabs) -> dict:
                 outputs=result, api_visibility="private")
     gguf.click(readable(lambda src, dst, kind: _export(backend, src, dst, False, kind)),
                inputs=[chosen, target, gguf_type], outputs=result, api_visibility="private")
+    gguf_live.click(readable(lambda path, dst, kind: _export_live(backend, path, dst, kind)),
+                    inputs=[run_state, target, gguf_type], outputs=result, api_visibility="private")
     return refresh
 
 
@@ -103,6 +107,16 @@ def _resume(backend: Backend, path: str | None, checkpoint: str | None, run_stat
     info = backend.store.resume_from(path, checkpoint)
     gr.Info(f"Started {info.name}, continuing from {Path(checkpoint).name}.")
     return {run_state: info.path, tabs: gr.Tabs(selected="train")}
+
+
+def _export_live(backend: Backend, path: str | None, target: str, kind: str) -> str:
+    """The running run's model as GGUF: saved at its next step boundary, then converted while it
+    trains on (supervisor.client.Verbs.export_gguf)."""
+    backend.session.require("gguf")  # writes a model
+    if not (target or "").strip():
+        raise SessionError("give a folder to export into")
+    message = backend.verbs(path).export_gguf((target or "").strip(), kind or "f16")
+    return f"**Done:** {message}"
 
 
 def _export(backend: Backend, source: str | None, target: str, merge: bool, gguf: str | None = None) -> str:
