@@ -63,6 +63,8 @@ def outcome(run_dir: Path) -> dict:
         "checkpoint complete": checkpoint is not None and (checkpoint / "COMPLETE.json").exists(),
         "model exported": (run_dir / "model" / "config.json").exists(),
         "processes left": group_alive(pgid, run_dir),
+        # what each front end's run list reads back (the run's summary of its event log)
+        "stopped by the user": RunManager(run_dir.parent).get(run_dir.name).info().stopped_by_user,
     }
 
 
@@ -117,7 +119,7 @@ def test_every_front_end_stops_the_same_way(runs):
         outcomes = {name: outcome(folder) for name, folder in folders.items()}
         expected = {"states": ["starting", "running", "stopping", "finished"], "stop commands": 1,
                     "checkpoint at the stop step": True, "checkpoint complete": True,
-                    "model exported": True, "processes left": False}
+                    "model exported": True, "processes left": False, "stopped by the user": True}
         assert all(o == expected for o in outcomes.values()), outcomes
     finally:
         web.close()
