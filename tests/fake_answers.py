@@ -4,8 +4,8 @@ command's declaration). Not a test module."""
 
 from __future__ import annotations
 
-from contract.protocol.answers import (Answer, BranchesAnswer, CompleteAnswer, GenerateAnswer, InboxAnswer, SetAnswer, StateAnswer,
-                                       StopAnswer)
+from contract.protocol.answers import (Answer, BranchesAnswer, CompleteAnswer, GenerateAnswer, InboxAnswer, SetAnswer,
+                                       StateAnswer, StatusAnswer, StopAnswer)
 from contract.protocol.branch_commands import Branches
 from contract.protocol.commands import Generate, Set, Stop
 from contract.protocol.completion_commands import Complete
@@ -13,11 +13,10 @@ from contract.protocol.data_commands import Inbox
 from contract.protocol.states import RunState
 
 
-def status(step: int = 7) -> dict:
-    """A status snapshot with every declared field (engine.control.plane's has the same)."""
-    return {"step": step, "epoch": 0, "state": RunState.RUNNING.value, "paused": False, "queue": 0,
-            "accepting": True, "settings": {}, "world_size": 1, "memory_mb": {"0": {"rss": 1.0}},
-            "memory_of": "rank 0 only"}
+def status(step: int = 7) -> StatusAnswer:
+    """A status snapshot (the model engine.control.plane's status_snapshot builds)."""
+    return StatusAnswer(step=step, epoch=0, state=RunState.RUNNING, paused=False, queue=0, accepting=True,
+                        settings={}, world_size=1, memory_mb={"0": {"rss": 1.0}}, memory_of="rank 0 only")
 
 
 def answer(item, step: int = 7, text: str = "hello") -> Answer:

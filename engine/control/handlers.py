@@ -23,6 +23,7 @@ from contract.events import BranchEvent, SetEvent
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.base import Command
+from contract.protocol.answers import StatusAnswer
 from contract.protocol.completion_commands import Complete
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop
 from contract.protocol.rating_commands import Rate
@@ -295,15 +296,15 @@ def branches(control: Plane, cmd: Branches, reply: Reply) -> dict:
 
 
 # -- status -----------------------------------------------------------------------------------------
-def status(control: Plane, cmd: Status, reply: Reply) -> dict:
+def status(control: Plane, cmd: Status, reply: Reply) -> StatusAnswer:
     """Queued `status` with `ranks`: every rank's memory, gathered here (collective)."""
     mine = memory_mb()
     everyone: list[Any] = [mine]
     if control.world_size > 1:
         everyone = [None] * control.world_size
         dist.all_gather_object(everyone, mine)
-    return {**control.status_snapshot(), "memory_mb": {str(r): m for r, m in enumerate(everyone)},
-            "memory_of": "every rank"}
+    return control.status_snapshot().model_copy(update={
+        "memory_mb": {str(r): m for r, m in enumerate(everyone)}, "memory_of": "every rank"})
 
 
 def memory_mb() -> dict[str, float]:

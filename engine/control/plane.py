@@ -26,6 +26,7 @@ from typing import Any
 
 from contract.events import ChatPageEvent, CommandEvent, CommandStatus, EventType, WarningEvent, state_event
 from contract.protocol.commands import Set, Status
+from contract.protocol.answers import StatusAnswer
 from contract.protocol.completion_commands import Complete
 from contract.protocol.states import STATES, RunState
 from engine.callbacks import Signal
@@ -256,19 +257,18 @@ class Control:
         if self.server is not None:
             self.server.notify(event)
 
-    def status_snapshot(self) -> dict:
+    def status_snapshot(self) -> StatusAnswer:
         """The run as rank 0 sees it now (read from the server thread: plain values only)."""
         t = self.trainer
-        return {"step": t.state.global_step, "epoch": t.state.epoch, "total_steps": t.state.total_steps,
-                "state": self.state.value, "paused": self.paused, "queue": len(self.commands or ()),
-                "accepting": self.commands.closed is None if self.commands is not None else False,
-                "last_train": self.last_train, "last_eval": self.last_eval,
-                "settings": handlers.current_settings(self), "world_size": self.world_size,
-                "sources": data_commands.sources_snapshot(self),
-                "memory_mb": {"0": handlers.memory_mb()}, "memory_of": "rank 0 only (ranks=true: every rank)",
-                "serving": self.serving.snapshot(),
-                "boundary": {"idle_exchanges": self.boundary.idle_exchanges,
-                             "idle_seconds": self.boundary.idle_seconds}}
+        return StatusAnswer(
+            step=t.state.global_step, epoch=t.state.epoch, total_steps=t.state.total_steps, state=self.state,
+            paused=self.paused, queue=len(self.commands or ()),
+            accepting=self.commands.closed is None if self.commands is not None else False,
+            last_train=self.last_train, last_eval=self.last_eval, settings=handlers.current_settings(self),
+            world_size=self.world_size, sources=data_commands.sources_snapshot(self),
+            memory_mb={"0": handlers.memory_mb()}, memory_of="rank 0 only (ranks=true: every rank)",
+            serving=self.serving.snapshot(),
+            boundary={"idle_exchanges": self.boundary.idle_exchanges, "idle_seconds": self.boundary.idle_seconds})
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:

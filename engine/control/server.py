@@ -40,6 +40,7 @@ import psutil
 from engine.control.connection import Connection
 from engine.control.pending import CommandQueue, QueueClosed, Reply, Sink
 from engine.control.limits import CLOSE_GRACE_S, LISTEN_BACKLOG, MAX_ID_CHARS, FEED_TURN_BYTES, SWEEP_S, Limits
+from contract.protocol.answers import StatusAnswer
 from contract.protocol.commands import Subscribe, parse_command
 from contract.protocol.frames import Ack, event_frame_bytes
 from contract.protocol.wire import decode, encode
@@ -53,7 +54,7 @@ class ControlServer:
     `admit(command) -> command` may refuse a command (raise) or adjust it before it is queued
     (`PromptLimit`)."""
 
-    def __init__(self, folder: RunFolder, commands: CommandQueue, status_fn: Callable[[], dict],
+    def __init__(self, folder: RunFolder, commands: CommandQueue, status_fn: Callable[[], StatusAnswer],
                  host: str = "127.0.0.1", port: int = 0,
                  on_queued: Callable[[Any], None] | None = None,
                  admit: Callable[[Command], Command] | None = None, **limits: float):
@@ -179,7 +180,7 @@ class ControlServer:
                 return reply.error(str(e) or type(e).__name__)
         if command.answered_at_once:
             try:
-                return reply.done({**self.status_fn(), "control": self.stats()})
+                return reply.done(self.status_fn().model_copy(update={"control": self.stats()}))
             except Exception as e:  # noqa: BLE001 - a status snapshot must never kill the server
                 return reply.error(f"status failed: {type(e).__name__}: {e}")
         try:
