@@ -11,7 +11,6 @@ SentencePiece or BPE tokenizer, and the converter reads `tokenizer.model` for bo
 from __future__ import annotations
 
 import io
-import os
 import json
 import random
 import shutil
@@ -190,22 +189,25 @@ def test_refused_before_any_work(models, tmp_path):
 def test_a_lora_runs_checkpoint_as_gguf_is_the_merged_export(models, tmp_path):
     """A LoRA run's training checkpoint exported as GGUF (merged into the base first) loads in
     transformers with the logits of the same checkpoint's merged Hugging Face export, exactly
-    (f32); and the adapter made a difference (the base's logits differ)."""
+    (f32); and the adapter made a difference (the base's logits differ). The run and both exports
+    in this process (the Trainer the worker builds, the function the export command calls; the
+    command's own words are test_refused_before_any_work's): what is tested is the checkpoint's
+    merge into the GGUF, not a launch."""
     from transformers import AutoModelForCausalLM
-    run = subprocess.run(
-        [sys.executable, "-m", "app.cli", "train", "nproc=1", "max_steps=2", "batch_size=4", "method=lora",
-         "precision=fp32", "lr=0.05", f"model.path={models['llama']}", "checkpoint.every_n_steps=2",
-         "eval.every_n_steps=0", "eval.at_end=false", f"output_dir={tmp_path}", "run_name=lora",
-         "logging.progress_bar=false", "logging.tensorboard=false", "control.enabled=false"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    from contract.args import resolve_args
+    from engine.checkpoint.export import export
+    from engine.trainer import Trainer
+    cfg = resolve_args([  # the configuration `train` of the terminal resolves from these words
+        "nproc=1", "max_steps=2", "batch_size=4", "method=lora", "precision=fp32", "lr=0.05",
+        f"model.path={models['llama']}", "checkpoint.every_n_steps=2", "eval.every_n_steps=0", "eval.at_end=false",
+        f"output_dir={tmp_path}", "run_name=lora", "logging.progress_bar=false", "logging.tensorboard=false",
+        "control.enabled=false"]).config
+    with Trainer(config=cfg) as trainer:
+        trainer.train()
     checkpoint = tmp_path / "lora" / "checkpoints" / "step-2"
-    done = _export_cli(checkpoint, tmp_path / "gguf", "f32")
-    assert done.returncode == 0, done.stderr
-    assert "LoRA merged into the base weights" in done.stdout
-    merged = subprocess.run([sys.executable, "-m", "engine.checkpoint", "export", str(checkpoint),
-                             str(tmp_path / "merged"), "--merge-lora"], capture_output=True, text=True, timeout=600)
-    assert merged.returncode == 0, merged.stderr
+    said = export(str(checkpoint), str(tmp_path / "gguf"), fmt="gguf", dtype="f32", say=lambda _: None)
+    assert "LoRA merged into the base weights" in said and "as GGUF" in said
+    export(str(checkpoint), str(tmp_path / "merged"), merge_lora=True, say=lambda _: None)
     ids = torch.tensor([PROMPTS[1]])
     with torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)(ids).logits
