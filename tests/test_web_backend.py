@@ -1,6 +1,7 @@
 """The web app's backend with real runs of the embedded default behind it: what the Checkpoints,
 Runs and Chat tabs do beyond the browser test (tests/test_web.py) -- resume a new run from a
-listed checkpoint, reattach after the app restarted, compare with the base model."""
+listed checkpoint, reattach after the app restarted, compare with the base model. That the
+web app's Stop and the notebook's stop() end a run alike: tests/test_stop_everywhere.py."""
 
 from __future__ import annotations
 
@@ -116,48 +117,3 @@ def test_reattach_after_the_app_restarted_and_compare_with_the_base_model(runs):
         assert not final.alive and final.stopped_by_user
     finally:
         app.close()
-
-
-def stop_outcome(info, path: str) -> dict:
-    """What a stop left behind, in the terms both front ends promise."""
-    from pathlib import Path
-    events = read_events(f"{path}/events.jsonl")
-    stops = [e for e in events if e["type"] == "command" and e.get("cmd") == "stop" and e["status"] == "done"]
-    checkpoints = [p.name for p in (Path(path) / "checkpoints").glob("step-*") if (p / "COMPLETE.json").exists()]
-    model = Path(path) / "model"
-    return {"state": info.state, "alive": info.alive, "stopped_by_user": info.stopped_by_user,
-            "stop commands": len(stops), "saved a checkpoint": bool(checkpoints),
-            "exported the model": model.is_dir() and any(model.iterdir())}
-
-
-@pytest.mark.slow
-def test_stop_means_the_same_in_the_web_app_and_the_notebook(runs, monkeypatch):
-    """The web app's Stop button and the notebook's `Run.stop()`, each with nothing more said:
-    both take the contract's default (Stop().save), so both save and end the same way."""
-    from app.notebook import api
-    from app.web.train import _act
-    from contract.protocol.commands import Stop
-
-    assert Stop().save is True
-    monkeypatch.setenv("LIVETUNE_OUTPUT_DIR", str(runs))
-    web = Backend(runs)
-    try:
-        text = QUIET + "train: {max_steps: 5000}\ncheckpoint: {save_at_end: false}\n"
-        from_web = web.session.start(config_from_text(text + "logging: {run_name: web}\n", output_dir=str(runs)))
-        from_notebook = api.start(None, "max_steps=5000", "eval.every_n_steps=0", "eval.at_end=false",
-                                  "logging.tensorboard=false", "checkpoint.save_at_end=false",
-                                  "run_name=notebook")
-        wait_step(web, from_web.path, 2)
-        from_notebook.wait(step=2, timeout=300)
-        _act(web, "stop", from_web.path)  # the Train tab's Stop button
-        wait_state(web, from_web.path, ("finished", "failed"))
-        deadline = time.monotonic() + 60
-        while (web_info := web.session.info(from_web.path, fresh=True)).alive and time.monotonic() < deadline:
-            time.sleep(0.2)
-        notebook_info = from_notebook.stop()
-        outcomes = [stop_outcome(web_info, from_web.path), stop_outcome(notebook_info, str(from_notebook.path))]
-        assert outcomes[0] == outcomes[1] == {
-            "state": "finished", "alive": False, "stopped_by_user": True, "stop commands": 1,
-            "saved a checkpoint": True, "exported the model": True}, outcomes
-    finally:
-        web.close()
