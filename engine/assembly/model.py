@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import deepspeed
 import torch
-from transformers import get_scheduler
 
 from contract import deepspeed_config
 from contract.config.schema import RunConfig
 from contract.deepspeed_config import DeepSpeedSetup
+from engine.assembly.schedule import lr_schedule
 from engine.parallel import ds_config
 from engine.context import DistEnv
 from engine.model.loading import build_model, hidden_size, model_dir_of, quantization_config, read_config
@@ -31,9 +31,6 @@ def check_model_config(cfg: RunConfig) -> None:
 
 def warmup_steps_of(cfg: RunConfig, total_steps: int) -> int:
     return cfg.optim.warmup_steps or int(cfg.optim.warmup_ratio * total_steps)
-
-
-SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
 def ds_setup_of(cfg: RunConfig, env: DistEnv, model, total_steps: int, precision: str) -> DeepSpeedSetup:
@@ -72,17 +69,15 @@ def engine_of(cfg: RunConfig, env: DistEnv, setup: DeepSpeedSetup, model, *, lay
     if optimizer is None and not setup.ds_optimizer and trainable and method.builds_optimizer:
         optimizer = make_optimizer(model, cfg)
     if lr_scheduler is None and optimizer is not None and not setup.ds_scheduler:
-        lr_scheduler = get_scheduler(SCHEDULERS[cfg.optim.scheduler], optimizer,
-                                     num_warmup_steps=warmup, num_training_steps=max(total_steps, 1))
+        lr_scheduler = lr_schedule(cfg.optim.scheduler, optimizer, warmup, max(total_steps, 1))
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=setup.config,
         model_parameters=trainable if setup.ds_optimizer else None, mpu=layout.mpu())
     own = method.optimizer_after_engine(engine, cfg, setup, env)
     if own is not None:
         optimizer = own
-        lr_scheduler = lr_scheduler or get_scheduler(
-            SCHEDULERS[cfg.optim.scheduler], optimizer, num_warmup_steps=warmup,
-            num_training_steps=max(total_steps, 1))
+        lr_scheduler = lr_scheduler or lr_schedule(cfg.optim.scheduler, optimizer, warmup,
+                                                   max(total_steps, 1))
     return engine, optimizer, lr_scheduler
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -38,8 +39,12 @@ class AdapterError(CheckpointError):
 
 
 def is_peft(module) -> bool:
-    from peft import PeftModel
-    return isinstance(module, PeftModel)
+    """Whether `module` is a peft `PeftModel`. Asked of every run's model: a PeftModel exists
+    only once peft is imported, so without peft in sys.modules the answer is no, and a run that
+    uses no PEFT never imports it (~4 s a rank: peft imports bitsandbytes, whose import runs
+    torch.compile, and transformers' bloom model; tests/test_import_cost.py)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
 
 
 def check_adapter_names(module, selected: list[str] | None) -> list[str]:

@@ -110,8 +110,7 @@ def peft_config(model: torch.nn.Module, cfg: RunConfig):
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
-    return isinstance(model, PeftModel)
+    return adapters.is_peft(model)  # without importing peft where no PEFT is used: its docstring
 
 
 def prepare_model(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
