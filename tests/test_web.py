@@ -105,9 +105,7 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     open_tab(page, "Train")
     page.locator("#train-pause").click()
     wait_until(lambda: state(page) == "paused", 120, "the paused state")
-    held = step(page)
-    time.sleep(4)
-    assert step(page) == held
+    held, paused_at = step(page), time.monotonic()
     open_tab(page, "Chat")
     paused_answer = ask(page, "upper: abc")
     assert f"step {held} · live weights" in paused_answer
@@ -125,7 +123,11 @@ def test_browser_configure_train_chat_pause_reload_stop(app, browser, tmp_path):
     assert "◀ training here" in page.locator("#branch-tree").inner_text()
     page.locator("#branch-snapshot").click()
     wait_until(lambda: f"kept at step {held}" in page.locator("#branch-result").inner_text(), 120, "the snapshot")
+    # the step stood still through the chat, Teach and the snapshot (the engine kept it at `held`
+    # above), and for 4 s at least: waited out only where those took less
+    time.sleep(max(0.0, 4 - (time.monotonic() - paused_at)))
     open_tab(page, "Train")
+    assert step(page) == held
     page.locator("#train-resume").click()
     wait_until(lambda: state(page) == "running" and step(page) > held, 120, "training to go on")
 
@@ -281,12 +283,16 @@ def test_an_idle_page_asks_for_about_a_frame_a_second_not_sixty(app, browser):
     page.goto(url)
     page.locator("#tab-configure").wait_for(state="attached", timeout=SLOW)
     open_tab(page, "Configure")  # no live plots there: only Gradio's own frames are counted
-    time.sleep(10)  # the page's start-up transitions ask for frames of their own, for a while
-    # a rate, timed by the page's own clock: a busy machine that stretches the window asks for
-    # fewer frames per second, never more
-    before = page.evaluate("() => [window.framesAsked, performance.now()]")
-    time.sleep(3)
-    after = page.evaluate("() => [window.framesAsked, performance.now()]")
+    # the page's start-up transitions ask for frames of their own, for a while: 3 s windows are
+    # measured until one is quiet (unthrottled, every window asks for ~60 a second). A rate, timed
+    # by the page's own clock: a busy machine that stretches a window asks for fewer frames per
+    # second, never more
+    rates = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (rates and rates[-1] <= 5):
+        before = page.evaluate("() => [window.framesAsked, performance.now()]")
+        time.sleep(3)
+        after = page.evaluate("() => [window.framesAsked, performance.now()]")
+        rates.append((after[0] - before[0]) / ((after[1] - before[1]) / 1000))
     context.close()
-    per_second = (after[0] - before[0]) / ((after[1] - before[1]) / 1000)
-    assert per_second <= 5, f"{per_second:.1f} animation frames a second asked for by an idle page (60 unthrottled)"
+    assert rates[-1] <= 5, f"animation frames a second asked for by an idle page, 3 s windows: {rates} (60 unthrottled)"
