@@ -5,12 +5,21 @@ The reward curve it gives is bench/bench_grpo_default.py's (docs/rewards.md reco
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 from contract.args import resolve_args
+from contract.config.load import load_config
 from contract.presets import GRPO_DEFAULT, WARM_START_STEPS
-from contract.run_folder import EventLog
+from contract.run_folder import EventLog, read_events
 from supervisor import warm_start
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_grpo_variant_has_its_own_preset_and_asks_for_the_sft_model(tmp_path):
@@ -48,3 +57,23 @@ def test_only_a_finished_sft_runs_model_is_taken(tmp_path):
     assert warm_start.ready(tmp_path) is None
     finished = _sft_folder(tmp_path, "default-sft-2", "finished")
     assert warm_start.ready(tmp_path) == finished
+
+
+@pytest.mark.slow  # the default task's SFT run (1 rank, 500 steps), then 2 GRPO steps from its model
+def test_train_objective_grpo_trains_the_sft_model_first_then_grpo_from_it(tmp_path):
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "app.cli", "train", "objective=grpo", f"output_dir={out}",
+                           "run_name=g", "max_steps=2", "eval.at_end=false", "checkpoint.save_at_end=false"],
+                          cwd=REPO, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
+                          capture_output=True, text=True, timeout=1500)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    model = out / "default-sft" / "model"
+    assert "training it first, 500 steps" in text and f"GRPO from model.path={model}" in text, text
+    sft_events = list(read_events(out / "default-sft" / "events.jsonl"))
+    held_out = [e["eval/exact_match"] for e in sft_events if e["type"] == "eval" and "eval/exact_match" in e]
+    assert held_out and held_out[-1] > 0.1, held_out  # it answers: GRPO can sample right answers
+    assert load_config(out / "g" / "config.yaml").model.path == str(model)
+    steps = [e for e in read_events(out / "g" / "events.jsonl") if e["type"] == "train"]
+    assert [e["step"] for e in steps] == [1, 2] and all("reward" in e for e in steps), steps
+    assert json.loads((model / "config.json").read_text())["model_type"] == "llama"
