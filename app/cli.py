@@ -36,7 +36,6 @@ from app.cli_preview import preview
 from app.cli_summary import end_summary, since_last_start
 from app.cli_text import console, say, show_preflight
 from contract.args import resolve_args
-from contract.presets import WARM_START_STEPS
 from contract.config.schema import ConfigError, RunConfig, SHORTCUTS
 from contract.preflight import PreflightReport, preflight
 from contract.protocol.commands import Stop
@@ -126,7 +125,7 @@ def _warm_start(cfg: RunConfig) -> int:
     if found is None:
         sft = warm_start.sft_config(cfg)
         say(f"GRPO starts from the default task's SFT model (from random weights a right answer is "
-            f"almost never sampled): training it first, {WARM_START_STEPS} steps, kept in "
+            f"almost never sampled): training it first, {sft.train.max_steps} steps, kept in "
             f"{cfg.logging.output_dir} for the next GRPO run ...", "yellow")
         code = _train_here(sft, preflight(sft))
         found = warm_start.ready(cfg.logging.output_dir)

@@ -5,11 +5,13 @@ one, so its mean reward would stay at 0. `./launch.sh train objective=grpo` (the
 default: no model, no data named) therefore first trains the default task with SFT for
 `contract.presets.WARM_START_STEPS` steps in the same output folder (a run named `default-sft`,
 followed like any run), then starts GRPO from its final model (`model.path`). The SFT run is
-kept: the next GRPO run in that folder starts from it at once.
+kept: the next GRPO run in that folder starts from it at once. `LIVETUNE_WARM_START_STEPS` sets
+another number of SFT steps (the tests' quick end-to-end run).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from contract.args import resolve_args
@@ -20,6 +22,7 @@ from contract.protocol.states import RunState
 from contract.run_folder import read_events
 
 NAME = "default-sft"
+STEPS_ENV = "LIVETUNE_WARM_START_STEPS"
 
 
 def wanted(cfg: RunConfig) -> bool:
@@ -42,9 +45,14 @@ def _finished(events: Path) -> bool:
     return bool(states) and states[-1].get("state") == RunState.FINISHED.value
 
 
+def steps() -> int:
+    """The SFT run's steps: WARM_START_STEPS, or $LIVETUNE_WARM_START_STEPS."""
+    return int(os.environ.get(STEPS_ENV) or WARM_START_STEPS)
+
+
 def sft_config(cfg: RunConfig) -> RunConfig:
-    """The SFT run that makes the starting model: the embedded default preset for
-    WARM_START_STEPS steps, its final model saved, in the GRPO run's output folder and precision."""
+    """The SFT run that makes the starting model: the embedded default preset for `steps()`
+    steps, its final model saved, in the GRPO run's output folder and precision."""
     return resolve_args([f"logging.output_dir={cfg.logging.output_dir}", f"logging.run_name={NAME}",
-                         f"train.max_steps={WARM_START_STEPS}", f"train.precision={cfg.train.precision}",
+                         f"train.max_steps={steps()}", f"train.precision={cfg.train.precision}",
                          "checkpoint.save_at_end=true", "eval.at_end=true"]).config
