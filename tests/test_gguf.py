@@ -117,8 +117,17 @@ def test_transformers_reads_the_gguf_with_the_logits_of_its_source(models, expor
 @needs_converter
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_generates_the_greedy_tokens_of_transformers(models, exported, arch, monkeypatch):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     from transformers import AutoModelForCausalLM
+    source = AutoModelForCausalLM.from_pretrained(str(models[arch]), dtype=torch.float32).eval()
+    for dtype in ("f32", "f16"):
+        assert_llama_cpp_greedy(exported[arch, dtype] / gguf.GGUF_FILE, source, monkeypatch, f"{arch} {dtype}")
+
+
+def assert_llama_cpp_greedy(path: Path, source, monkeypatch, label: str) -> None:
+    """llama.cpp, loading the GGUF at `path`, generates transformers' greedy tokens of `source`
+    for each of PROMPTS (8 tokens)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
     # No weight repacking into AVX-512/AMX buffers: a q8_0 model crashed (signal 11) there on such
     # a CPU. The set-up's build is a portable one (GGML_NATIVE=OFF, AVX2) for the same reason;
     # llama_cpp.Llama has no argument for it, so its model parameters are given the flag.
@@ -129,20 +138,16 @@ def test_llama_cpp_generates_the_greedy_tokens_of_transformers(models, exported,
         params.use_extra_bufts = False
         return params
     monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repacking)
-    source = AutoModelForCausalLM.from_pretrained(str(models[arch]), dtype=torch.float32).eval()
-    for dtype in ("f32", "f16"):
-        llm = llama_cpp.Llama(model_path=str(exported[arch, dtype] / gguf.GGUF_FILE), n_ctx=64, verbose=False,
-                              seed=0, n_threads=1)
-        for prompt in PROMPTS:
-            want = source.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-            got = []
-            llm.reset()
-            for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-                got.append(token)
-                if len(got) == len(want):
-                    break
-            assert got == want, f"{arch} {dtype} prompt {prompt}: llama.cpp {got} vs transformers {want}"
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False, seed=0, n_threads=1)
+    for prompt in PROMPTS:
+        want = source.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        got = []
+        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            got.append(token)
+            if len(got) == len(want):
+                break
+        assert got == want, f"{label} prompt {prompt}: llama.cpp {got} vs transformers {want}"
 
 
 @needs_converter

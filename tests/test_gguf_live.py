@@ -23,7 +23,7 @@ from contract.run_folder import read_events  # noqa: E402
 from engine.checkpoint import gguf  # noqa: E402
 from supervisor.client import RunClient  # noqa: E402
 from supervisor.manager import RunManager  # noqa: E402
-from test_gguf import PROMPTS, _sentencepiece  # noqa: E402
+from test_gguf import PROMPTS, _sentencepiece, assert_llama_cpp_greedy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,22 +88,4 @@ def test_the_live_models_gguf_is_its_step_boundarys_merged_weights(tmp_path, mon
         base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)(ids).logits
         assert torch.equal(got, source(ids).logits)
     assert (got - base).abs().max() > 1e-4  # the trained adapter is in the file
-    llama_cpp = pytest.importorskip("llama_cpp")
-    defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-    def without_repacking():  # test_gguf.py says why (a crash of repacked weights on AVX-512/AMX)
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repacking)
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "gguf" / gguf.GGUF_FILE), n_ctx=64, verbose=False, seed=0,
-                          n_threads=1)
-    for prompt in PROMPTS:
-        want = source.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-        got_tokens: list[int] = []
-        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            got_tokens.append(token)
-            if len(got_tokens) == len(want):
-                break
-        assert got_tokens == want, f"prompt {prompt}: llama.cpp {got_tokens} vs transformers {want}"
+    assert_llama_cpp_greedy(tmp_path / "gguf" / gguf.GGUF_FILE, source, monkeypatch, "live LoRA")

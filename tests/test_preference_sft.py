@@ -209,7 +209,8 @@ def test_a_step_with_pairs_has_the_sft_loss_plus_the_mean_pair_loss(inputs, tmp_
     import torch
     from engine.data.mixture import Source
     from engine.objectives.preference import sft_pair_objective
-    from engine.objectives.preference_step import PreferenceStep, _logits
+    from engine.objectives.losses import model_logits
+    from engine.objectives.preference_step import PreferenceStep
     from engine.trainer import Trainer
     cfg = load_config(overrides=_overrides(inputs, tmp_path, "weights", "train.grad_accum=2", "batch_size=3",
                                            "train.loss_average=micro_batch", "control.enabled=false"))
@@ -225,7 +226,7 @@ def test_a_step_with_pairs_has_the_sft_loss_plus_the_mean_pair_loss(inputs, tmp_
         pair_losses = []
         for batch in micro_batches:
             pairs = {k.removeprefix("pair_"): v for k, v in batch.items() if k.startswith("pair_")}
-            scores = PreferenceStep._scores(lambda i, m: _logits(trainer.engine, i, m), pairs)
+            scores = PreferenceStep._scores(lambda i, m: model_logits(trainer.engine, i, m), pairs)
             mean, _ = sft_pair_objective(cfg).loss(scores, None, pairs, {})
             pair_losses += [float(mean)] * (pairs["input_ids"].size(0) // 2)
     loss, _ = trainer.train_fn(trainer, micro_batches)

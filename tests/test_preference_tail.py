@@ -9,7 +9,8 @@ import torch
 
 from contract.data_rows import IGNORE
 from engine.objectives.preference import answer_tail
-from engine.objectives.preference_step import PreferenceStep, _logits
+from engine.objectives.losses import model_logits
+from engine.objectives.preference_step import PreferenceStep
 
 
 def _batch() -> dict:
@@ -57,7 +58,7 @@ class _NoKeep(torch.nn.Module):
 @pytest.mark.parametrize("name, model", [*_models(), ("no_keep", _NoKeep())])
 def test_answer_only_logits_give_the_whole_rows_scores(name, model):
     batch = _batch()
-    forward = lambda i, m, keep=0: _logits(model, i, m, keep)  # noqa: E731
+    forward = lambda i, m, keep=0: model_logits(model, i, m, keep)  # noqa: E731
     with torch.no_grad():
         kept = forward(batch["input_ids"], batch["attention_mask"], 8).size(1)
         whole = PreferenceStep._scores(forward, batch)

@@ -38,10 +38,10 @@ from contract.rewards import Reward
 from engine.callbacks import NOTHING, Callback, Signal
 from engine.generation.generate import end_ids, generate, pad_id
 from engine.objectives.grpo import GrpoLoss, advantages_of, token_logps
-from engine.objectives.losses import by_chunks, head_chunks, head_input
+from engine.objectives.losses import by_chunks, head_chunks, head_input, hf_model, keeps_logits, model_logits
 from engine.objectives.grpo_samples import Ratings
 from engine.objectives.grpo_reuse import SampleBatch, gather_batches, reused
-from engine.objectives.preference_step import _hf_model, _keeps_logits, _logits, _mean_present, _reduce
+from engine.objectives.preference_step import mean_present, reduce_metrics
 from engine.objectives.rewards import RewardError, metrics_of, score, total
 
 
@@ -91,10 +91,10 @@ class GrpoStep(Callback):
             start += count
             old_logps.append(logps)
             losses.append(loss.detach().float())
-            sums.append(_reduce(metric_sums, env))
+            sums.append(reduce_metrics(metric_sums, env))
         if kept is None and iterations > 1:  # the sampling policy's: this step's weights, before its update
             batch.old_logps = old_logps
-        self.metrics = {**(batch.metrics if step % iterations == 0 else {}), **_mean_present(sums)}
+        self.metrics = {**(batch.metrics if step % iterations == 0 else {}), **mean_present(sums)}
         tokens = sum(int(s.prompt_mask.sum() + s.completion_mask.sum()) for s in batch.samples)
         return torch.stack(losses).sum(), tokens
 
@@ -198,7 +198,7 @@ class GrpoStep(Callback):
         logps = chunked_answer_logps(engine, ids, mask, completion, self.config.temperature,
                                      trainer.config.train.logits_chunk_rows)
         if logps is None:
-            logps = self.answer_logps(lambda i, m, k: _logits(engine, i, m, k), ids, mask, completion)
+            logps = self.answer_logps(lambda i, m, k: model_logits(engine, i, m, k), ids, mask, completion)
         ref = None
         if self.config.beta != 0.0:
             with torch.no_grad():
@@ -241,7 +241,7 @@ def chunked_answer_logps(model, ids: torch.Tensor, mask: torch.Tensor, completio
     apply (few enough positions, `rows` 0, a model that keeps no logits or changes them after
     its head): the caller computes them at once. `model`: the engine or the module; the decision
     is the same on every rank (ZeRO-3's ranks agree on the number of head calls)."""
-    if not _keeps_logits(_hf_model(model)):
+    if not keeps_logits(hf_model(model)):
         return None
     chunks = head_chunks(model, completion.numel(), rows)
     if chunks <= 1:

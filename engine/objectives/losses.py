@@ -172,10 +172,27 @@ def _slices_by_mask(model_class: type) -> bool:
     return getattr(sys.modules.get(model_class.__module__), "slice_logits_to_keep", None) is not None
 
 
-def _hf_model(module: torch.nn.Module) -> torch.nn.Module:
+def hf_model(module: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model behind a DeepSpeed engine or a PEFT wrapper."""
     module = getattr(module, "module", module)  # a DeepSpeed engine's model
     return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def model_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """The model's logits; with `keep`, only the last `keep` positions' where the model can
+    (transformers' `logits_to_keep`: the output head skips the rest), else every position's."""
+    extra = {"logits_to_keep": keep} if keep and keeps_logits(hf_model(model)) else {}
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+
+
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the Hugging Face model's forward takes `logits_to_keep`."""
+    return _forward_takes_keep(type(model).forward)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_keep(forward) -> bool:
+    return "logits_to_keep" in inspect.signature(forward).parameters
 
 
 def head_at_labels(module: torch.nn.Module) -> bool:
@@ -185,7 +202,7 @@ def head_at_labels(module: torch.nn.Module) -> bool:
     peft = getattr(module, "active_peft_config", None)
     if peft is not None and getattr(peft, "is_prompt_learning", False):
         return False  # virtual tokens in front: the labels' positions are not the logits'
-    module = _hf_model(module)
+    module = hf_model(module)
     return getattr(module, "loss_function", None) is ForCausalLMLoss and _slices_by_mask(type(module))
 
 
@@ -215,7 +232,7 @@ def _plain_forward(model_class: type, head_name: str) -> bool:
 def plain_head(module: torch.nn.Module) -> bool:
     """Whether the model's logits are its output head's output as they are (nothing applied
     after the head), so the head may be run by chunks outside its forward."""
-    model = _hf_model(module)
+    model = hf_model(module)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     name = next((n for n, m in model.named_children() if m is head), None) if head is not None else None
     return name is not None and _plain_forward(type(model), name)
@@ -252,7 +269,7 @@ def head_chunks(module: torch.nn.Module, labelled: int, rows: int) -> int:
     or a model that does something to its logits after the head). The same on every rank."""
     if rows <= 0 or not plain_head(module):
         return 0
-    return _chunk_count(_hf_model(module).get_output_embeddings(), labelled, rows)
+    return _chunk_count(hf_model(module).get_output_embeddings(), labelled, rows)
 
 
 def _partition_group(head: torch.nn.Module):
@@ -287,7 +304,7 @@ def labelled_cross_entropy(head: Callable, hidden: torch.Tensor, targets: torch.
 def head_input(forward: Callable, inputs: dict, keep: torch.Tensor | int, module: torch.nn.Module) -> tuple:
     """(the output head's input at the kept positions, the head): the model's forward runs with
     `logits_to_keep=keep` and a pre-hook takes the head's input and hands the head no row."""
-    head = _hf_model(module).get_output_embeddings()
+    head = hf_model(module).get_output_embeddings()
     taken: list[torch.Tensor] = []
 
     def take(_module, args):

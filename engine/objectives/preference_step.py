@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 from typing import Any, Callable
 
 import torch
@@ -36,34 +35,12 @@ import torch.distributed as dist
 
 from contract import capabilities
 from engine.data.inbox import PAIR_PREFIX
-from engine.objectives.losses import Window
+from engine.objectives.losses import Window, model_logits
 from engine.objectives.preference import Objective, Scores, answer_tail, scores_of, sft_pair_objective
 from engine.steps import EngineStep, StepStrategy
 
 # (input_ids, attention_mask[, keep]) -> logits; keep > 0: those of the last `keep` positions at least
 Forward = Callable[..., torch.Tensor]
-
-
-def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
-    """The model's logits; with `keep`, only the last `keep` positions' where the model can
-    (transformers' `logits_to_keep`: the output head skips the rest), else every position's."""
-    extra = {"logits_to_keep": keep} if keep and _keeps_logits(_hf_model(model)) else {}
-    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
-
-
-def _hf_model(model) -> torch.nn.Module:
-    """The model under a DeepSpeed engine and a PEFT wrapper (whose forwards pass keywords on)."""
-    model = getattr(model, "module", model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_keeps(forward) -> bool:
-    return "logits_to_keep" in inspect.signature(forward).parameters
-
-
-def _keeps_logits(model: torch.nn.Module) -> bool:
-    return _forward_keeps(type(model).forward)
 
 
 class AdapterOffReference:
@@ -75,7 +52,7 @@ class AdapterOffReference:
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
         engine = self.run.engine
         with torch.no_grad(), self.run.method.base_model(engine.module):
-            return _logits(engine, input_ids, attention_mask, keep)
+            return model_logits(engine, input_ids, attention_mask, keep)
 
 
 class FrozenReference:
@@ -86,7 +63,7 @@ class FrozenReference:
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int = 0) -> torch.Tensor:
         with torch.no_grad():
-            return _logits(self.model, input_ids, attention_mask, keep)
+            return model_logits(self.model, input_ids, attention_mask, keep)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -146,8 +123,8 @@ class PreferenceStep:
             trainer.engine.step()
             losses.append(loss.detach().float())
             tokens += int(batch["attention_mask"].sum())
-            per_batch.append(_reduce(sums, trainer.env))
-        self.metrics = self.objective.finish(_mean_present(per_batch))
+            per_batch.append(reduce_metrics(sums, trainer.env))
+        self.metrics = self.objective.finish(mean_present(per_batch))
         return torch.stack(losses).mean(), tokens
 
     def micro_batch(self, engine, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -158,7 +135,7 @@ class PreferenceStep:
         skips every unlabelled position, on GPUs)."""
         extra: dict[str, Scores] = {}
         tail = not self.objective.whole_rows
-        policy_logits = functools.partial(_logits, engine)
+        policy_logits = functools.partial(model_logits, engine)
         if self.objective.kl_rows:
             with torch.no_grad():
                 extra["policy_kl"] = self._scores(policy_logits, batch, "kl_", tail)
@@ -198,14 +175,14 @@ class PreferenceEvaluator:
             batch = {k: v.to(trainer.engine.device) for k, v in batch.items()}
             loss, sums = self.step.micro_batch(trainer.engine, batch)  # every rank, every batch (ZeRO-3)
             losses.append(float(loss))
-            per_batch.append(_reduce(sums, trainer.env))
+            per_batch.append(reduce_metrics(sums, trainer.env))
         if not losses:
             return {}
-        mean = _reduce({"loss": (torch.tensor(sum(losses)), torch.tensor(float(len(losses))))}, trainer.env)
-        return {**mean, **self.step.objective.finish(_mean_present(per_batch))}
+        mean = reduce_metrics({"loss": (torch.tensor(sum(losses)), torch.tensor(float(len(losses))))}, trainer.env)
+        return {**mean, **self.step.objective.finish(mean_present(per_batch))}
 
 
-def _reduce(sums: dict, env) -> dict[str, float]:
+def reduce_metrics(sums: dict, env) -> dict[str, float]:
     """Each metric's mean over every data-parallel rank's rows (one all-reduce); a metric no
     rank had rows for is left out."""
     if not sums:
@@ -214,12 +191,12 @@ def _reduce(sums: dict, env) -> dict[str, float]:
     packed = torch.stack([torch.stack([sums[n][0].detach().float().cpu(), sums[n][1].float().cpu()])
                           for n in names]).double().to(env.device)
     if env.dp_size > 1:
-        dist.all_reduce(packed, group=env.dp_group)
+        dist.allreduce_metrics(packed, group=env.dp_group)
     packed = packed.cpu()
     return {n: float(packed[i, 0] / packed[i, 1]) for i, n in enumerate(names) if packed[i, 1] > 0}
 
 
-def _mean_present(values: list[dict[str, float]]) -> dict[str, float]:
+def mean_present(values: list[dict[str, float]]) -> dict[str, float]:
     """A step's metric: the mean over its micro-batches that have it (TRL logs the same)."""
     names = dict.fromkeys(k for v in values for k in v)
     return {n: sum(v[n] for v in values if n in v) / sum(1 for v in values if n in v) for n in names}
@@ -290,7 +267,7 @@ class _PairTerm:
     def __call__(self, batch: dict, window: Window) -> torch.Tensor:
         device = self.engine.device
         pairs = {k[len(PAIR_PREFIX):]: v.to(device) for k, v in batch.items() if k.startswith(PAIR_PREFIX)}
-        policy = PreferenceStep._scores(lambda i, m: _logits(self.engine, i, m), pairs)
+        policy = PreferenceStep._scores(lambda i, m: model_logits(self.engine, i, m), pairs)
         reference = None if self.reference is None else PreferenceStep._scores(self.reference.logits, pairs)
         mean, sums = self.objective.loss(policy, reference, pairs, {})
         for name, (value, count) in sums.items():
@@ -328,7 +305,7 @@ def _sum_over_ranks(value: int, env) -> int:
     if env.dp_size == 1:
         return value
     total = torch.tensor([value], dtype=torch.int64, device=env.device)
-    dist.all_reduce(total, group=env.dp_group)
+    dist.allreduce_metrics(total, group=env.dp_group)
     return int(total.item())
 
 
