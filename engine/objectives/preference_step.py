@@ -191,7 +191,7 @@ def reduce_metrics(sums: dict, env) -> dict[str, float]:
     packed = torch.stack([torch.stack([sums[n][0].detach().float().cpu(), sums[n][1].float().cpu()])
                           for n in names]).double().to(env.device)
     if env.dp_size > 1:
-        dist.allreduce_metrics(packed, group=env.dp_group)
+        dist.all_reduce(packed, group=env.dp_group)
     packed = packed.cpu()
     return {n: float(packed[i, 0] / packed[i, 1]) for i, n in enumerate(names) if packed[i, 1] > 0}
 
@@ -305,7 +305,7 @@ def _sum_over_ranks(value: int, env) -> int:
     if env.dp_size == 1:
         return value
     total = torch.tensor([value], dtype=torch.int64, device=env.device)
-    dist.allreduce_metrics(total, group=env.dp_group)
+    dist.all_reduce(total, group=env.dp_group)
     return int(total.item())
 
 
