@@ -3,7 +3,7 @@
 HTML table), its caption, the ratings a person may forget, and the words of a rating's answer.
 Built from the `samples` event (contract.events.SamplesEvent) the run's history keeps
 (app.series.RunHistory.samples) and from the run's inbox; the rating itself goes through the one
-set of verbs (`rate`, `forget`: supervisor.client.Verbs). Torch-free, Gradio-free, ipywidgets-free.
+set of verbs (`rate`, `rate_chat`, `forget`: supervisor.client.Verbs). Torch-free, Gradio-free, ipywidgets-free.
 
     table = samples_table(history.samples)   # None before the first GRPO step: an empty table
     table.columns, table.rows, table.caption, table.step
@@ -18,7 +18,7 @@ from typing import Any
 from contract.events import EventError, SamplesEvent
 from contract.inbox import inbox_path, read_ratings
 from contract.protocol.data_commands import ForgetAnswer
-from contract.protocol.rating_commands import DOWN, UP, RateAnswer
+from contract.protocol.rating_commands import DOWN, UP, RateAnswer, RateChatAnswer
 
 FIRST = ["#", "group", "row", "prompt", "completion"]  # the columns before the reward functions'
 LAST = ["total", "advantage", "clipped"]               # and after them
@@ -86,10 +86,13 @@ def ratings(folder: str | Path) -> list[Given]:
 
 
 def rating_label(record: dict) -> str:
-    """A rating as a picker lists it: `t3: step 2 #5 up · "4" (given at step 2)`."""
+    """A rating as a picker lists it: `t3: step 2 #5 up · "4" (given at step 2)`; a chat answer's:
+    `t4: chat (step 2) down · "cba" (given at step 3)`."""
     completion = " ".join(str(record.get("completion", "")).split())
     completion = completion if len(completion) <= 30 else completion[:29] + "…"
-    label = (f"{record['id']}: step {record.get('sample_step')} #{record.get('sample')} {score_word(record['score'])}"
+    which = f"chat (step {record.get('answer_step')})" if record.get("chat") else \
+        f"step {record.get('sample_step')} #{record.get('sample')}"
+    label = (f"{record['id']}: {which} {score_word(record['score'])}"
              f" · \"{completion}\" (given at step {record.get('step')})")
     return label + (f", forgotten at step {record['forgotten_at']}" if record.get("forgotten_at") is not None else "")
 
@@ -104,6 +107,13 @@ def rated_text(answer: RateAnswer) -> str:
     return (f"Rated sample #{answer.sample} of step {answer.sample_step} {score_word(answer.score)} "
             f"({answer.id}): its group ({answer.group}) is trained again at step {answer.applies_from_step} "
             f"with a 'human' reward. Forget {answer.id} to take it back.")
+
+
+def rated_chat_text(answer: RateChatAnswer) -> str:
+    """The answer to a rating of a chat answer, in words."""
+    return (f"Rated the chat's answer of step {answer.answer_step} {score_word(answer.score)} ({answer.id}): at step "
+            f"{answer.applies_from_step} it trains with {answer.group_size - 1} fresh answers to the same question "
+            f"as a group, with a 'human' reward (the fresh ones 0). Forget {answer.id} to take it back.")
 
 
 def forgot_text(answer: ForgetAnswer) -> str:

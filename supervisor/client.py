@@ -37,7 +37,7 @@ from contract.protocol.base import Command, ProtocolError
 from contract.protocol.branch_commands import Branch, Branches, Rewind, Snapshot
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop, Subscribe, command_from_wire
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, SourceFormat, Teach
-from contract.protocol.rating_commands import Rate, RateAnswer
+from contract.protocol.rating_commands import Rate, RateAnswer, RateChat, RateChatAnswer
 from contract.protocol.frames import Done, Error, EventLine, Frame, Token
 from contract.protocol.reward_commands import AddReward, RemoveReward, RewardsAnswer
 from contract.exports import GGUF_TYPES
@@ -279,6 +279,18 @@ class Verbs:
         takes it back."""
         given: dict[str, Any] = {"step": step, "sample": sample, "score": score}  # up / down: Rate's words
         return self.send(self.build(lambda: Rate(**given)))
+
+    def rate_chat(self, prompt: str | None, answer: str, score: float | str = "up", *,
+                  messages: list[dict] | None = None, step: int | None = None) -> RateChatAnswer:
+        """Rate an answer the chat gave with a GRPO run's live weights: `prompt` (as given to
+        generate) or chat `messages`, the `answer` text as it came back, and optionally the
+        `step` it was answered at (generate's). "up" (1), "down" (-1) or a score in [-1, 1]. In
+        the run's inbox durably before the answer; the next step samples grpo.num_generations - 1
+        fresh answers to the prompt and trains them with this one as a group, with a `human`
+        reward (docs/rewards.md, "Rating a chat answer"). `forget(answer.id)` takes it back."""
+        given: dict[str, Any] = {"answer": answer, "score": score, "step": step,
+                                 **({"messages": messages} if messages is not None else {"prompt": prompt})}
+        return self.send(self.build(lambda: RateChat(**given)))
 
     def status(self, ranks: bool = False) -> StatusAnswer:
         """Step, epoch, state, last metrics, queue length and memory (rank 0's at once; with

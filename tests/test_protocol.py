@@ -37,7 +37,7 @@ def test_the_defaults_a_user_relies_on():
     assert sorted(COMMANDS) == sorted(["evaluate", "generate", "pause", "resume", "save", "set", "status", "stop",
                                        "rewind", "branch", "snapshot", "branches",
                                        "add_source", "set_weight", "remove_source", "teach", "inbox", "forget",
-                                       "complete", "add_reward", "remove_reward", "rate"])
+                                       "complete", "add_reward", "remove_reward", "rate", "rate_chat"])
     assert P.IMMEDIATE == {"status", "subscribe"}
     assert Status().answered_at_once and not Status(ranks=True).answered_at_once
     assert not Stop().answered_at_once and Subscribe().answered_at_once
@@ -53,7 +53,7 @@ def test_every_field_is_documented_where_it_is_declared():
 # -- validation ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cmd, args, message", [
     ("rm -rf", {}, "unknown command 'rm -rf'; allowed: add_reward, add_source, branch, branches, complete, evaluate, "
-                   "forget, generate, inbox, pause, rate, remove_reward, remove_source, resume, rewind, save, set, "
+                   "forget, generate, inbox, pause, rate, rate_chat, remove_reward, remove_source, resume, rewind, save, set, "
                    "set_weight, snapshot, status, stop, teach, subscribe"),
     ("stop", {"save": "yes"}, "stop: argument 'save' must be true or false, got 'yes'"),
     ("stop", {"save": None}, "stop: argument 'save' must not be null"),
@@ -132,7 +132,8 @@ def _valid_base(cls):
     return {"generate": {"prompt": "x"}, "branch": {"target": "step-4", "branch": "b1"},
             "add_source": {"path": "x.jsonl"}, "set_weight": {"source": "a"},
             "teach": {"prompt": "x", "answer": "y"}, "complete": {"prompts": ["x"], "echo": True},
-            "rate": {"step": 1, "sample": 0, "score": 1.0}}.get(cls.name, {})
+            "rate": {"step": 1, "sample": 0, "score": 1.0},
+            "rate_chat": {"prompt": "x", "answer": "y", "score": 1.0}}.get(cls.name, {})
 
 
 @pytest.mark.parametrize("cls, name, schema", list(_bounded_fields()),
@@ -196,7 +197,7 @@ def test_the_commands_allowed_in_each_state():
     everything = {"generate", "complete", "stop", "save", "evaluate", "set", "status",
                   "rewind", "branch", "snapshot", "branches",
                   "add_source", "set_weight", "remove_source", "teach", "inbox", "forget", "add_reward",
-                  "remove_reward", "rate"}
+                  "remove_reward", "rate", "rate_chat"}
     assert allowed_commands("running") == everything | {"pause"}
     assert allowed_commands(RunState.PAUSED) == everything | {"resume"}
     assert allowed_commands("starting") == {"status", "stop"}

@@ -54,7 +54,8 @@ def test_a_viewer_token_is_refused_every_operator_command_before_it_is_queued(se
                "snapshot": {}, "teach": {"prompt": "a", "answer": "b"}, "forget": {"id": "t1"},
                "add_source": {"path": "x.jsonl"}, "set_weight": {"source": "s", "weight": 1.0},
                "remove_source": {"source": "s"}, "add_reward": {"reward": {"kind": "regex", "pattern": "a"}},
-               "remove_reward": {"reward": "r"}, "rate": {"step": 1, "sample": 0, "score": 1.0}}
+               "remove_reward": {"reward": "r"}, "rate": {"step": 1, "sample": 0, "score": 1.0},
+               "rate_chat": {"prompt": "a", "answer": "b", "score": 1.0}}
     assert set(refused) == set(COMMANDS) - VIEWER_COMMANDS  # every operator command is tried
     for i, (cmd, args) in enumerate(refused.items()):
         sock.sendall(json.dumps({"token": info["token"], "id": i, "cmd": cmd, "args": args}).encode() + b"\n")

@@ -5,7 +5,9 @@ tab does (the model's chat template; the last message as raw text when it has no
 mode sends the text as it is. The answer comes from a background thread, so the kernel stays
 free while the model writes. Teach: write the answer you wanted to the last question and press
 Teach: the pair goes into the run's inbox and the next batches. Prefer (a preference run): the
-written answer is preferred over the model's last answer (chosen and rejected, Run.prefer).
+written answer is preferred over the model's last answer (chosen and rejected, Run.prefer). Rate
+(a GRPO run): Up or Down on the last answer (Run.rate_chat), a human reward for it against fresh
+samples of the same question at the next step (docs/rewards.md, "Rating a chat answer").
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ipywidgets as widgets
 
 from app.notebook.api import Run
 from app.chat_updates import ChatUpdate, chat_updates
+from app.samples import rated_chat_text
 
 
 class ChatBox:
@@ -45,6 +48,15 @@ class ChatBox:
         self.taught = widgets.HTML()
         self.prefer_button = widgets.Button(description="Prefer", icon="thumbs-up",
                                             tooltip="the answer you wanted, preferred over the model's last answer")
+        self.up_button = widgets.Button(description="Up", icon="thumbs-up",
+                                        tooltip="a GRPO run: rate the last answer up (a human reward at the next step)")
+        self.down_button = widgets.Button(description="Down", icon="thumbs-down",
+                                          tooltip="a GRPO run: rate the last answer down")
+        self.rated = widgets.HTML()
+        self.up_button.on_click(lambda _: self.rate("up"))
+        self.down_button.on_click(lambda _: self.rate("down"))
+        self._sent: dict[str, Any] = {}  # what the last question was sent as: {"prompt"} or {"messages"}
+        self.last: tuple[dict[str, Any], str, int | None] | None = None  # (sent, answer, step) of the last answer
         self.teach_button.on_click(lambda _: self.teach())
         self.prefer_button.on_click(lambda _: self.prefer())
         self.transcript: list[tuple[str, str]] = []
@@ -59,7 +71,9 @@ class ChatBox:
             widgets.HTML("<b>Chat with the live model</b>"),
             widgets.HBox([self.input, widgets.VBox([self.send_button, self.clear_button])]),
             widgets.HBox([self.mode, self.max_new_tokens, self.keep_history, self.compare_base]),
-            self.view, widgets.HBox([self.wanted, self.teach_button, self.prefer_button]), self.taught])
+            self.view, widgets.HBox([self.wanted, self.teach_button, self.prefer_button]), self.taught,
+            widgets.HBox([widgets.HTML("rate the last answer (GRPO):"), self.up_button, self.down_button]),
+            self.rated])
 
     def set_enabled(self, enabled: bool) -> None:
         self.send_button.disabled = not enabled or self.busy
@@ -138,6 +152,32 @@ class ChatBox:
             self._on_error(f"teach: {e}")
             self.taught.value = f"<span style='color:#b00020'>not taught: {html.escape(str(e))}</span>"
 
+    def rate(self, score: float | str = "up") -> threading.Thread | None:
+        """Rate the last answer (a GRPO run's live weights): up, down or a score in [-1, 1], as the
+        chat sent its question (Run.rate_chat); returns the thread waiting for the run's answer.
+        The next step samples fresh answers to the question and trains them with it as a group."""
+        run = self._get_run()
+        if run is None or self.last is None:
+            self._on_error("rate: ask something and wait for the whole answer first")
+            return None
+        thread = threading.Thread(target=self._rate, args=(run, score, self.last), name="rate", daemon=True)
+        thread.start()
+        return thread
+
+    def _rate(self, run: Run, score: float | str, last: tuple[dict[str, Any], str, int | None]) -> None:
+        sent, answer, step = last
+        try:
+            try:
+                result = run.rate_chat(sent.get("prompt"), answer, score, messages=sent.get("messages"), step=step)
+            except Exception as e:  # noqa: BLE001 - a model without a chat template got the raw text
+                if "chat template" not in str(e) or "messages" not in sent:
+                    raise
+                result = run.rate_chat(sent["messages"][-1]["content"], answer, score, step=step)
+            self.rated.value = f"<span style='color:#333'>{html.escape(rated_chat_text(result))}</span>"
+        except Exception as e:  # noqa: BLE001 - shown, the kernel goes on
+            self._on_error(f"rate: {e}")
+            self.rated.value = f"<span style='color:#b00020'>not rated: {html.escape(str(e))}</span>"
+
     def wait(self, timeout: float | None = None) -> str:
         """Wait for the answer being streamed; returns it."""
         if self._thread is not None:
@@ -150,8 +190,10 @@ class ChatBox:
         compare = bool(self.compare_base.value)
         params = {"max_new_tokens": self.max_new_tokens.value, "compare_base": compare}
         if self.mode.value == "prompt":
+            self._sent = {"prompt": self.transcript[-1][1]}
             return chat_updates(run.generate(self.transcript[-1][1], **params), compare)
         messages = [{"role": role, "content": text} for role, text in self.transcript]
+        self._sent = {"messages": messages}
         return run.session.chat(str(run.path), messages, **params)
 
     def _stream(self, run: Run) -> None:
@@ -161,6 +203,7 @@ class ChatBox:
                 self.answer, self.base_answer, step = update.text, update.base or "", update.step
                 self._render(streaming=not update.done)
             self.transcript.append(("assistant", self.answer))
+            self.last = (self._sent, self.answer, step)
             self.answered += 1
             self._render(note=f"answered by the weights of step {step}")
         except Exception as e:  # noqa: BLE001 - shown in the box, the kernel goes on

@@ -13,11 +13,11 @@ its own processes, stopped with "End it"). Teach: pick any answer of the chat, w
 the answer you wanted, press Teach: the pair goes into the run's inbox and into the next batches
 (the inbox is on the Train tab's data panel, with the engine's check of the answer before and
 after). Which answer is better: one question answered twice, the better one preferred
-(chat_prefer)."""
+(chat_prefer). Rate (a GRPO run): up or down on the last answer, a human reward for it against fresh
+samples of the same question at the next step (chat_rate)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,13 +28,13 @@ from app.branches import checkpoint_targets
 from app.embedded import early_note, expected_answer
 from app.session import SessionError
 from app.web.access import OPERATOR
-from app.web import chat_prefer
+from app.web import chat_prefer, chat_rate
+from app.web.chat_turns import sent_messages, tagged, text_of
 from app.web.backend import Backend
 from app.web.backend.watch import Snapshot
 from app.web.widgets import CHAT_CLASS, readable
 from contract.branches import BranchTree
 
-TAG = re.compile(r"\n\n<sub>step \d+ · [^<]*</sub>$")
 LIVE = "Live model (the weights being trained)"
 
 
@@ -88,6 +88,7 @@ def build(backend: Backend, run_state: gr.State) -> dict:
         taught = gr.Markdown("", elem_id="chat-teach-result")
     chat_prefer.build(backend, run_state, copy, [max_new, temperature, top_p, top_k, repetition], live)
     settings = [max_new, temperature, top_p, top_k, repetition, history, compare]
+    rate_fold = chat_rate.build(backend, run_state, live, history)  # shown for a GRPO run
 
     view = ChatView(message, live, base, about, other)
 
@@ -115,8 +116,9 @@ def build(backend: Backend, run_state: gr.State) -> dict:
     teach.click(lambda path, q, a: teach_answer(backend, path, q, a, taught, wanted), inputs=[run_state, asked, wanted],
                 outputs=[taught, wanted], api_visibility="private", concurrency_limit=None)
     compare.change(lambda on: gr.update(visible=on), inputs=compare, outputs=base, api_visibility="private")
-    refresh = dict(fn=lambda path: {**_about(backend, path, about, compare), ckpt: _checkpoints(backend, path)},
-                   inputs=run_state, outputs=[about, compare, ckpt],
+    refresh = dict(fn=lambda path: {**_about(backend, path, about, compare), ckpt: _checkpoints(backend, path),
+                                    **chat_rate.shown(backend, path, rate_fold)},
+                   inputs=run_state, outputs=[about, compare, ckpt, rate_fold],
                    api_visibility="private", show_progress="hidden")
     run_state.change(**refresh)
     return refresh  # the app also runs it when the tab is selected
@@ -181,29 +183,6 @@ def expected(backend: Backend, path: str | None, question: str) -> str | None:
     return expected_answer(question) if backend.watch.embedded(root) is not None else None
 
 
-def _text(content: Any) -> str:
-    """A Chatbot message's text (Gradio hands content over as a list of parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        return str(content.get("text", ""))
-    if isinstance(content, list):
-        return "".join(_text(part) for part in content)
-    return ""
-
-
-def _messages(chat: list, text: str, with_history: bool) -> list[dict]:
-    """What the model is sent: this question, and with `with_history` the earlier turns
-    (without the step tags the page added)."""
-    turns = []
-    if with_history:
-        for m in chat:
-            content = TAG.sub("", _text(m.get("content")))
-            if m.get("role") in ("user", "assistant") and content and not content.startswith("⚠"):
-                turns.append({"role": m["role"], "content": content})
-    return turns + [{"role": "user", "content": text}]
-
-
 def _respond(backend: Backend, view: ChatView, text: str, chat: list, base_chat: list, path: str | None,
              max_new: int, temperature: float, top_p: float, top_k: Any, repetition: float,
              with_history: bool, compare: bool):
@@ -214,7 +193,7 @@ def _respond(backend: Backend, view: ChatView, text: str, chat: list, base_chat:
         raise gr.Error("Type a message first.", print_exception=False)
     chat, base_chat = list(chat or []), list(base_chat or [])
     compare = compare and view.base is not None
-    messages = _messages(chat, text, with_history)
+    messages = sent_messages(chat, text, with_history)
     chat += [{"role": "user", "content": text}, {"role": "assistant", "content": "… waiting for the next step boundary"}]
     if compare:
         base_chat += [{"role": "user", "content": text}, {"role": "assistant", "content": "…"}]
@@ -231,21 +210,15 @@ def _respond(backend: Backend, view: ChatView, text: str, chat: list, base_chat:
         what += f" · expected: {want}"
     try:
         for update in backend.session.chat(path, messages, compare_base=compare, **params):
-            chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, what)}
+            chat[-1] = {"role": "assistant", "content": tagged(update.text, update.step, what)}
             if compare:
                 base_text = update.base or ("" if not update.done else update.note or "")
-                base_chat[-1] = {"role": "assistant", "content": _tagged(base_text, update.step, "adapter off")}
+                base_chat[-1] = {"role": "assistant", "content": tagged(base_text, update.step, "adapter off")}
             yield shown()
     except SessionError as e:
         chat[-1] = {"role": "assistant", "content": f"⚠ {e}"}
         yield shown()
     yield {view.about: about_text(backend, path, view.note_default)}
-
-
-def _tagged(text: str, step: int | None, what: str) -> str:
-    if step is None:
-        return text or "…"
-    return f"{text or '(empty answer)'}\n\n<sub>step {step} · {what}</sub>"
 
 
 def _branch(backend: Backend, path: str | None) -> str:
@@ -264,7 +237,7 @@ def questions(chat: list | None) -> list[str]:
     for i, m in enumerate(messages[:-1]):
         answer = messages[i + 1]
         if m.get("role") == "user" and answer.get("role") == "assistant":
-            text = _text(m.get("content")).strip()
+            text = text_of(m.get("content")).strip()
             if text and text not in found:
                 found.append(text)
     return found
@@ -391,7 +364,7 @@ def _respond_copy(backend: Backend, view: ChatView, text: str, other_chat: list,
     what = copied["label"] + (f" · expected: {want}" if want is not None else "")
     try:
         for update in backend.session.chat(copied["path"], [{"role": "user", "content": text}], **params):
-            other_chat[-1] = {"role": "assistant", "content": _tagged(update.text, update.step, what)}
+            other_chat[-1] = {"role": "assistant", "content": tagged(update.text, update.step, what)}
             yield {view.other: other_chat}
     except SessionError as e:
         other_chat[-1] = {"role": "assistant", "content": f"⚠ {e}"}

@@ -49,7 +49,7 @@ from contract.protocol.base import WIRE, Arguments, Chat, Command, ProtocolError
 from contract.config.schema import GrpoConfig
 from contract.protocol.completion_commands import Complete
 from contract.protocol.data_commands import AddSource, Forget, Inbox, RemoveSource, SetWeight, Teach
-from contract.protocol.rating_commands import Rate
+from contract.protocol.rating_commands import Rate, RateChat
 from contract.protocol.reward_commands import AddReward, RemoveReward
 from contract.protocol.states import RunState
 
@@ -66,9 +66,9 @@ ALLOWED_COMMANDS: dict[RunState, frozenset[str]] = {
     RunState.QUEUED: frozenset({"stop"}),  # no rank yet: Stop cancels the job (supervisor.slurm)
     RunState.STARTING: frozenset({"status", "stop"}),
     RunState.RUNNING: frozenset({"generate", "complete", "pause", "stop", "save", "evaluate", "set", "status",
-                                 "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS, "rate"}),
+                                 "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS, "rate", "rate_chat"}),
     RunState.PAUSED: frozenset({"generate", "complete", "resume", "stop", "save", "evaluate", "set", "status",
-                                "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS, "rate"}),
+                                "rewind", "branch", "snapshot", "branches", *DATA_COMMANDS, "rate", "rate_chat"}),
     RunState.STOPPING: frozenset({"status", "stop"}),
     RunState.FINISHED: frozenset(),
     RunState.FAILED: frozenset(),
@@ -258,7 +258,7 @@ class Subscribe(Command):
 # the commands a run executes, by wire name (subscribe is a request for events, not a command)
 COMMANDS: dict[str, type[Command]] = {c.name: c for c in (
     Generate, Pause, Resume, Stop, Save, Evaluate, Set, Status, Rewind, Branch, Snapshot, Branches,
-    AddSource, SetWeight, RemoveSource, Teach, Inbox, Forget, Complete, Rate, AddReward, RemoveReward)}
+    AddSource, SetWeight, RemoveSource, Teach, Inbox, Forget, Complete, Rate, RateChat, AddReward, RemoveReward)}
 REQUESTS: dict[str, type[Command]] = {**COMMANDS, Subscribe.name: Subscribe}
 # the requests rank 0 may answer from its server thread (status only without `ranks`)
 IMMEDIATE = frozenset(name for name, c in REQUESTS.items() if c.immediate)

@@ -26,7 +26,7 @@ from contract.protocol.base import Command
 from contract.protocol.answers import StatusAnswer
 from contract.protocol.completion_commands import Complete
 from contract.protocol.commands import Evaluate, Generate, Pause, Resume, Save, Set, Status, Stop
-from contract.protocol.rating_commands import Rate
+from contract.protocol.rating_commands import Rate, RateChat
 from contract.protocol.reward_commands import AddReward, RemoveReward
 from contract.protocol.states import RunState
 from engine.checkpoint import rewind as rewinding
@@ -40,7 +40,7 @@ from engine.control import live_fields
 from engine.control.settings import REPLACED
 from engine.generation.generate import fresh_seed
 from engine.generation.generate import generate as generate_text
-from engine.objectives import grpo_samples
+from engine.objectives import grpo_chat, grpo_samples
 from engine.objectives import grpo_live
 
 
@@ -60,8 +60,14 @@ def generate(control: Plane, cmd: Generate, reply: Reply) -> dict:
     prompt = prompt_text(trainer.tokenizer, cmd)
     step = trainer.state.global_step
     streams = control.rank == 0
+    ratings = grpo_samples.ratings_of(trainer)  # a GRPO run keeps its chat answers for rate_chat
+    captured: list[list[int]] = []
     text = generate_text(trainer.ctx, [prompt], **params,
-                         on_text=(lambda t: reply.token(t, "current")) if streams else None)[0]
+                         on_text=(lambda t: reply.token(t, "current")) if streams else None,
+                         **({"on_ids": captured.extend} if ratings is not None else {}))[0]
+    if ratings is not None and captured:
+        grpo_chat.keep_answer(ratings, trainer, step, prompt, cmd.messages if cmd.messages is not None else cmd.prompt,
+                              text, captured[0])
     result: dict[str, Any] = {"text": text, "step": step, "model": "current", "seed": params["seed"]}
     if cmd.compare_base:
         if trainer.method.has_adapter:
@@ -73,7 +79,7 @@ def generate(control: Plane, cmd: Generate, reply: Reply) -> dict:
     return result
 
 
-def prompt_text(tokenizer, cmd: Generate) -> str:
+def prompt_text(tokenizer, cmd: Generate | Teach | RateChat) -> str:
     """The text the model continues: the chat template applied to `messages`, or `prompt` with
     the BOS token the tokenizer puts in front of every training sample."""
     if cmd.messages is not None:
@@ -341,6 +347,20 @@ def rate(control: Plane, cmd: Rate, reply: Reply) -> dict:
         raise CommandRefused(str(e)) from None
 
 
+def rate_chat(control: Plane, cmd: RateChat, reply: Reply) -> dict:
+    """Rate an answer the chat gave with this GRPO run's live weights (engine.objectives.grpo_chat):
+    in the inbox before the answer; the next step samples the rest of its group."""
+    trainer = control.trainer
+    ratings = grpo_samples.ratings_of(trainer)
+    if ratings is None or trainer.config.control.chat_only:
+        what = "a chat-only run (it trains nothing)" if trainer.config.control.chat_only else \
+            f"a {trainer.config.preference.objective} run"
+        raise CommandRefused(f"rate_chat: only a GRPO run's chat answers can be rated (preference.objective=grpo); "
+                             f"this is {what}")
+    return grpo_chat.rate(ratings, trainer, cmd, prompt_text(trainer.tokenizer, cmd), control.rank,
+                          lambda v: data_commands._from_rank0(control, v), CommandRefused)
+
+
 def forget(control: Plane, cmd: Forget, reply: Reply) -> dict:
     """Forget a rating (a GRPO run's), else a taught entry (data_commands.forget)."""
     ratings = grpo_samples.ratings_of(control.trainer)
@@ -357,7 +377,7 @@ def forget(control: Plane, cmd: Forget, reply: Reply) -> dict:
 DATA_HANDLERS: dict[type[Command], Handler] = {
     AddSource: _data(data_commands.add_source), SetWeight: _data(data_commands.set_weight),
     RemoveSource: _data(data_commands.remove_source), Teach: _data(data_commands.teach),
-    Inbox: _data(data_commands.inbox), Forget: forget, Rate: rate}
+    Inbox: _data(data_commands.inbox), Forget: forget, Rate: rate, RateChat: rate_chat}
 
 
 # one handler per command type (the model class, not its name, picks it)

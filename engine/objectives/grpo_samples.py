@@ -18,6 +18,8 @@ ratings").
   function added since scores it None). The group joins the first data-parallel rank's last
   micro-batch (DeepSpeed's accumulation keeps its count of micro-batches); its answer tokens count
   in the step's (dapo). `rewards/human/mean` is then in the step's metrics.
+* `rate_chat` rates an answer the chat gave: engine.objectives.grpo_chat keeps the chat's answers
+  and completes such a rating's group with fresh samples at the next step (`Rating.chat`).
 * `forget` of a rating's id drops it if it has not trained yet (and from every later replay).
 * A rating given at step S's boundary is in the inbox with step S: a resume or rewind to step S's
   checkpoint (which was written before that boundary's commands) replays it at step S + 1, as the
@@ -39,6 +41,7 @@ from contract.protocol.data_commands import Forget
 from contract.protocol.rating_commands import Rate
 from engine.callbacks import NOTHING, Callback, Signal
 from engine.generation.generate import pad_ids
+from engine.objectives.grpo_chat import ChatAnswers
 from engine.objectives.rewards import total
 
 TEXT_LIMIT = 300     # characters of each prompt and completion in a samples event
@@ -73,18 +76,32 @@ class KeptStep:
 
 @dataclass
 class Rating:
-    """A pending rating: its group, as the inbox holds it."""
+    """A pending rating: its group, as the inbox holds it. A chat answer's rating (`chat`) holds
+    the rated answer only until the step that trains it completes its group (grpo_chat), whose
+    unrated answers then get `unrated` as their `human` reward (None: a rated sample's group,
+    whose other answers the `human` reward does not score)."""
     id: str
     prompt_ids: list[int]
     completion_ids: list[list[int]]
     rewards: dict[str, list[float | None]]
     rated: int
     score: float
+    chat: bool = False
+    prompt: str = ""                # the prompt's text (a chat rating's reward functions get it,
+    chat_prompt: Any = None         # or the prompt / messages as sent to generate)
+    completion_text: str = ""       # the rated answer's text
+    unrated: float | None = None
 
     @classmethod
     def of(cls, record: dict) -> "Rating":
         return cls(record["id"], list(record["prompt_ids"]), [list(c) for c in record["completion_ids"]],
-                   dict(record["rewards"]), int(record["rated"]), float(record["score"]))
+                   dict(record["rewards"]), int(record["rated"]), float(record["score"]),
+                   chat=bool(record.get("chat", False)), prompt=str(record.get("prompt", "")),
+                   chat_prompt=record.get("chat_prompt"), completion_text=str(record.get("completion", "")))
+
+    def grouped(self, completion_ids: list[list[int]], rewards: dict[str, list[float | None]]) -> "Rating":
+        """A chat rating with its whole group: the rated answer first, the fresh ones `human` 0."""
+        return replace(self, completion_ids=completion_ids, rewards=rewards, rated=0, unrated=0.0)
 
     def rows(self, names: Sequence[str]) -> torch.Tensor:
         """(G, F + 1): the group's function rewards under `names` (NaN: not scored), then `human`."""
@@ -94,6 +111,8 @@ class Rating:
             for i, value in enumerate(self.rewards.get(name, [None] * g)):
                 if value is not None:
                     out[i, j] = float(value)
+        if self.unrated is not None:
+            out[:, -1] = self.unrated
         out[self.rated, -1] = self.score
         return out
 
@@ -141,11 +160,16 @@ class Ratings(Callback):
     def __init__(self) -> None:
         self.pending: list[Rating] = []
         self.kept: dict[int, KeptStep] = {}
+        self.chat = ChatAnswers()  # the live weights' last chat answers (grpo_chat)
         self.step_samples: tuple | None = None  # (micro-batches, rewards, advantages, names, weights, G)
 
     @property
     def state_key(self) -> str:
         return "GrpoRatings"
+
+    @staticmethod
+    def rating_of(record: dict) -> Rating:
+        return Rating.of(record)
 
     # -- the step: the pending ratings as more groups ----------------------------------------------
     def take(self, trainer, names: list[str], weights: list[float], everyone: torch.Tensor,
@@ -210,6 +234,7 @@ class Ratings(Callback):
         (read from the checkpoint's run's inbox: a resume into another folder replays them too)."""
         step = int(state["step"])
         self.kept, self.step_samples = {}, None
+        self.chat.clear()  # answers of the weights before the load: no longer the live weights'
         path = Path(state.get("inbox") or _inbox(trainer))
         self.pending = [Rating.of(r) for r in inbox_file.read_ratings(path)
                         if r.get("step") == step and (r["forgotten_at"] is None or r["forgotten_at"] > step)]

@@ -39,6 +39,7 @@ from engine.callbacks import NOTHING, Callback, Signal
 from engine.generation.generate import end_ids, generate, pad_id
 from engine.objectives.grpo import GrpoLoss, advantages_of, token_logps
 from engine.objectives.losses import by_chunks, head_chunks, head_input, hf_model, keeps_logits, model_logits
+from engine.objectives import grpo_chat
 from engine.objectives.grpo_samples import Ratings
 from engine.objectives.grpo_reuse import SampleBatch, gather_batches, reused
 from engine.objectives.preference_step import mean_present, reduce_metrics
@@ -108,6 +109,13 @@ class GrpoStep(Callback):
         if per_function is None:
             return SampleBatch(step, failed=True)
         everyone = _gather(per_function, env)  # (ranks x N, F), rank by rank
+        # a rated chat answer's group: its fresh samples drawn and scored now (grpo_chat)
+        pending, self.failure = grpo_chat.complete_all(
+            trainer, self.ratings.pending, self.config, self.rewards,
+            lambda k: sample_seed(trainer.config.train.seed, step, -1 - k, 0), lambda f: _any_rank(f, env))
+        if pending is None:
+            return SampleBatch(step, failed=True)
+        self.ratings.pending = pending
         names, weights = [r.name for r in self.rewards], [r.weight for r in self.rewards]
         # the groups rated since the last step join it, with a `human` reward (grpo_samples)
         rated = self.ratings.take(trainer, names, weights, everyone, self.config.num_generations)
