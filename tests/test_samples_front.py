@@ -2,11 +2,14 @@
 app.notebook.samples; docs/rewards.md "Samples and ratings"): the rows both front ends show, built
 once from the `samples` event; and on a real running run (its own process, started by the web
 app's backend), the web Train tab's fold and the notebook panel show the paused step's samples and
-rate one each through the verbs, the terminal's `command` rates a third, the web fold forgets it,
-and the next step trains the two kept ones as a `human` reward."""
+rate one each through the verbs, the terminal's `command` rates a third, the web fold forgets it;
+the web Chat tab's fold and the notebook chat rate a chat answer each (the terminal's `rate_chat`
+of an answer never given is refused), and the next step trains the two kept samples' groups and
+the two chat answers' groups as a `human` reward."""
 
 from __future__ import annotations
 
+import html
 import json
 import time
 from pathlib import Path
@@ -67,7 +70,8 @@ def test_the_ratings_are_listed_and_an_answer_is_said(tmp_path):
 def test_the_web_fold_and_the_notebook_table_show_a_logged_step(tmp_path):
     from app.notebook.samples import SamplesControls
     from app.web import build_app
-    from app.web import samples as web_samples
+    from app.web import chat_rate, samples as web_samples
+    from app.web.chat_turns import tagged
     from app.web.backend import Backend
     from contract.run_folder import EventLog, RunFolder
 
@@ -126,7 +130,8 @@ def test_a_running_run_is_rated_from_the_web_the_notebook_and_the_terminal(tmp_p
     from web_page import end_runs
     from app.cli_command import command
     from app.notebook.panel import RunPanel
-    from app.web import samples as web_samples
+    from app.web import chat_rate, samples as web_samples
+    from app.web.chat_turns import tagged
     from app.web.backend import Backend
     from contract.config.load import load_config
     from contract.run_folder import read_events
@@ -171,9 +176,10 @@ def test_a_running_run_is_rated_from_the_web_the_notebook_and_the_terminal(tmp_p
         _wait("the answer under the table", lambda: panel.samples.result.value.startswith(
             f"Rated sample #5 of step {paused} down (t2)"))
 
-        said: list[str] = []
-        code = command([path, "rate", f"step={paused}", "sample=6", "score=0.5"], lambda text, *style: said.append(text))
-        assert code == 0 and json.loads(said[-1])["id"] == "t3", said
+        said_words: list[str] = []
+        code = command([path, "rate", f"step={paused}", "sample=6", "score=0.5"],
+                       lambda text, *style: said_words.append(text))
+        assert code == 0 and json.loads(said_words[-1])["id"] == "t3", said_words
         shown = web_samples.show(backend, fold, path)
         assert [c[1] for c in shown[fold.rating]["choices"]] == ["t1", "t2", "t3"]
         forgot = web_samples.do_forget(backend, fold, path, "t3")[fold.result]
@@ -182,11 +188,30 @@ def test_a_running_run_is_rated_from_the_web_the_notebook_and_the_terminal(tmp_p
         assert [stored[i]["score"] for i in ("t1", "t2", "t3")] == [1.0, -1.0, 0.5]
         assert stored["t3"]["forgotten_at"] == paused and stored["t1"]["forgotten_at"] is None
 
+        # a chat answer rated: up from the web Chat tab's fold, down from the notebook chat
+        with gr.Blocks():
+            rate_fold = chat_rate.build(backend, gr.State(None), gr.Chatbot(), gr.Checkbox(False))
+        assert chat_rate.shown(backend, path, rate_fold)[rate_fold]["visible"] is True
+        asked = [{"role": "user", "content": "reverse: abc"}]
+        said = list(backend.session.chat(path, asked, max_new_tokens=6, temperature=1.0))[-1]
+        shown_chat = [*asked, {"role": "assistant", "content": tagged(said.text, said.step, "live weights")}]
+        web_chat = chat_rate.rate_last(backend, path, shown_chat, False, "up")
+        assert web_chat.startswith(f"Rated the chat's answer of step {paused} up (t4): at step {paused + 1} it "
+                                   "trains with 3 fresh answers"), web_chat
+        panel.chat.send("reverse: hello").join(timeout=120)
+        panel.chat.rate("down").join(timeout=120)
+        assert html.unescape(panel.chat.rated.value).startswith(
+            f"<span style='color:#333'>Rated the chat's answer of step {paused} down (t5)"), panel.chat.rated.value
+        code = command([path, "rate_chat", "prompt=reverse: abc", "answer=never said", "score=up"],
+                       lambda text, *style: said_words.append(text))
+        assert code == 2 and "gave no such answer to that prompt" in said_words[-1], said_words
+
         backend.verbs(path).resume()
         trained = _wait("the rated step", lambda: next((e for e in read_events(events)
                                                         if e["type"] == "train" and e["step"] == paused + 1), None))
-        assert trained["rewards/human/mean"] == 0.0  # up and down; the forgotten 0.5 not trained
-        assert trained["rewards/human/std"] == pytest.approx(2 ** 0.5)
+        # the samples' up and down, the chat's up and down (each with 3 fresh answers' 0); not the forgotten 0.5
+        assert trained["rewards/human/mean"] == 0.0
+        assert trained["rewards/human/std"] == pytest.approx(2 / 3)
         backend.session.stop(path, save=False, wait=True)
     finally:
         if panel is not None:
