@@ -4,7 +4,8 @@ once from the `samples` event; and on a real running run (its own process, start
 app's backend), the web Train tab's fold and the notebook panel show the paused step's samples and
 rate one each through the verbs, the terminal's `command` rates a third, the web fold forgets it;
 the web Chat tab's fold and the notebook chat rate a chat answer each (the terminal's `rate_chat`
-of an answer never given is refused), and the next step trains the two kept samples' groups and
+of an answer never given is refused, the web app's API `/rate_chat` rates a third through
+gradio_client), and the next step trains the two kept samples' groups and
 the two chat answers' groups as a `human` reward."""
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def test_the_ratings_are_listed_and_an_answer_is_said(tmp_path):
 def test_the_web_fold_and_the_notebook_table_show_a_logged_step(tmp_path):
     from app.notebook.samples import SamplesControls
     from app.web import build_app
-    from app.web import chat_rate, samples as web_samples
+    from gradio_client import Client
+    from app.web import build_app, chat_rate, samples as web_samples
     from app.web.chat_turns import tagged
     from app.web.backend import Backend
     from contract.run_folder import EventLog, RunFolder
@@ -130,7 +132,8 @@ def test_a_running_run_is_rated_from_the_web_the_notebook_and_the_terminal(tmp_p
     from web_page import end_runs
     from app.cli_command import command
     from app.notebook.panel import RunPanel
-    from app.web import chat_rate, samples as web_samples
+    from gradio_client import Client
+    from app.web import build_app, chat_rate, samples as web_samples
     from app.web.chat_turns import tagged
     from app.web.backend import Backend
     from contract.config.load import load_config
@@ -149,7 +152,7 @@ def test_a_running_run_is_rated_from_the_web_the_notebook_and_the_terminal(tmp_p
         "eval.every_n_steps=0", "eval.at_end=false", "logging.tensorboard=false", "checkpoint.save_at_end=false",
         "objective=grpo", "grpo.num_generations=4", "grpo.max_completion_length=4",
         "grpo.rewards=[{kind: exact_match, column: answer}]"])
-    backend, panel = Backend(runs), None
+    backend, panel, demo = Backend(runs), None, None
     try:
         path = backend.session.start(cfg, output_dir=runs).path
         events = Path(path) / "events.jsonl"
@@ -205,15 +208,26 @@ def test_a_running_run_is_rated_from_the_web_the_notebook_and_the_terminal(tmp_p
         code = command([path, "rate_chat", "prompt=reverse: abc", "answer=never said", "score=up"],
                        lambda text, *style: said_words.append(text))
         assert code == 2 and "gave no such answer to that prompt" in said_words[-1], said_words
+        # the web app's API (gradio_client): a raw prompt's answer rated down
+        demo = build_app(backend)
+        demo.queue(default_concurrency_limit=4)
+        _, url, _ = demo.launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True, quiet=True,
+                                share=False, show_error=False)
+        answer = backend.verbs(path).generate("reverse: xyz\n", max_new_tokens=6, temperature=1.0).wait()
+        api = Client(url, verbose=False).predict(prompt="reverse: xyz\n", answer=answer.text, score="down",
+                                                  step=answer.step, run="rated", api_name="/rate_chat")
+        assert (api["id"], api["score"], api["applies_from_step"]) == ("t6", -1.0, paused + 1), api
 
         backend.verbs(path).resume()
         trained = _wait("the rated step", lambda: next((e for e in read_events(events)
                                                         if e["type"] == "train" and e["step"] == paused + 1), None))
-        # the samples' up and down, the chat's up and down (each with 3 fresh answers' 0); not the forgotten 0.5
-        assert trained["rewards/human/mean"] == 0.0
-        assert trained["rewards/human/std"] == pytest.approx(2 / 3)
+        # the samples' up and down, the chat's up, down, down (each with 3 fresh answers' 0); not the forgotten 0.5
+        assert trained["rewards/human/mean"] == pytest.approx(-1 / 14)
+        assert trained["rewards/human/std"] == pytest.approx(((5 - 14 / 14 ** 2) / 13) ** 0.5)
         backend.session.stop(path, save=False, wait=True)
     finally:
+        if demo is not None:
+            demo.close()
         if panel is not None:
             panel.close()
         backend.close()

@@ -219,7 +219,13 @@ def _rewards(verbs: Callable[[str], SessionVerbs]) -> list:
         in [-1, 1]; the next step trains its group with a `human` reward."""
         return _answer(lambda: verbs(run).rate(step, sample, score))
 
-    return [add_reward, remove_reward, rate]
+    def rate_chat(prompt: str, answer: str, score: str = "up", step: int | None = None, run: str = "") -> dict:
+        """Rate an answer the chat gave with the live weights to `prompt` (as sent to generate):
+        up, down or a score in [-1, 1]; the next step samples fresh answers to the prompt and
+        trains them with it as a group, with a `human` reward."""
+        return _answer(lambda: verbs(run).rate_chat(prompt, answer, score, step=step))
+
+    return [add_reward, remove_reward, rate, rate_chat]
 
 
 def _no_paths(value: Any) -> Any:
