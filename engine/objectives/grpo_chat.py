@@ -14,7 +14,7 @@ with the rated answer as one more group of that step, as a rated sample's group 
   text, and optionally its step. Rank 0 appends the rating to the inbox (the prompt's ids and the
   answer's ids as the chat produced them, the score), fsynced before the answer; every rank holds
   it as pending (a `Rating` with `chat` set).
-* At the next step (`complete`): the fresh samples are drawn with the step's GRPO settings and a
+* At the next step (`complete_all`): the fresh samples are drawn with the step's GRPO settings and a
   seed from the run's seed, the step and the rating's place among the step's chat ratings
   (grpo_step.sample_seed with a negative micro-batch number), so an exact resume draws them again.
   Every reward function scores the whole group with the chat's prompt; the data's columns are
@@ -122,8 +122,10 @@ def rate(ratings: Any, trainer: Any, cmd: RateChat, prompt: str, rank: int,
 
 def complete_all(trainer: Any, pending: list, config: Any, rewards: list, seed_of: Callable[[int], int],
                  agree: Callable[[bool], bool]) -> tuple[list | None, RewardError | None]:
-    """`pending` with each chat rating's group completed (`complete`), or (None, the error) when
-    a reward function failed on any rank (every rank alike: `agree` is true on all when on any)."""
+    """`pending` with each chat rating's group completed (`draw`, then `score_group`, rank 0's
+    scores on every rank; the `human` reward 0 for the fresh answers: Rating.grouped), or (None,
+    the error) when a reward function failed on any rank (every rank alike: `agree` is true on
+    all when on any). The k-th chat rating's fresh answers are drawn with seed `seed_of(k)`."""
     chats = [r for r in pending if r.chat and r.unrated is None]
     done: dict[str, Any] = {}
     for k, rating in enumerate(chats):
