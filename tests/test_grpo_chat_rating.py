@@ -222,3 +222,23 @@ def test_the_front_ends_read_the_last_answer_and_say_the_rating(tmp_path):
         "chat": True, "answer_step": 5, "score": -1.0, "rated": 0, "completion": "cba", "prompt_ids": [1],
         "completion_ids": [[2]], "rewards": {}})
     assert [g.label for g in ratings(tmp_path)] == ['t4: chat (step 5) down · "cba" (given at step 7)']
+
+
+def test_a_resume_replays_the_ratings_still_pending_under_num_iterations(tmp_path):
+    """With grpo.num_iterations 2 the steps between two sampling steps reuse the samples, so a
+    rating given after a sampling step waits for the next one; a checkpoint taken in between
+    replays it too (ratings given at steps 4, 5 and 6's boundaries; a step samples when a multiple
+    of num_iterations steps are done, and takes the ratings given since the last one)."""
+    from engine.objectives.grpo_samples import Ratings
+
+    path = inbox_file.inbox_path(tmp_path)
+    group = {"prompt_ids": [1], "completion_ids": [[2]], "rewards": {}, "rated": 0, "score": 1.0, "chat": True}
+    for entry_id, step in (("t1", 4), ("t2", 5), ("t3", 6)):
+        inbox_file.add_rating(path, entry_id, step, group)
+    ratings = Ratings()
+    for step, iterations, pending in ((5, 2, ["t2"]), (6, 2, ["t2", "t3"]), (4, 2, ["t1"]), (5, 1, ["t2"]),
+                                      (6, 3, ["t1", "t2", "t3"]), (7, 3, [])):
+        ratings.on_load_checkpoint(None, {"step": step, "inbox": str(path), "iterations": iterations})
+        assert [r.id for r in ratings.pending] == pending, (step, iterations)
+    ratings.on_load_checkpoint(None, {"step": 6, "inbox": str(path)})  # a checkpoint of before: 1 iteration
+    assert [r.id for r in ratings.pending] == ["t3"]

@@ -227,17 +227,19 @@ class Ratings(Callback):
         trainer.emit(SamplesEvent(step=step, samples=table, count=len(kept), text_limit=TEXT_LIMIT))
 
     def on_save_checkpoint(self, trainer) -> Any:
-        return {"step": trainer.state.global_step, "inbox": str(_inbox(trainer))}
+        return {"step": trainer.state.global_step, "inbox": str(_inbox(trainer)),
+                "iterations": trainer.config.grpo.num_iterations}
 
     def on_load_checkpoint(self, trainer, state: Any) -> None:
-        """Replay: the ratings given at the checkpoint's step and not forgotten then are pending
+        """Replay: the ratings still pending at the checkpoint's step and not forgotten then
         (read from the checkpoint's run's inbox: a resume into another folder replays them too)."""
         step = int(state["step"])
         self.kept, self.step_samples = {}, None
         self.chat.clear()  # answers of the weights before the load: no longer the live weights'
         path = Path(state.get("inbox") or _inbox(trainer))
         self.pending = [Rating.of(r) for r in inbox_file.read_ratings(path)
-                        if r.get("step") == step and (r["forgotten_at"] is None or r["forgotten_at"] > step)]
+                        if _pending_at(int(r.get("step", -1)), step, int(state.get("iterations", 1)))
+                        and (r["forgotten_at"] is None or r["forgotten_at"] > step)]
 
     # -- the commands (engine.control.handlers) -------------------------------------------------------
     def rate(self, trainer, cmd: Rate, rank: int, from_rank0: Callable[[Any], Any]) -> dict:
@@ -301,6 +303,15 @@ def ratings_of(trainer) -> Ratings | None:
     """The run's ratings (a GRPO run's step holds them), or None."""
     ratings = getattr(getattr(trainer, "train_fn", None), "ratings", None)
     return ratings if isinstance(ratings, Ratings) else None
+
+
+def _pending_at(given: int, step: int, iterations: int) -> bool:
+    """Whether a rating given at step `given`'s boundary is still pending when `step` steps are
+    done: a step samples (and takes the pending ratings) when the steps done before it are a
+    multiple of grpo.num_iterations; the steps between reuse the samples, so a rating given
+    after a step that samples waits for the next one that does."""
+    last_sampled = step - (step % iterations or iterations)  # steps done before the last sampling step
+    return last_sampled < given <= step
 
 
 def _inbox(trainer) -> Path:
