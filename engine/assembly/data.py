@@ -1,5 +1,8 @@
 """A run's data: the tokenized datasets (a mixture of the training sources), the raw evaluation
-rows, the data reports, this rank's loaders, and the loop's step and epoch counts."""
+rows, the data reports, this rank's loaders, and the loop's step and epoch counts.
+
+Files are tokenized through the data cache (engine.data.cache): the first rank to need a file
+encodes it while the others wait on the entry's lock, then they and every later run read it."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from contract.config.checks import source_name
 from contract.config.schema import RunConfig
 from contract.data_files import load_rows
 from engine.context import RunContext
-from engine.data.dataset import build_dataset
+from engine.data.cache import cached_dataset
 from engine.data.inbox import InboxDataset
 from engine.data.loader import build_dataloader
 from engine.data.mixture import MixtureDataset, Source, source_seed
@@ -46,7 +49,7 @@ def run_data(cfg: RunConfig, tokenizer, *, train_dataset=None, eval_dataset=None
     if train_dataset is None:
         train_dataset = training_sources(cfg, tokenizer, train_src, reports)
     if eval_dataset is None and eval_src:
-        eval_dataset, reports["eval"] = build_dataset(
+        eval_dataset, reports["eval"] = cached_dataset(
             eval_src, tokenizer, format=cfg.data.format, max_length=cfg.data.max_length,
             overlong=cfg.data.overlong)
     eval_rows = load_rows(eval_src) if eval_src else None
@@ -69,7 +72,7 @@ def training_sources(cfg: RunConfig, tokenizer, train_src: str, reports: dict) -
     sources = []
     for i, spec in enumerate(specs):
         name = source_name(spec, i)
-        dataset, report = build_dataset(
+        dataset, report = cached_dataset(
             spec["path"], tokenizer, format=spec.get("format", "auto"), max_length=cfg.data.max_length,
             overlong=cfg.data.overlong)
         reports["train" if not cfg.data.sources else f"train/{name}"] = report
@@ -83,7 +86,7 @@ def rebuild_source(cfg: RunConfig, tokenizer, spec: dict):
     """The dataset of a source added live, from a checkpoint's record of it (at resume)."""
     if spec["kind"] == "inbox":
         return InboxDataset(tokenizer, cfg.data.max_length, spec["path"])
-    return build_dataset(spec["path"], tokenizer, format=spec["format"],
+    return cached_dataset(spec["path"], tokenizer, format=spec["format"],
                          max_length=cfg.data.max_length, overlong=cfg.data.overlong)[0]
 
 

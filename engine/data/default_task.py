@@ -45,6 +45,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.data.file_lock import held
 from contract.presets import MODEL_SIZE, RECOMMENDED  # measured values and the model size live in the contract
 from typing import Callable, Iterable, Sequence
 
@@ -183,24 +184,39 @@ class DefaultAssets:
                    eval_path=root / "eval.jsonl")
 
 
+def cache_base() -> Path:
+    """The livetune cache folder: $LIVETUNE_CACHE, else ~/.cache/livetune (the default assets,
+    the tokenized datasets of engine.data.cache)."""
+    cache = os.environ.get("LIVETUNE_CACHE")
+    return Path(cache).expanduser() if cache else Path.home() / ".cache" / "livetune"
+
+
 def default_root() -> Path:
     """Folder of the default assets: $LIVETUNE_CACHE/default-v1, else ~/.cache/livetune/default-v1."""
-    cache = os.environ.get("LIVETUNE_CACHE")
-    base = Path(cache).expanduser() if cache else Path.home() / ".cache" / "livetune"
-    return base / ASSETS_VERSION
+    return cache_base() / ASSETS_VERSION
 
 
 def ensure_default_assets(root: Path | None = None) -> DefaultAssets:
     """Write the default model folder and data under `root` once; return where they are.
 
-    Idempotent and safe under concurrency: the assets are built in a temporary sibling folder and
-    renamed into place in one step, so a reader sees either nothing or the complete set. The
-    content depends on nothing but this module, so every process builds the same bytes.
+    Idempotent and safe under concurrency: one process builds while the others (the run's other
+    ranks) wait on a lock beside `root`, then find the assets there; they are built in a
+    temporary sibling folder and renamed into place in one step, so a reader sees either nothing
+    or the complete set. The content depends on nothing but this module, so a process that builds
+    them unlocked (no lock to be had) writes the same bytes.
     """
     root = Path(root) if root is not None else default_root()
     marker = root / "assets.json"
     if marker.exists():
         return DefaultAssets.at(root)
+    with held(root.parent / f".{root.name}.lock"):  # the other ranks wait, then find them built
+        if not marker.exists():
+            _build_assets(root)
+    return DefaultAssets.at(root)
+
+
+def _build_assets(root: Path) -> None:
+    marker = root / "assets.json"
     if root.exists() and any(root.iterdir()):
         raise FileExistsError(f"default assets folder {root} holds other files and no "
                               "assets.json; remove it or point LIVETUNE_CACHE elsewhere")
@@ -215,7 +231,6 @@ def ensure_default_assets(root: Path | None = None) -> DefaultAssets:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return DefaultAssets.at(root)
 
 
 def _write_assets(folder: Path) -> None:
