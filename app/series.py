@@ -19,14 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from contract.events import (CommandEvent, CommandStatus, EvalEvent, Event, SamplesEvent, SetEvent, TrainEvent,
+                             as_event, metric_numbers)
 from contract.protocol.states import RunState
-from contract.events import CommandStatus, EventType
 from supervisor.summary import RunSummary
 
 Point = tuple[int, float]
 
-# a train record's bookkeeping fields, not series
-_NOT_SERIES = ("type", "step", "epoch", "total_steps", "time", "line")
 # how many of the latest train records the speed (and so the ETA) is measured over
 _ETA_WINDOW = 20
 
@@ -38,51 +37,50 @@ class RunHistory:
     train: dict[str, list[Point]] = field(default_factory=dict)
     eval: dict[str, list[Point]] = field(default_factory=dict)
     settings: list[dict] = field(default_factory=list)   # each `set` event: step and changes
-    commands: list[dict] = field(default_factory=list)   # each command's final record
-    samples: dict | None = None                          # a GRPO run's latest `samples` event (app.samples)
+    commands: list[CommandEvent] = field(default_factory=list)  # each command's final event
+    samples: SamplesEvent | None = None                  # a GRPO run's latest `samples` event (app.samples)
     _times: list[tuple[int, float]] = field(default_factory=list)  # (step, time) of train records
     version: int = 0                                     # grows with every event folded in
 
-    def update(self, events: Iterable[dict[str, Any]]) -> int:
-        """Fold new events in (in log order); returns how many there were."""
-        events = list(events)
-        self.summary.update(events)
-        for event in events:
-            kind = event.get("type")
-            if kind == EventType.TRAIN:
+    def update(self, events: Iterable[Event | dict[str, Any]]) -> int:
+        """Fold new events in (in log order: models, or read JSON objects, each parsed once and
+        skipped when it does not match its model); returns how many there were."""
+        raw = list(events)
+        parsed = [e for e in map(as_event, raw) if e is not None]
+        self.summary.update(parsed)
+        for event in parsed:
+            if isinstance(event, TrainEvent):
                 self._on_train(event)
-            elif kind == EventType.EVAL:
+            elif isinstance(event, EvalEvent):
                 self._on_eval(event)
-            elif kind == EventType.SET:
-                self.settings.append({"step": event.get("step"), **event.get("changes", {})})
-            elif kind == EventType.COMMAND and event.get("status") in (CommandStatus.DONE, CommandStatus.FAILED):
+            elif isinstance(event, SetEvent):
+                self.settings.append({"step": event.step, **(event.changes or {})})
+            elif isinstance(event, CommandEvent) and event.status in (CommandStatus.DONE, CommandStatus.FAILED):
                 self.commands.append(event)
-            elif kind == EventType.SAMPLES:
+            elif isinstance(event, SamplesEvent):
                 self.samples = event
-        self.version += len(events)
-        return len(events)
+        self.version += len(raw)
+        return len(raw)
 
-    def _on_train(self, event: dict) -> None:
-        step = event.get("step")
-        if not isinstance(step, int):
+    def _on_train(self, event: TrainEvent) -> None:
+        step = event.step
+        if step is None:
             return
         _cut_from(self.train, step)
-        for key, value in event.items():
-            if key not in _NOT_SERIES and _number(value):
-                self.train.setdefault(key, []).append((step, float(value)))
+        for key, value in metric_numbers(event).items():
+            self.train.setdefault(key, []).append((step, float(value)))
         self._times = [t for t in self._times if t[0] < step]
-        if _number(event.get("time")):
-            self._times.append((step, float(event["time"])))
+        if event.time is not None:
+            self._times.append((step, float(event.time)))
             del self._times[:-_ETA_WINDOW]
 
-    def _on_eval(self, event: dict) -> None:
-        step = event.get("step")
-        if not isinstance(step, int):
+    def _on_eval(self, event: EvalEvent) -> None:
+        step = event.step
+        if step is None:
             return
         _cut_from(self.eval, step)
-        for key, value in event.items():
-            if key.startswith("eval/") and _number(value):
-                self.eval.setdefault(key[len("eval/"):], []).append((step, float(value)))
+        for key, value in metric_numbers(event).items():
+            self.eval.setdefault(key[len("eval/"):], []).append((step, float(value)))
 
     # -- reading -----------------------------------------------------------------------------
     def values(self, name: str, split: str = "train") -> list[float]:
@@ -164,6 +162,3 @@ def _cut_from(series: dict[str, list[Point]], step: int) -> None:
         while points and points[-1][0] >= step:
             points.pop()
 
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

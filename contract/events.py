@@ -464,6 +464,31 @@ def parse_event(raw: dict[str, Any]) -> Event | None:
 _TYPE_VALUES = frozenset(t.value for t in EventType)
 
 
+def as_event(event: Event | dict[str, Any]) -> Event | None:
+    """`event` as its model: a model as it is, a read JSON object through `parse_event` (None for
+    one that does not match its model). The folds of a run's log take either."""
+    return event if isinstance(event, Event) else parse_event(event)
+
+
+# a train record's bookkeeping, not metrics ("line": the line number a reader may add)
+_NOT_METRICS = frozenset(("type", "time", "branch", "step", "epoch", "total_steps", "line"))
+
+
+def metric_numbers(event: TrainEvent | EvalEvent) -> dict[str, int | float]:
+    """The numeric metrics of a `train` event (its declared numbers and the monitors' extra ones,
+    less its step, epoch, total_steps and time), or of an `eval` event (its `eval/...` numbers),
+    in the order the event holds them; bools are not numbers here."""
+    # the test inlined (no call per value) and the declared fields, then the extra ones, read as
+    # iterating over the model gives them without its per-item overhead: a long run's log has a
+    # record per step, and every front end folds it on a reattach
+    extra = event.model_extra or {}
+    if isinstance(event, EvalEvent):
+        return {k: v for k, v in extra.items()
+                if k[:5] == "eval/" and isinstance(v, (int, float)) and v is not True and v is not False}
+    return {k: v for pairs in (event.__dict__, extra) for k, v in pairs.items()
+            if isinstance(v, (int, float)) and v is not True and v is not False and k not in _NOT_METRICS}
+
+
 def state_event(state: RunState | str, **fields: Any) -> StateEvent:
     """A `state` event for `state` (checked against RunState), with `fields` (step, error, ...)."""
     return StateEvent(state=RunState(state), **fields)
