@@ -16,7 +16,7 @@ from pathlib import Path
 
 from contract.args import resolve_args
 from contract.config.schema import RunConfig
-from contract.events import EventType
+from contract.events import StateEvent, parse_event
 from contract.presets import WARM_START_STEPS
 from contract.protocol.states import RunState
 from contract.run_folder import read_events
@@ -41,8 +41,8 @@ def ready(output_dir: str | Path) -> Path | None:
 
 
 def _finished(events: Path) -> bool:
-    states = [e for e in read_events(events) if e.get("type") == EventType.STATE.value]
-    return bool(states) and states[-1].get("state") == RunState.FINISHED.value
+    states = [e for e in map(parse_event, read_events(events)) if isinstance(e, StateEvent)]
+    return bool(states) and states[-1].state == RunState.FINISHED
 
 
 def steps() -> int:
