@@ -15,22 +15,26 @@ run's earlier life is not its outcome), so `watch` on a run started elsewhere sa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, TypeVar
 
 from app.cli_live import eval_values, plain, train_values
-from contract.events import EventType
+from contract.events import (BestModelEvent, CheckpointDeletedEvent, CheckpointEvent, EvalEvent, Event, ExportEvent,
+                             StateEvent, TrainEvent, as_event, metric_numbers)
 from contract.protocol.states import RunState
 from contract.run_folder import RunFolder, read_events
 
 # the train values worth a line at the end (not the rate or the speed of the last step)
 FINAL_KEYS = ("loss", "rewards/accuracies", "rewards/margins", "reward", "kl")
 
+Raw = TypeVar("Raw", Event, dict[str, Any])
 
-def since_last_start(events: Iterable[dict]) -> list[dict]:
-    """The events of the run's last life: from its last `starting` state on."""
+
+def since_last_start(events: Iterable[Raw]) -> list[Raw]:
+    """The events of the run's last life: from its last `starting` state on (the events as given:
+    models, or read JSON objects, which are told apart through their models)."""
     events = list(events)
     starts = [i for i, e in enumerate(events)
-              if e.get("type") == EventType.STATE and e.get("state") == RunState.STARTING]
+              if isinstance(m := as_event(e), StateEvent) and m.state == RunState.STARTING]
     return events[starts[-1]:] if starts else events
 
 
@@ -43,49 +47,52 @@ def end_summary(folder: RunFolder) -> list[str]:
     return summary_lines(events, folder)
 
 
-def summary_lines(events: list[dict], folder: RunFolder) -> list[str]:
-    """The summary of `events` (one life of the run in `folder`)."""
-    trains = [e for e in events if e.get("type") == EventType.TRAIN]
-    evals = [e for e in events if e.get("type") == EventType.EVAL]
+def summary_lines(events: Iterable[Event | dict[str, Any]], folder: RunFolder) -> list[str]:
+    """The summary of `events` (one life of the run in `folder`; models, or read JSON objects:
+    one that does not match its model is left out)."""
+    parsed = [e for e in map(as_event, events) if e is not None]
+    trains = [e for e in parsed if isinstance(e, TrainEvent)]
+    evals = [e for e in parsed if isinstance(e, EvalEvent)]
     lines = []
     if trains:
         last = trains[-1]
-        total = f" of {last['total_steps']}" if last.get("total_steps") else ""
-        lines.append(f"steps: {last.get('step')}{total} (epoch {last.get('epoch', '?')})")
-        final = {k: v for k, v in train_values(last).items() if k in FINAL_KEYS}
+        total = f" of {last.total_steps}" if last.total_steps else ""
+        epoch = last.epoch if last.epoch is not None else "?"
+        lines.append(f"steps: {last.step}{total} (epoch {epoch})")
+        final = {k: v for k, v in train_values(metric_numbers(last)).items() if k in FINAL_KEYS}
         if final:
-            lines.append(f"final: {plain(final.values())}  (step {last.get('step')})")
+            lines.append(f"final: {plain(final.values())}  (step {last.step})")
     else:
         lines.append("steps: none trained")
-    if evals and eval_values(evals[-1]):
-        lines.append(f"eval at step {evals[-1].get('step')}: {plain(eval_values(evals[-1]).values())}")
-    lines += _saved(events, folder)
+    if evals and eval_values(metric_numbers(evals[-1])):
+        lines.append(f"eval at step {evals[-1].step}: {plain(eval_values(metric_numbers(evals[-1])).values())}")
+    lines += _saved(parsed, folder)
     return lines
 
 
-def _saved(events: list[dict], folder: RunFolder) -> list[str]:
+def _saved(events: list[Event], folder: RunFolder) -> list[str]:
     """Where the final model (and adapter), the best model and the checkpoints kept are."""
     lines = []
-    exports = {e.get("kind"): e.get("path") for e in events if e.get("type") == EventType.EXPORT}
+    exports = {e.kind: e.path for e in events if isinstance(e, ExportEvent)}
     if exports.get("model"):
         lines.append(f"final model: {exports['model']} (Hugging Face format)")
     if exports.get("adapter"):
         lines.append(f"adapter: {exports['adapter']} (PEFT format)")
     if not exports:
         lines.append("final model: not saved (checkpoint.save_at_end=false, or stopped without a save)")
-    best = [e for e in events if e.get("type") == EventType.BEST_MODEL]
+    best = [e for e in events if isinstance(e, BestModelEvent)]
     if best:
-        lines.append(f"best model: step {best[-1].get('step')} by {best[-1].get('monitor')} "
-                     f"= {best[-1].get('value')} (loaded at the end)")
+        lines.append(f"best model: step {best[-1].step} by {best[-1].monitor} "
+                     f"= {best[-1].value} (loaded at the end)")
     kept: list[str] = []
     where = folder.checkpoints
     for e in events:
-        if e.get("type") == EventType.CHECKPOINT and e.get("path"):
-            path = _path(e["path"])
+        if isinstance(e, CheckpointEvent) and e.path:
+            path = _path(e.path)
             kept.append(path.name)
             where = path.parent  # a branch's checkpoints have their own folder
-        elif e.get("type") == EventType.CHECKPOINT_DELETED:
-            gone = set(e.get("names") or [])
+        elif isinstance(e, CheckpointDeletedEvent):
+            gone = set(e.names or [])
             kept = [k for k in kept if k not in gone]
     kept = list(dict.fromkeys(kept))  # a name saved again (after a rewind) is listed once
     lines.append(f"checkpoints: {where} ({', '.join(kept)})" if kept else "checkpoints: none kept")
@@ -95,4 +102,3 @@ def _saved(events: list[dict], folder: RunFolder) -> list[str]:
 def _path(where: str) -> Path:
     """A checkpoint's folder from its event's path (a file:// URL or a path)."""
     return Path(str(where).removeprefix("file://").rstrip("/"))
-
