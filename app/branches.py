@@ -21,7 +21,8 @@ from typing import Any, Iterable
 from contract.branches import ROOT, BranchTree, attributed, checkpoints_dir
 from contract.run_folder import RunFolder, read_events
 from contract.protocol.states import RunState
-from contract.events import EventType
+from contract.events import (BranchEvent, EvalEvent, Event, RewindEvent, SnapshotEvent, StateEvent, TrainEvent,
+                             as_event, metric_numbers)
 
 Point = tuple[int, float]
 ABANDONED = "abandoned"
@@ -44,17 +45,20 @@ class BranchView:
     series: dict[str, dict[str, list[Point]]]   # plot ("loss", "lr", "eval") -> series -> points
     targets: list[Target]
     steps: dict[str, tuple[int, int]] = field(default_factory=dict)  # branch -> (first, last) step
-    rewinds: list[dict] = field(default_factory=list)                 # every rewind / branch event
+    rewinds: list[RewindEvent | BranchEvent] = field(default_factory=list)  # every rewind / branch event
 
 
-def branch_view(folder: RunFolder, events: Iterable[dict] | None = None) -> BranchView:
-    """The tree, the targets and the overlaid series of the run in `folder`."""
-    events = list(read_events(folder.events) if events is None else events)
+def branch_view(folder: RunFolder, events: Iterable[dict[str, Any]] | None = None) -> BranchView:
+    """The tree, the targets and the overlaid series of the run in `folder` (`events`: its log's
+    JSON objects, when already read)."""
+    raw = read_events(folder.events) if events is None else events
+    # each event parsed once, after contract.branches has told its branch (it reads the objects)
+    parsed = [(branch, model) for branch, event in attributed(raw) if (model := as_event(event)) is not None]
     tree = BranchTree.load(folder.root)
     fold = _Fold()
-    for branch, event in attributed(events):
-        fold.take(branch, event)
-    targets = checkpoint_targets(folder.root, tree) + snapshot_targets(events)
+    for branch, model in parsed:
+        fold.take(branch, model)
+    targets = checkpoint_targets(folder.root, tree) + snapshot_targets(model for _, model in parsed)
     return BranchView(tree, fold.series(), targets, fold.steps(), fold.rewinds)
 
 
@@ -73,29 +77,31 @@ def checkpoint_targets(root: Path, tree: BranchTree) -> list[Target]:
     return found
 
 
-def snapshot_targets(events: Iterable[dict]) -> list[Target]:
+def snapshot_targets(events: Iterable[Event | dict[str, Any]]) -> list[Target]:
     """The snapshots kept in host memory, as the last `snapshot` event lists them (they live as
-    long as the run's processes: none once the run has ended)."""
-    taken: dict[str, dict] = {}
+    long as the run's processes: none once the run has ended). `events`: models, or read JSON
+    objects (one that does not match its model is skipped)."""
+    taken: dict[str, SnapshotEvent] = {}
     kept: list[str] = []
     ended = False
-    for event in events:
-        kind = event.get("type")
-        if kind == EventType.SNAPSHOT and isinstance(event.get("name"), str):
-            taken[event["name"]] = event
-            kept = [n for n in event.get("kept", [event["name"]]) if isinstance(n, str)]
-        elif kind == EventType.STATE and event.get("state") in (RunState.FINISHED, RunState.FAILED):
+    for raw in events:
+        event = as_event(raw)
+        if isinstance(event, SnapshotEvent) and event.name is not None:
+            taken[event.name] = event
+            kept = list(event.kept) if event.kept is not None else [event.name]
+        elif isinstance(event, StateEvent) and event.state in (RunState.FINISHED, RunState.FAILED):
             ended = True
-        elif kind == EventType.STATE and event.get("state") == RunState.STARTING:
+        elif isinstance(event, StateEvent) and event.state == RunState.STARTING:
             ended, kept = False, []  # a resumed run starts with no snapshot
     if ended:
         return []
     out = []
     for name in reversed(kept):
-        e = taken.get(name, {})
-        step, branch = e.get("step"), str(e.get("branch", ROOT))
-        out.append(Target(f"snapshot {name} ({branch}, step {step})", SNAPSHOT_PREFIX + name, branch,
-                          step if isinstance(step, int) else None, "snapshot"))
+        e = taken.get(name)
+        step = e.step if e is not None else None
+        branch = e.branch if e is not None and e.branch is not None else ROOT
+        out.append(Target(f"snapshot {name} ({branch}, step {step})", SNAPSHOT_PREFIX + name, branch, step,
+                          "snapshot"))
     return out
 
 
@@ -105,25 +111,27 @@ class _Fold:
     def __init__(self) -> None:
         self.live: dict[str, dict[str, list[Point]]] = {}        # branch -> kind -> points
         self.gone: dict[str, list[dict[str, list[Point]]]] = {}  # branch -> abandoned stretches
-        self.rewinds: list[dict] = []
+        self.rewinds: list[RewindEvent | BranchEvent] = []
 
-    def take(self, branch: str, event: dict) -> None:
-        kind, step = event.get("type"), event.get("step")
-        if kind == EventType.BRANCH and isinstance(step, int):
+    def take(self, branch: str, event: Event) -> None:
+        step = getattr(event, "step", None)  # not every event has one
+        if step is None:
+            return
+        if isinstance(event, BranchEvent):
             self.rewinds.append(event)
-            parent = event.get("parent")
+            parent = event.parent
             # the new branch's lines start where it forked: the parent's point at that step
-            for name, points in self.live.get(parent, {}).items() if isinstance(parent, str) else ():
+            for name, points in self.live.get(parent, {}).items() if parent is not None else ():
                 at = [p for p in points if p[0] == step]
                 if at:
                     self.live.setdefault(branch, {}).setdefault(name, []).append(at[-1])
-        elif kind == EventType.REWIND and isinstance(step, int):
+        elif isinstance(event, RewindEvent):
             self.rewinds.append(event)
             self._abandon(branch, step)
-        elif kind == EventType.TRAIN and isinstance(step, int):
-            self._point(branch, step, {"loss": event.get("loss"), "lr": event.get("lr")})
-        elif kind == EventType.EVAL and isinstance(step, int):
-            self._point(branch, step, {f"eval {k[5:]}": v for k, v in event.items() if k.startswith("eval/")})
+        elif isinstance(event, TrainEvent):
+            self._point(branch, step, {"loss": event.loss, "lr": event.lr})
+        elif isinstance(event, EvalEvent):
+            self._point(branch, step, {f"eval {k[5:]}": v for k, v in metric_numbers(event).items()})
 
     def _point(self, branch: str, step: int, values: dict[str, Any]) -> None:
         series = self.live.setdefault(branch, {})
