@@ -22,9 +22,10 @@ import re
 
 import yaml
 
-from contract.inbox import inbox_path, read_inbox
+from contract.inbox import InboxEntry, inbox_path, read_inbox
 from contract.run_folder import RunFolder, read_events
-from contract.events import EventType
+from contract.events import (BranchEvent, CheckpointEvent, DataEvent, Event, RewindEvent, SnapshotEvent, TeachCheckEvent,
+                             TeachEvent, TrainEvent, as_event)
 
 Point = tuple[int, float]
 DEFAULT_SOURCE = "train"  # the one-source shorthand's name (data.train, or the embedded task)
@@ -40,56 +41,66 @@ class DataView:
     inbox: list[dict]
 
 
-def data_view(folder: RunFolder, events: Iterable[dict] | None = None,
+def data_view(folder: RunFolder, events: Iterable[Event | dict[str, Any]] | None = None,
               live_sources: list[dict] | None = None) -> DataView:
-    """The sources, samples drawn and inbox of the run in `folder`. `live_sources`: the sources
-    as the running run says now (its `status`), which win over the event log's account."""
-    events = read_events(folder.events) if events is None else events
+    """The sources, samples drawn and inbox of the run in `folder` (`events`: its log, already
+    read: models or JSON objects). `live_sources`: the sources as the running run says now (its
+    `status`), which win over the event log's account."""
+    raw = read_events(folder.events) if events is None else events
     sources = configured_sources(folder)
     totals: dict[str, float] = {}
     seen: dict[str, list[Point]] = {}
-    checks: dict[str, dict] = {}
-    margins: dict[str, float] = {}  # a preference's margin when it came in (its teach event)
+    checks: dict[str, TeachCheckEvent] = {}  # each entry's latest check
+    margins: dict[str, Any] = {}  # a preference's margin when it came in (its teach event's extra `margin`)
     # the sources as each checkpoint / snapshot recorded them: a rewind to one takes them back
     kept: dict[str, list[dict]] = {}
-    for event in events:
-        kind, step = event.get("type"), event.get("step")
-        if kind == EventType.DATA and isinstance(event.get("sources"), list):
-            sources = [dict(s) for s in event["sources"] if isinstance(s, dict)]
-        elif kind in (EventType.CHECKPOINT, EventType.SNAPSHOT):
-            kept[_key(event.get("path") if kind == EventType.CHECKPOINT else "snapshot:" + str(event.get("name")))] = \
-                [dict(s) for s in sources]
-        elif kind in (EventType.REWIND, EventType.BRANCH) and _key(event.get("source")) in kept:
-            sources = [dict(s) for s in kept[_key(event.get("source"))]]
-        elif kind == EventType.TRAIN and isinstance(step, int) and isinstance(event.get("samples_per_source"), dict):
-            for name, n in event["samples_per_source"].items():
-                if isinstance(n, (int, float)):
-                    points = seen.setdefault(name, [])
-                    if points and points[-1][0] >= step:  # a rewind: the data position went back too
-                        while points and points[-1][0] >= step:
-                            points.pop()
-                        totals[name] = points[-1][1] if points else 0.0
-                    totals[name] = totals.get(name, 0.0) + n
-                    points.append((step, totals[name]))
-        elif kind == EventType.TEACH_CHECK and isinstance(event.get("id"), str):
-            checks[event["id"]] = event
-        elif kind == EventType.TEACH and isinstance(event.get("id"), str) and "margin" in event:
-            margins[event["id"]] = event["margin"]
+    for event in map(as_event, raw):
+        if isinstance(event, DataEvent) and event.sources is not None:
+            sources = [dict(s) for s in event.sources]
+        elif isinstance(event, CheckpointEvent):
+            kept[_key(event.path)] = [dict(s) for s in sources]
+        elif isinstance(event, SnapshotEvent):
+            kept[_key(f"snapshot:{event.name}")] = [dict(s) for s in sources]
+        elif isinstance(event, (RewindEvent, BranchEvent)) and _key(event.source) in kept:
+            sources = [dict(s) for s in kept[_key(event.source)]]
+        elif isinstance(event, TrainEvent) and event.step is not None and event.samples_per_source is not None:
+            _count(seen, totals, event.step, event.samples_per_source)
+        elif isinstance(event, TeachCheckEvent) and event.id is not None:
+            checks[event.id] = event
+        elif isinstance(event, TeachEvent) and event.id is not None and "margin" in (event.model_extra or {}):
+            margins[event.id] = (event.model_extra or {})["margin"]
     if live_sources:
         sources = [dict(s) for s in live_sources if isinstance(s, dict)]
     for source in sources:
         source.setdefault("seen", int(totals.get(str(source.get("name")), 0)))
-    inbox = []
-    for entry in read_inbox(inbox_path(folder.root)):
-        check = checks.get(entry.id, {})
-        learned = check.get("learned")
-        if entry.rejected is not None and _real(check.get("margin_after")):
-            learned = check["margin_after"] > 0  # a pair is learned when the model prefers its chosen answer
-        inbox.append({**entry.to_dict(), "old": check.get("old"), "new": check.get("new"),
-                      "learned": learned, "checked_at": check.get("step"),
-                      "margin_before": check.get("margin_before", margins.get(entry.id)),
-                      "margin_after": check.get("margin_after"), "prefers": check.get("prefers")})
+    inbox = [_inbox_entry(entry, checks.get(entry.id), margins.get(entry.id))
+             for entry in read_inbox(inbox_path(folder.root))]
     return DataView(sources, seen, inbox)
+
+
+def _inbox_entry(entry: InboxEntry, check: TeachCheckEvent | None, margin: Any) -> dict[str, Any]:
+    """An inbox entry with its check (a preference's margins and preference are the check's extra
+    fields, as the engine writes them; `margin`: its margin when it came in)."""
+    extra = (check.model_extra or {}) if check is not None else {}
+    learned = check.learned if check is not None else None
+    if entry.rejected is not None and _real(extra.get("margin_after")):
+        learned = extra["margin_after"] > 0  # a pair is learned when the model prefers its chosen answer
+    return {**entry.to_dict(), "old": check.old if check is not None else None, "new": check.new if check is not None else None,
+            "learned": learned, "checked_at": check.step if check is not None else None,
+            "margin_before": extra.get("margin_before", margin),
+            "margin_after": extra.get("margin_after"), "prefers": extra.get("prefers")}
+
+
+def _count(seen: dict[str, list[Point]], totals: dict[str, float], step: int, drawn: dict[str, int]) -> None:
+    """Add a train record's samples drawn per source to each source's running total at `step`."""
+    for name, n in drawn.items():
+        points = seen.setdefault(name, [])
+        if points and points[-1][0] >= step:  # a rewind: the data position went back too
+            while points and points[-1][0] >= step:
+                points.pop()
+            totals[name] = points[-1][1] if points else 0.0
+        totals[name] = totals.get(name, 0.0) + n
+        points.append((step, totals[name]))
 
 
 def _key(where: object) -> str:
