@@ -12,7 +12,6 @@ group, so a timeout kills all of them and leaves no orphan.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -21,6 +20,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from supervisor.launch import local_launch_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -39,17 +40,10 @@ def free_port() -> int:
 
 def deepspeed_command(script_path: str | Path, nproc: int = 2, args: Sequence[str] = ()) -> list[str]:
     """The launcher command line, on a free rendezvous port (other tests may run at the same
-    time, and DeepSpeed's default port would clash).
-
-    It is the command `deepspeed --num_gpus N` runs for a one-host job: DeepSpeed's own
-    launcher (`deepspeed.launcher.launch`, which starts the ranks, sets their RANK / LOCAL_RANK /
-    WORLD_SIZE and appends `--local_rank=N`) with the host's slots encoded as `--world_info`.
-    Started directly, it skips the `deepspeed` runner in front of it, a Python process that only
-    imports deepspeed (~2 s of CPU) to build this line, once for each of the suite's launches.
-    """
-    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script_path), *map(str, args)]
+    time, and DeepSpeed's default port would clash): DeepSpeed's per-machine launcher started
+    directly, as the supervisor starts a one-machine run (supervisor.launch.local_launch_command:
+    what `deepspeed --num_gpus N` runs, without the runner in front of it)."""
+    return local_launch_command(nproc, free_port(), [str(script_path), *map(str, args)])
 
 
 def one_rank_command(script_path: str | Path, args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
