@@ -6,8 +6,8 @@ SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG), even by SIGKILL, when no 
 parent can run. That signal comes when the parent's *thread* ends: a guard started by a thread
 that ends first (a restart, from the thread that ended the failed group) is started with
 `--watch-parent` and looks at its parent's pid instead, every WATCH_S (it changes when the
-parent process is gone, however it ended). A launcher alone would not do: DeepSpeed's local runner dies on SIGTERM without
-passing it on, leaving its ranks behind. The guard passes the launcher's exit code on, so to
+parent process is gone, however it ended). A launcher alone would not do: no launcher ends its group when its parent dies, and
+DeepSpeed's runner (a hostfile's run) dies on SIGTERM without passing it on, leaving its ranks behind. The guard passes the launcher's exit code on, so to
 the supervisor it is the launcher. Torch-free, and small: it lives as long as the run.
 """
 
