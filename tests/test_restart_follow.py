@@ -8,6 +8,7 @@ relaunched group."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 
 from contract.config.load import load_config
 from contract.run_folder import EventLog, RunFolder, key_of, read_events
-from control_runs import task_files
+from engine.data.default_task import make_examples, prompt_row
 from supervisor.client import RunClient
 from supervisor.openai_api import ApiServer
 from supervisor.procs import group_alive
@@ -100,17 +101,21 @@ def _trained_after_restart(events: list[dict]) -> bool:
 
 @pytest.mark.slow  # two 1-rank starts of a tiny GRPO run through the terminal command
 def test_the_terminal_the_event_stream_and_the_api_follow_a_restarted_run(tmp_path):
-    task = task_files(tmp_path / "task")
+    cache = str(tmp_path / "cache")
     (tmp_path / "dies.py").write_text(DIES_ONCE)
+    # prompt rows of its own: the embedded default's GRPO variant would first train the default
+    # task's SFT model (supervisor.warm_start, 500 steps), which has nothing to do with restarts
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(prompt_row(r)) + "\n" for r in make_examples(64, 3, "train")))
     runs = tmp_path / "runs"
     cli = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "train", f"output_dir={runs}", "run_name=r", "nproc=1",
-         "max_steps=100000", "objective=grpo", "batch_size=2", "grpo.num_generations=2",
+         f"data.train={prompts}", "max_steps=100000", "objective=grpo", "batch_size=2", "grpo.num_generations=2",
          "grpo.max_completion_length=2", "precision=fp32",
          f"grpo.rewards=[{{function: '{tmp_path}/dies.py:dies_once'}}]", "logging.tensorboard=false",
          "checkpoint.save_at_end=false", "eval.at_end=false", "checkpoint.every_n_steps=2",
          "checkpoint.keep_last=1", "fault.max_restarts=1"],
-        cwd=REPO, env={**os.environ, "LIVETUNE_CACHE": task["cache"]},
+        cwd=REPO, env={**os.environ, "LIVETUNE_CACHE": cache},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     followed: list[dict] = []
     follower = None
@@ -144,6 +149,7 @@ def test_the_terminal_the_event_stream_and_the_api_follow_a_restarted_run(tmp_pa
         if cli.poll() is None:
             cli.kill()
             cli.communicate()
+    assert not (runs / "default-sft").exists()  # no warm start: the run began at once
     (failed,) = [e for e in events if e["type"] == "rank_failed"]
     (restarted,) = [e for e in events if e["type"] == "restart"]
     assert "restart 1 of 1" in output and f"rank 0 failed at step {failed['step']}" in output, output
