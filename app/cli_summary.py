@@ -21,7 +21,7 @@ from app.cli_live import eval_values, plain, train_values
 from contract.events import (BestModelEvent, CheckpointDeletedEvent, CheckpointEvent, EvalEvent, Event, ExportEvent,
                              StateEvent, TrainEvent, as_event, metric_numbers)
 from contract.protocol.states import RunState
-from contract.run_folder import RunFolder, read_events
+from contract.run_folder import RunFolder, read_models
 
 # the train values worth a line at the end (not the rate or the speed of the last step)
 FINAL_KEYS = ("loss", "rewards/accuracies", "rewards/margins", "reward", "kl")
@@ -41,7 +41,7 @@ def since_last_start(events: Iterable[Raw]) -> list[Raw]:
 def end_summary(folder: RunFolder) -> list[str]:
     """The lines that sum up the finished run in `folder` (module docstring)."""
     try:
-        events = since_last_start(read_events(folder.events))
+        events = since_last_start(read_models(folder.events))
     except OSError:
         return []
     return summary_lines(events, folder)

@@ -67,8 +67,9 @@ class RunHistory:
         if step is None:
             return
         _cut_from(self.train, step)
+        train = self.train
         for key, value in metric_numbers(event).items():
-            self.train.setdefault(key, []).append((step, float(value)))
+            (train[key] if key in train else train.setdefault(key, [])).append((step, float(value)))
         self._times = [t for t in self._times if t[0] < step]
         if event.time is not None:
             self._times.append((step, float(event.time)))

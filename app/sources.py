@@ -23,7 +23,7 @@ import re
 import yaml
 
 from contract.inbox import InboxEntry, inbox_path, read_inbox
-from contract.run_folder import RunFolder, read_events
+from contract.run_folder import RunFolder, read_models
 from contract.events import (BranchEvent, CheckpointEvent, DataEvent, Event, RewindEvent, SnapshotEvent, TeachCheckEvent,
                              TeachEvent, TrainEvent, as_event)
 
@@ -46,7 +46,7 @@ def data_view(folder: RunFolder, events: Iterable[Event | dict[str, Any]] | None
     """The sources, samples drawn and inbox of the run in `folder` (`events`: its log, already
     read: models or JSON objects). `live_sources`: the sources as the running run says now (its
     `status`), which win over the event log's account."""
-    raw = read_events(folder.events) if events is None else events
+    raw = read_models(folder.events) if events is None else events
     sources = configured_sources(folder)
     totals: dict[str, float] = {}
     seen: dict[str, list[Point]] = {}

@@ -478,15 +478,21 @@ def metric_numbers(event: TrainEvent | EvalEvent) -> dict[str, int | float]:
     """The numeric metrics of a `train` event (its declared numbers and the monitors' extra ones,
     less its step, epoch, total_steps and time), or of an `eval` event (its `eval/...` numbers),
     in the order the event holds them; bools are not numbers here."""
-    # the test inlined (no call per value) and the declared fields, then the extra ones, read as
-    # iterating over the model gives them without its per-item overhead: a long run's log has a
-    # record per step, and every front end folds it on a reattach
+    # the declared fields, then the extra ones, read as iterating over the model gives them but
+    # without its per-item overhead, and exact int / float first: a long run's log has a record
+    # per step, and every front end folds it on a reattach
     extra = event.model_extra or {}
     if isinstance(event, EvalEvent):
-        return {k: v for k, v in extra.items()
-                if k[:5] == "eval/" and isinstance(v, (int, float)) and v is not True and v is not False}
+        return {k: v for k, v in extra.items() if k[:5] == "eval/" and _number(v)}
     return {k: v for pairs in (event.__dict__, extra) for k, v in pairs.items()
-            if isinstance(v, (int, float)) and v is not True and v is not False and k not in _NOT_METRICS}
+            if (type(v) in _EXACT_NUMBERS or v is not None and _number(v)) and k not in _NOT_METRICS}
+
+
+_EXACT_NUMBERS = frozenset((int, float))  # the common case, tested first: what JSON and validation give
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def state_event(state: RunState | str, **fields: Any) -> StateEvent:

@@ -127,6 +127,11 @@ def read_events(path: Path, start_line: int = 0) -> Iterator[dict[str, Any]]:
     yield from EventTail(path, start_line).poll()
 
 
+def read_models(path: Path, start_line: int = 0) -> list[Event]:
+    """read_events' events as their models (EventTail.poll_events)."""
+    return EventTail(path, start_line).poll_events()
+
+
 def write_private_json(path: Path, data: dict) -> None:
     """Write a JSON file only its owner can read (the control token), atomically."""
     tmp = path.with_suffix(".tmp")
@@ -203,21 +208,32 @@ class EventTail:
                 out.append((n, raw))
         return out
 
-    def poll_numbered(self) -> list[tuple[int, dict[str, Any]]]:
-        """The new events as (line number, event)."""
+    def _poll_parsed(self) -> list[tuple[int, dict[str, Any], Event]]:
+        """The new events as (line number, JSON object, model)."""
         out = []
         for n, raw in self.read(max_bytes=None):
             try:
                 event = json.loads(raw)
             except json.JSONDecodeError:  # keep the numbering; a broken line is just not returned
                 continue
-            if parse_event(event) is not None:  # an event that does not match its model is skipped alike
-                out.append((n, event))
+            model = parse_event(event)
+            if model is not None:  # an event that does not match its model is skipped alike
+                out.append((n, event, model))
         return out
+
+    def poll_numbered(self) -> list[tuple[int, dict[str, Any]]]:
+        """The new events as (line number, event)."""
+        return [(n, event) for n, event, _ in self._poll_parsed()]
 
     def poll(self) -> list[dict[str, Any]]:
         """The new events."""
-        return [event for _, event in self.poll_numbered()]
+        return [event for _, event, _ in self._poll_parsed()]
+
+    def poll_events(self) -> list[Event]:
+        """The new events as their models: each line is checked against its model as it is read,
+        and the folds of the log (supervisor.summary, app.series) take the model as it is rather
+        than validate the line a second time."""
+        return [model for _, _, model in self._poll_parsed()]
 
 
 def tail_lines(path: Path, n: int = 20) -> list[str]:

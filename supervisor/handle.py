@@ -105,7 +105,7 @@ class RunHandle:
         if members is None:
             members = procs.snapshot({pid})[pid] if pid else []
         with self._lock:
-            if self._summary.update(self._tail.poll()):
+            if self._summary.update(self._tail.poll_events()):
                 self._last_progress = time.monotonic()
                 if self._failure is not None and self._failure.kind == VerdictKind.HUNG:
                     self._failure = None
@@ -347,7 +347,7 @@ class RunHandle:
         lock_path = self.folder.root / ".manager.lock"
         with open(lock_path, "a") as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)  # a second manager waits, then sees ours
-            self._summary.update(self._tail.poll())
+            self._summary.update(self._tail.poll_events())
             if self._summary.final_source == "manager":
                 return
             log = EventLog(self.folder.events)
@@ -355,7 +355,7 @@ class RunHandle:
                 log.emit(event.model_copy(update={"source": "manager"}))
             finally:
                 log.close()
-            self._summary.update(self._tail.poll())
+            self._summary.update(self._tail.poll_events())
 
     # -- waiting and stopping -------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:

@@ -32,7 +32,7 @@ from contract.config.schema import RunConfig
 from contract.config.load import load_config
 from contract.protocol.commands import Stop
 from contract.protocol.states import RunState
-from contract.run_folder import read_events
+from contract.run_folder import read_models
 from supervisor import Failure, RunError, RunHandle, RunInfo, RunManager
 from supervisor.client import RunClient
 
@@ -143,7 +143,7 @@ class Run(SessionVerbs):
     def history(self) -> RunHistory:
         """Every metric over the steps so far, read from events.jsonl."""
         history = RunHistory()
-        history.update(read_events(self.handle.folder.events))
+        history.update(read_models(self.handle.folder.events))
         return history
 
     @property

@@ -49,7 +49,7 @@ class Watcher:
 
     def poll(self) -> bool:
         """Fold in what was written since the last poll; True when there was something."""
-        return self.history.update(self._tail.poll()) > 0
+        return self.history.update(self._tail.poll_events()) > 0
 
     def _loop(self) -> None:
         ended_at = None

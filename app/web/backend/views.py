@@ -66,7 +66,7 @@ class RunView:
     def poll(self) -> int:
         """Read what was appended since the last poll; returns the view's version."""
         with self._lock:
-            if self.history.update(self._tail.poll()):
+            if self.history.update(self._tail.poll_events()):
                 self.version += 1
                 self.last_line_read_at = time.time()
             return self.version
