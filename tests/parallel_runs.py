@@ -20,16 +20,23 @@ def data_files(root: Path) -> str:
     return json.dumps({"train": files["train"], "eval": files["eval"]})
 
 
-def run_layout(layout: str, out: Path, data: str, resume: str = "", cache: str = "") -> list[dict]:
-    """The ranks' reports (sorted by rank) of one run of the layout script."""
-    nproc = {"single": 1, "dp2_tp2": 4, "dp2_pp2": 4}.get(layout, 2)
-    args = ["--layout", layout, "--out", str(out), "--data", data, "--steps", str(STEPS),
-            "--chat-step", str(CHAT_STEP), "--ckpt-step", str(CKPT_STEP)]
-    if resume:
-        args += ["--resume", resume]
+def run_layouts(layouts: str, out: Path, data: str, resume: str = "", cache: str = "") -> dict[str, list[dict]]:
+    """layout -> its ranks' reports (sorted by rank), of one launch of the layout script running
+    the comma-separated `layouts` (one world size) one after the other, each in `out`/<layout>;
+    the layouts in `resume` are resumed from their step-CKPT_STEP checkpoint in the same launch
+    (reported as "<layout>-resumed")."""
+    names = layouts.split(",")
+    nproc = {"single": 1, "dp2_tp2": 4, "dp2_pp2": 4}.get(names[0], 2)
+    args = ["--layouts", layouts, "--out", str(out), "--data", data, "--steps", str(STEPS),
+            "--chat-step", str(CHAT_STEP), "--ckpt-step", str(CKPT_STEP), "--resume", resume]
     proc = run_deepspeed(SCRIPTS / "parallel_layout.py", nproc=nproc, args=args, timeout=900,
                          env={"LIVETUNE_CACHE": cache} if cache else None)
-    return sorted(parse_results(proc), key=lambda r: r["rank"])
+    results = parse_results(proc)
+    by_layout = {name: sorted((r for r in results if r["layout"] == name), key=lambda r: r["rank"])
+                 for name in names + [f"{n}-resumed" for n in filter(None, resume.split(","))]}
+    for name, ranks in by_layout.items():
+        assert [r["rank"] for r in ranks] == list(range(nproc)), (name, [r["rank"] for r in ranks])
+    return by_layout
 
 
 def losses_of(report: dict) -> list[float]:

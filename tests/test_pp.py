@@ -1,6 +1,7 @@
 """Pipeline parallelism: the stage split reproduces each Llama-family model exactly (one
 process), and pp = 2 on 2 real DeepSpeed ranks trains like one rank, chats with exactly the
-one-rank model's tokens, exports one Hugging Face model, loads one back and resumes exactly."""
+one-rank model's tokens, exports one Hugging Face model, loads one back and resumes exactly
+(a new Trainer in the same launch, from the run's step-4 checkpoint)."""
 
 import os
 import types
@@ -11,7 +12,7 @@ import torch
 from conftest import make_tiny_tokenizer
 from dist_utils import free_port
 from parallel_runs import (CKPT_STEP, STEPS, assert_close_losses, assert_learns, data_files, hf_logits,
-                           losses_of, run_layout)
+                           losses_of, run_layouts)
 
 pytestmark = pytest.mark.slow  # engine processes: the slow tier
 
@@ -157,15 +158,14 @@ def test_weights_keep_their_hugging_face_names(one_process_group):
 # -- 2 ranks ------------------------------------------------------------------------------------
 
 # Each 2-rank start costs ~20-60 s (more on a loaded machine): the runs are a module fixture
-# paid for by the first test, which gets a longer timeout; the resumed run is its own test's.
+# paid for by the first test, which gets a longer timeout; the pp run is resumed in its launch.
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
     data = data_files(root / "task")
     cache = str(root / "task" / "cache")
-    return {"root": root, "data": data, "cache": cache,
-            "single": run_layout("single", root / "single", data, cache=cache),
-            "pp": run_layout("pp", root / "pp", data, cache=cache)}
+    return {"root": root, **run_layouts("single", root, data, cache=cache),
+            **run_layouts("pp", root, data, resume="pp", cache=cache)}
 
 
 @pytest.mark.slow
@@ -206,10 +206,8 @@ def test_pp2_saves_and_loads_one_hugging_face_model(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
 def test_pp2_resumes_exactly(runs):
-    resumed = run_layout("pp", runs["root"] / "pp", runs["data"], resume=str(runs["root"] / "pp" / "ckpt"),
-                         cache=runs["cache"])[0]["losses"]
+    resumed = runs["pp-resumed"][0]["losses"]
     full = losses_of(runs["pp"][0])
     assert sorted(map(int, resumed)) == list(range(CKPT_STEP + 1, STEPS + 1))
     assert [resumed[str(s)] for s in range(CKPT_STEP + 1, STEPS + 1)] == full[CKPT_STEP:]

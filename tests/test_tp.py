@@ -1,7 +1,8 @@
 """Tensor parallelism (DeepSpeed AutoTP): layouts refused before a run starts, with the reason;
 tp = 2 on 2 real DeepSpeed ranks trains like one rank (ZeRO 0 and 2), chats with exactly the
-one-rank model's tokens, exports one Hugging Face model, loads one back and resumes exactly;
-a live tp run and a live pp run answer chat through the control plane."""
+one-rank model's tokens, exports one Hugging Face model, loads one back and resumes exactly (a
+new Trainer in the same launch); a live tp run and a live pp run answer chat through the
+control plane."""
 
 import json
 
@@ -14,7 +15,7 @@ from contract.config.schema import ConfigError
 from contract.config.load import load_config
 from contract.deepspeed_config import DeepSpeedConfigError, build_ds_config
 from parallel_runs import (CKPT_STEP, STEPS, assert_close_losses, assert_learns, data_files, hf_logits,
-                           losses_of, run_layout)
+                           losses_of, run_layouts)
 
 
 def model_folder(tmp_path, **config) -> str:
@@ -65,34 +66,30 @@ def test_deepspeed_keeps_the_vocabulary_whole():
 
 # -- 2 ranks ------------------------------------------------------------------------------------
 
-# Each 2-rank start costs ~20-60 s (more on a loaded machine); the runs are module fixtures, each
-# paid for by the first test that needs it, and those tests get a longer timeout.
+# Each start costs ~20-60 s (more on a loaded machine): the runs are module fixtures, each paid
+# for by the first test that needs it, and those tests get a longer timeout. The 2-rank layouts
+# share one launch (dp 2 first: a tensor-parallel engine leaves DeepSpeed's model-parallel groups
+# behind), the tp run resumed in it; the 4-rank layouts share another.
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     return {"root": root, "data": data_files(root / "task"), "cache": str(root / "task" / "cache")}
 
 
-def _run(task, layout, resume=""):
-    out = task["root"] / layout
-    return run_layout(layout, out, task["data"], resume=str(out / "ckpt") if resume else "", cache=task["cache"])
+def _run(task, layouts, resume=""):
+    return run_layouts(layouts, task["root"], task["data"], resume=resume, cache=task["cache"])
 
 
 @pytest.fixture(scope="module")
 def runs(task):
-    return {"root": task["root"], "single": _run(task, "single"), "tp": _run(task, "tp")}
-
-
-@pytest.fixture(scope="module")
-def zero2(task):
-    return _run(task, "tp_zero2")
+    return {"root": task["root"], **_run(task, "single"), **_run(task, "dp2,tp,tp_zero2", resume="tp")}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_tp2_trains_like_one_rank_under_zero_0_and_2(runs, zero2):
+def test_tp2_trains_like_one_rank_under_zero_0_and_2(runs):
     single = losses_of(runs["single"][0])
-    for layout, ranks in (("tp", runs["tp"]), ("tp_zero2", zero2)):
+    for layout, ranks in (("tp", runs["tp"]), ("tp_zero2", runs["tp_zero2"])):
         assert [(r["tp_rank"], r["dp_rank"], r["dp_size"]) for r in ranks] == [(0, 0, 1), (1, 0, 1)]
         losses = losses_of(ranks[0])
         assert losses_of(ranks[1]) == losses
@@ -102,8 +99,8 @@ def test_tp2_trains_like_one_rank_under_zero_0_and_2(runs, zero2):
 
 
 @pytest.mark.slow
-def test_tp2_chat_gives_the_one_rank_models_tokens(runs, zero2):
-    for ranks in (runs["tp"], zero2):
+def test_tp2_chat_gives_the_one_rank_models_tokens(runs):
+    for ranks in (runs["tp"], runs["tp_zero2"]):
         chat = ranks[0]["chat"]
         assert ranks[1]["chat"]["texts"] == chat["texts"]  # every rank generated the same
         assert chat["texts"] == chat["reference"]
@@ -125,19 +122,19 @@ def test_tp2_saves_and_loads_one_hugging_face_model(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_tp2_resumes_exactly(runs, task):
-    full, resumed = losses_of(runs["tp"][0]), _run(task, "tp", resume=True)[0]["losses"]
+def test_tp2_resumes_exactly(runs):
+    full, resumed = losses_of(runs["tp"][0]), runs["tp-resumed"][0]["losses"]
+    assert sorted(map(int, resumed)) == list(range(CKPT_STEP + 1, STEPS + 1))
     assert [resumed[str(s)] for s in range(CKPT_STEP + 1, STEPS + 1)] == full[CKPT_STEP:]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_dp_times_tp_and_dp_times_pp_on_4_ranks(task):
-    """4 ranks on 2 cores (each start ~30 s here): dp 2 x tp 2 and dp 2 x pp 2 against dp 2."""
-    want = _run(task, "dp2")
+def test_dp_times_tp_and_dp_times_pp_on_4_ranks(runs, task):
+    """4 ranks on 2 cores (a start ~30 s here): dp 2 x tp 2 and dp 2 x pp 2 (one launch) against dp 2."""
+    want, four = runs["dp2"], _run(task, "dp2_tp2,dp2_pp2")
     for layout in ("dp2_tp2", "dp2_pp2"):
-        ranks = _run(task, layout)
+        ranks = four[layout]
         coords = [(r["dp_rank"], r["tp_rank"], r["stage"]) for r in ranks]
         if layout == "dp2_tp2":  # tensor ranks adjacent: [0, 1] [2, 3]
             assert coords == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]

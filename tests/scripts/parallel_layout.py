@@ -1,7 +1,14 @@
 """Train the tiny default model under one layout (tp 2, pp 2, or one rank) and report what the
 tp / pp tests compare: per-step losses, evaluation, a greedy chat at a step boundary next to a
 one-rank Hugging Face model holding the same (gathered) weights, the merged Hugging Face
-export with the engine's logits, and a training checkpoint to resume from."""
+export with the engine's logits, and a training checkpoint to resume from.
+
+Several layouts of one world size run one after the other in one launch (`--layouts a,b`: a
+2-rank start costs more than a layout's steps), each in its own Trainers and folder OUT/<layout>;
+a layout named in `--resume` is then resumed from its checkpoint in a new Trainer (reported as
+`<layout>-resumed`), as a relaunch would. A tensor-parallel engine leaves DeepSpeed's process-wide
+model-parallel groups behind, which a later engine without them cannot be built beside: data
+parallel layouts come first."""
 
 import argparse
 import json
@@ -23,19 +30,30 @@ LAYOUTS = {"tp": ["nproc=2", "tp=2"], "pp": ["nproc=2", "pp=2"], "single": ["npr
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--layouts", required=True, help=f"comma-separated, of {sorted(LAYOUTS)}")
+    p.add_argument("--out", required=True, help="each layout's files go to OUT/<layout>")
     p.add_argument("--data", required=True, help="JSON {train, eval} paths")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--chat-step", type=int, default=3)
     p.add_argument("--ckpt-step", type=int, default=4)
-    p.add_argument("--resume", default="")
+    p.add_argument("--resume", default="", help="comma-separated layouts resumed right after their run")
     p.add_argument("--local_rank", type=int, default=0)
     return p.parse_args()
 
 
 def main() -> None:
     a = parse()
+    data = json.loads(a.data)
+    resumed = set(filter(None, a.resume.split(",")))
+    for layout in a.layouts.split(","):
+        out = Path(a.out) / layout
+        report(layout=layout, **run(a, layout, out, data, resume=""))
+        if layout in resumed:
+            report(layout=f"{layout}-resumed", **run(a, layout, out, data, resume=str(out / "ckpt")))
+
+
+def run(a: argparse.Namespace, layout: str, out: Path, data: dict, resume: str) -> dict:
+    """One run of `layout` (from the checkpoint `resume`, when given): what this rank reports."""
     import torch
 
     from engine.callbacks import Callback
@@ -44,24 +62,22 @@ def main() -> None:
     from engine.parallel import layouts
     from engine.trainer import Trainer
 
-    data = json.loads(a.data)
-    out = Path(a.out)
     cfg = load_config(overrides=[
-        *LAYOUTS[a.layout], "precision=fp32", f"max_steps={a.steps}", "batch_size=8", "train.grad_accum=2",
+        *LAYOUTS[layout], "precision=fp32", f"max_steps={a.steps}", "batch_size=8", "train.grad_accum=2",
         "data.max_length=32", "lr=3e-3", "optim.warmup_steps=2", f"data.train={data['train']}",
         f"data.eval={data['eval']}", "eval.at_end=true", "eval.max_samples=16", "eval.batch_size=8",
         "eval.evaluators=perplexity,exact_match", "eval.max_new_tokens=8", "checkpoint.save_at_end=false",
         "control.enabled=false", "logging.tensorboard=false", f"output_dir={out / 'runs'}",
-        f"run_name={a.layout}{'-resumed' if a.resume else ''}"])
+        f"run_name={layout}{'-resumed' if resume else ''}"])
     losses, chats, evals = {}, {}, {}
 
     class Probe(Callback):
         def on_train_batch_end(self, trainer, loss):
             step = trainer.state.global_step
             losses[step] = loss
-            if step == a.chat_step and not a.resume:
+            if step == a.chat_step and not resume:
                 chats.update(chat_against_one_rank(trainer))
-            if step == a.ckpt_step and not a.resume:
+            if step == a.ckpt_step and not resume:
                 trainer.save_checkpoint(str(out / "ckpt"))
 
         def on_evaluate_end(self, trainer, results):
@@ -91,19 +107,20 @@ def main() -> None:
         return tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
     trainer = Trainer(config=cfg, callbacks=[Probe()])
-    if a.resume:
-        trainer.load_checkpoint(a.resume)
+    if resume:
+        trainer.load_checkpoint(resume)
     trainer.train()
     loaded = None
-    if not a.resume:
+    if not resume:
         trainer.save_model(str(out / "model"))  # engine.checkpoint, merged by engine.parallel.layouts
         save_engine_logits(trainer, out / "engine_logits.pt")
         loaded = load_halved_weights(trainer, out)
-    report(rank=trainer.env.rank, losses=losses, eval=evals, chat=chats, dp_rank=trainer.env.dp_rank,
-           dp_size=trainer.env.dp_size, stage=trainer.env.stage, tp_rank=trainer.env.tp_rank,
-           parameters=getattr(trainer.engine.module, "whole_model_parameters", (None,))[0],
-           loaded_round_trip=loaded)
+    result = dict(rank=trainer.env.rank, losses=losses, eval=evals, chat=chats, dp_rank=trainer.env.dp_rank,
+                  dp_size=trainer.env.dp_size, stage=trainer.env.stage, tp_rank=trainer.env.tp_rank,
+                  parameters=getattr(trainer.engine.module, "whole_model_parameters", (None,))[0],
+                  loaded_round_trip=loaded)
     trainer.close()
+    return result
 
 
 def one_rank_model(trainer, state: dict):
