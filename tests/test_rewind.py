@@ -1,10 +1,10 @@
 """Rewind, branch and snapshot in place on 2 ranks (tests/scripts/rewind_check.py), several layouts
-per launch to keep CI short. Each layout's run, driven through the control plane's real path:
+in one launch to keep CI short. Each layout's run, driven through the control plane's real path:
 
     1..6, snapshot s2 at 2, step-4 saved at 4 | rewind s2 -> 3..6 | rewind 4 -> 5..8 |
     branch b from step-4 -> 5..9
 
-(the first layout of each launch sends its commands through RunClient.rewind / branch / snapshot
+(the first layout sends its commands through RunClient.rewind / branch / snapshot
 over the control socket; the others put them straight into rank 0's queue)
 Every repeated step must give the very loss of its first run (bit for bit): a rewind to a
 snapshot, a rewind to a checkpoint and a branch with no setting changed all repeat the original
@@ -29,10 +29,11 @@ from dist_utils import SCRIPTS, parse_results, run_deepspeed
 
 STEPS = [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 5, 6, 7, 8, 5, 6, 7, 8, 9, 9]
 # Each layout after another one, whose checkpoint it must refuse: another layout's, and for
-# adalomo lomo's (the same layout, another method). adalomo runs before tp2: a tensor-parallel
+# adalomo lomo's (the same layout, another method). All in one launch (a 2-rank start costs more
+# than a layout's steps); tp2 after every layout without tensor parallelism: a tensor-parallel
 # engine leaves DeepSpeed's process-wide model-parallel groups behind, which a later engine
 # without them cannot be built beside (one run is one layout; only this test builds several).
-LAUNCHES = {"data-parallel": "zero0,zero2,zero3,lora,dpo", "split-and-fused": "lomo,adalomo,tp2,pp2"}
+LAYOUTS = "zero0,zero2,zero3,lora,dpo,lomo,adalomo,tp2,pp2"
 SAME_LAYOUT_AS_BEFORE = {"adalomo"}
 
 
@@ -114,12 +115,11 @@ def check_folder(folder: Path, current: str = "c") -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", sorted(LAUNCHES))
-def test_rewind_branch_and_snapshot_repeat_the_losses(tmp_path, launch):
-    layouts = LAUNCHES[launch].split(",")
-    extra = ("--resume-branch",) if launch == "data-parallel" else ()
+@pytest.mark.timeout(1800)
+def test_rewind_branch_and_snapshot_repeat_the_losses(tmp_path):
+    layouts = LAYOUTS.split(",")
     proc = run_deepspeed(SCRIPTS / "rewind_check.py", nproc=2,
-                         args=("--layouts", LAUNCHES[launch], "--out", str(tmp_path), *extra), timeout=900)
+                         args=("--layouts", LAYOUTS, "--out", str(tmp_path), "--resume-branch"), timeout=1500)
     results = parse_results(proc)
     for i, layout in enumerate(layouts):
         ranks = sorted((r for r in results if r["layout"] == layout), key=lambda r: r["rank"])
@@ -130,7 +130,7 @@ def test_rewind_branch_and_snapshot_repeat_the_losses(tmp_path, launch):
             for rank in ranks:
                 check_preference(rank["preference"])
         check_replies(ranks[0]["replies"], layout, other=i > 0)
-        resumed_too = launch == "data-parallel" and i == 0  # resume=main went on in main
+        resumed_too = i == 0  # resume=main went on in main
         check_folder(Path(ranks[0]["folder"]), ROOT if resumed_too else "c")
         if resumed_too:
             resumed = [r for r in results if r["layout"] == f"{layout}-resumed"]

@@ -200,8 +200,8 @@ def main() -> None:
         r = run_layout(name, task, out, other, via_client=i == 0)  # the first through RunClient
         report(**r)
         other = str(Path(r["folder"]) / "checkpoints" / "step-4")
-    if a.resume_branch:
-        report(**resume_branch(a.layouts.split(",")[0], task, out))
+        if i == 0 and a.resume_branch:  # before any tensor-parallel layout (see the test's LAYOUTS)
+            report(**resume_branch(name, task, out))
 
 
 if __name__ == "__main__":
