@@ -1,7 +1,8 @@
 """A checkpoint save that fails on rank 1 only: rank 1's write of its optimizer partition at step
 2 raises PermissionError (injected: the test runs as root, where file modes do not stop a
 write). Both ranks must come out of the save with the same error, at once, and train on; the
-schedule's next saves must succeed. Reports the losses, the checkpoints and the events."""
+schedule's next saves must succeed. Reports the losses, the checkpoints and the events. With
+`--export`, then (same launch) tests/scripts/export_disk.py's ZeRO-3 export on a full disk."""
 
 import argparse
 import errno
@@ -17,13 +18,22 @@ from ckpt_common import make_task, overrides, report
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--export", action="store_true", help="then export_disk's check, reported with part=export")
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
+    save_fails_on_one_rank(a.out)
+    if a.export:
+        from export_disk import export_fills_the_disk
+        report(part="export", **export_fills_the_disk(Path(a.out), "export-run"))
+
+
+def save_fails_on_one_rank(out: str) -> None:
+    """The run "run" in `out`, its step-2 save failing on rank 1; rank 0 reports (part=save)."""
     from contract.config.load import load_config
     from engine.trainer import Trainer
 
-    task = make_task(Path(a.out) / "task")
-    cfg = load_config(overrides=overrides(task, a.out, "run", 2, [
+    task = make_task(Path(out) / "task")
+    cfg = load_config(overrides=overrides(task, out, "run", 2, [
         "train.grad_accum=1", "epochs=1", "checkpoint.every_n_steps=2"]))
     trainer = Trainer(config=cfg)
     real_save = torch.save
@@ -41,7 +51,7 @@ def main() -> None:
     if trainer.env.rank == 0:
         folder = trainer.folder
         events = [json.loads(line) for line in folder.events.read_text().splitlines()]
-        report(rank=0, seconds=seconds, step=trainer.state.global_step, total=trainer.state.total_steps,
+        report(part="save", rank=0, seconds=seconds, step=trainer.state.global_step, total=trainer.state.total_steps,
                listing=sorted(p.name for p in folder.checkpoints.iterdir()),
                losses={e["step"]: e["loss"] for e in events if e["type"] == "train"},
                failed=[e for e in events if e["type"] == "checkpoint_failed"],
