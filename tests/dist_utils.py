@@ -32,6 +32,14 @@ class DistScriptError(AssertionError):
     """A multi-rank script failed or timed out; the message ends with the tail of its output."""
 
 
+def default_precision() -> str:
+    """What `precision: auto` gives on this machine: bf16 where the hardware does it natively
+    (a CPU with AVX512-BF16 or AMX), else fp32 (an AVX2-only CPU emulates bf16 at a tenth of fp32's
+    speed). The tests at "the precision a user gets by default" expect this, not a fixed bf16."""
+    from engine.parallel.ds_config import resolve_precision
+    return resolve_precision("auto")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

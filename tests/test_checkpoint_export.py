@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import REPO_ROOT, tail
+from dist_utils import REPO_ROOT, default_precision, tail
 
 pytestmark = pytest.mark.slow  # a browser, a kernel or engine processes: the slow tier
 
@@ -61,7 +61,8 @@ def test_zero3_checkpoint_exports_the_trained_model(tmp_path, z3_run):
     tokenizer = AutoTokenizer.from_pretrained(target)
     # the run's own final model (saved from the engine after step 3) is the reference
     final = AutoModelForCausalLM.from_pretrained(run / "model")
-    assert exported.dtype == final.dtype == torch.bfloat16  # the run's precision
+    run_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[default_precision()]
+    assert exported.dtype == final.dtype == run_dtype  # the run's precision (`auto` on this machine)
     torch.testing.assert_close(logits(exported, tokenizer), logits(final, tokenizer), rtol=0, atol=0)
 
     again = export(run / "checkpoints" / "step-3", target)  # never over a folder with files
