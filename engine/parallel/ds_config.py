@@ -25,7 +25,7 @@ import torch
 from contract.config.schema import ConfigError
 
 # The config builder ("auto" filling, every contradiction collected) is torch-free and lives in
-# the contract, where the pre-flight check runs it before any rank starts; these names stay.
+# the contract, where the pre-flight check runs it before any rank starts; the precision names too.
 from contract.deepspeed_config import PRECISIONS
 
 
@@ -45,8 +45,10 @@ def resolve_precision(requested: str) -> str:
     if requested == "auto":
         return "bf16" if _bf16_fast() else "fp32"
     if requested == "bf16" and not _bf16_works():
-        raise ConfigError([("train.precision", "bf16 is not supported by this hardware; use fp32"
-                            + (" or fp16" if torch.cuda.is_available() else ""))])
+        raise ConfigError([("train.precision", "bf16 is not supported by this hardware"
+                            + ("" if torch.cuda.is_available() else
+                               " (a CPU needs AVX-512 for it; this one would emulate it many times slower than fp32)")
+                            + "; use fp32" + (" or fp16" if torch.cuda.is_available() else ""))])
     if requested == "fp16" and not _fp16_works():
         raise ConfigError([("train.precision", "DeepSpeed's fp16 needs a CUDA GPU or a CPU with native fp16 "
                             "(AVX512-FP16 / AMX-FP16); this machine has neither; use "
