@@ -42,7 +42,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from contract import inbox as inbox_file
 from contract.protocol.rating_commands import RateChat
 from engine.generation.generate import generate, pad_id
 from engine.objectives.rewards import RewardError, score
@@ -104,18 +103,8 @@ def rate(ratings: Any, trainer: Any, cmd: RateChat, prompt: str, rank: int,
     record = {"chat": True, "answer_step": answer.step, "score": cmd.score, "rated": 0, "prompt": answer.prompt,
               "completion": answer.text, "chat_prompt": answer.chat_prompt, "prompt_ids": answer.prompt_ids,
               "completion_ids": [answer.ids], "rewards": {}}
-    step, entry_id, error = trainer.state.global_step, None, None
-    if rank == 0:  # durable before anything changes in memory, and before the answer
-        path = inbox_file.inbox_path(trainer.folder.root)
-        try:
-            entry_id = inbox_file.next_id(path)
-            inbox_file.add_rating(path, entry_id, step, record)
-        except OSError as e:
-            error = f"rate_chat: the inbox {path} could not be written: {e}"
-    entry_id, error = from_rank0((entry_id, error))
-    if error:
-        raise refused(error)
-    ratings.pending.append(ratings.rating_of({**record, "id": entry_id}))
+    step = trainer.state.global_step
+    entry_id = ratings.add(trainer, record, rank, from_rank0, "rate_chat", refused)
     return {"step": step, "id": entry_id, "answer_step": answer.step, "score": cmd.score,
             "group_size": trainer.train_fn.config.num_generations, "applies_from_step": step + 1}
 

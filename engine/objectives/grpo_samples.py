@@ -242,6 +242,24 @@ class Ratings(Callback):
                         and (r["forgotten_at"] is None or r["forgotten_at"] > step)]
 
     # -- the commands (engine.control.handlers) -------------------------------------------------------
+    def add(self, trainer, record: dict, rank: int, from_rank0: Callable[[Any], Any], verb: str,
+            refused: type[Exception]) -> str:
+        """Append a rating `record` to the inbox on rank 0 (durable before anything changes in
+        memory, and before the answer), agree on its id, and hold it pending on every rank."""
+        entry_id, error = None, None
+        if rank == 0:
+            path = _inbox(trainer)
+            try:
+                entry_id = inbox_file.next_id(path)
+                inbox_file.add_rating(path, entry_id, trainer.state.global_step, record)
+            except OSError as e:
+                error = f"{verb}: the inbox {path} could not be written: {e}"
+        entry_id, error = from_rank0((entry_id, error))
+        if error:
+            raise refused(error)
+        self.pending.append(Rating.of({**record, "id": entry_id}))
+        return entry_id
+
     def rate(self, trainer, cmd: Rate, rank: int, from_rank0: Callable[[Any], Any]) -> dict:
         """Write the rating to the inbox (rank 0, fsynced), then hold it as pending (every rank)."""
         kept = self.kept.get(cmd.step)
@@ -260,18 +278,8 @@ class Ratings(Callback):
                   "prompt_ids": kept.samples[cmd.sample].prompt_ids,
                   "completion_ids": [kept.samples[i].completion_ids for i in members],
                   "rewards": {n: [kept.rewards[i][j] for i in members] for j, n in enumerate(kept.names)}}
-        step, entry_id, error = trainer.state.global_step, None, None
-        if rank == 0:  # durable before anything changes in memory, and before the answer
-            path = _inbox(trainer)
-            try:
-                entry_id = inbox_file.next_id(path)
-                inbox_file.add_rating(path, entry_id, step, record)
-            except OSError as e:
-                error = f"rate: the inbox {path} could not be written: {e}"
-        entry_id, error = from_rank0((entry_id, error))
-        if error:
-            raise RatingRefused(error)
-        self.pending.append(Rating.of({**record, "id": entry_id}))
+        step = trainer.state.global_step
+        entry_id = self.add(trainer, record, rank, from_rank0, "rate", RatingRefused)
         return {"step": step, "id": entry_id, "sample_step": cmd.step, "sample": cmd.sample, "group": group,
                 "score": cmd.score, "applies_from_step": step + 1}
 
